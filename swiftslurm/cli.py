@@ -1,0 +1,245 @@
+"""The command line: the only place errors become rich output and exit codes.
+
+Each command is thin: it calls library code (which raises typed SwiftSlurmError with a hint)
+and prints. A user mistake never shows a Python traceback unless --debug is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .errors import SwiftSlurmError
+
+app = typer.Typer(
+    name="swiftslurm",
+    help="One TOML job spec to multi-node DeepSpeed fine-tuning on Slurm: validate, plan, submit, "
+    "preflight, verify. Start with `swiftslurm validate examples/quickstart.toml`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+Executor = typer.Option("auto", "--executor", "-e", help="auto (Slurm if sbatch is on PATH, else local), slurm, or local.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"swiftslurm {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors (for bug reports)."),
+) -> None:
+    _state["debug"] = debug or os.environ.get("SWIFTSLURM_DEBUG") == "1"
+
+
+def print_error(exc: SwiftSlurmError) -> None:
+    from .errors import SpecError
+
+    if isinstance(exc, SpecError):
+        err_console.print(f"[bold red]error:[/] {exc.what}", highlight=False)
+        for p in exc.problems:
+            err_console.print(f"  - {p.render()}", highlight=False, markup=False)
+        err_console.print(f"  [dim]{exc.hint}[/]", highlight=False)
+        return
+    err_console.print(f"[bold red]error:[/] {exc.what}", highlight=False, markup=True)
+    if exc.found:
+        err_console.print(f"  found: {exc.found}", highlight=False, markup=False)
+    if exc.hint:
+        err_console.print(f"  [yellow]HINT:[/] {exc.hint}", highlight=False)
+
+
+def guarded(fn):
+    """Run a command body; typed errors become one message and the SPEC.md exit code."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            code = fn(*args, **kwargs)
+        except SwiftSlurmError as exc:
+            if _state["debug"]:
+                raise
+            print_error(exc)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+        raise typer.Exit(code or 0)
+
+    return wrapper
+
+
+def _load(spec_path: Path):
+    from .spec import check_files, load_raw, load_spec
+
+    spec = load_spec(spec_path)
+    check_files(spec, source=str(spec_path))
+    return spec, load_raw(spec_path)
+
+
+def load_plan(spec_path: Path):
+    """Validate and plan a spec file (the shared first step of plan/render/submit/preflight)."""
+    from .plan import make_plan
+
+    spec, raw = _load(spec_path)
+    return make_plan(spec, raw, base_dir=os.getcwd(), source=str(spec_path))
+
+
+@app.command()
+@guarded
+def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec TOML files.")) -> int:
+    """Parse and check job specs; print every problem. Exit 0 valid, 2 invalid."""
+    from .errors import SpecError
+
+    worst = 0
+    for spec_path in specs:
+        try:
+            spec, _ = _load(spec_path)
+        except SpecError as exc:
+            print_error(exc)
+            worst = 2
+            continue
+        n = 1
+        for values in spec.sweep.values():
+            n *= len(values)
+        console.print(
+            f"[green]ok[/] {spec_path}: job '{spec.job.name}', {spec.slurm.nodes} node(s) x "
+            f"{spec.slurm.ranks_per_node} rank(s), {n} task(s)",
+            highlight=False,
+        )
+    return worst
+
+
+@app.command()
+@guarded
+def plan(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts)."),
+) -> int:
+    """Show everything `submit` would do, sending nothing: tasks, DeepSpeed config per task, sbatch script, environment."""
+    from .render import render_sbatch
+
+    the_plan = load_plan(spec_path)
+    sbatch = render_sbatch(the_plan)
+    if as_json:
+        sys.stdout.write(json.dumps(the_plan.to_json(sbatch), indent=2) + "\n")
+        return 0
+    from .plan_view import print_plan
+
+    print_plan(console, the_plan, sbatch)
+    return 0
+
+
+@app.command()
+@guarded
+def render(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the script here instead of stdout."),
+) -> int:
+    """Write a standalone sbatch script that plain `sbatch FILE` runs (no Python submitter)."""
+    from .render import render_sbatch
+
+    the_plan = load_plan(spec_path)
+    script = render_sbatch(the_plan)
+    if out is None:
+        sys.stdout.write(script)
+    else:
+        out.write_text(script)
+        err_console.print(f"wrote {out}; the plan it reads goes to {the_plan.plan_path} when you run `swiftslurm render` with -o", highlight=False)
+    from .plan import write_plan
+
+    if out is not None:
+        write_plan(the_plan, script)
+    return 0
+
+
+@app.command()
+@guarded
+def submit(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
+    executor: str = Executor,
+    wait: bool = typer.Option(False, "--wait", "-w", help="Follow the job with a live table; exit 1 if any task failed."),
+) -> int:
+    """Submit the job (one job, or one sbatch array for a sweep); print job id(s) and where outputs go."""
+    from .submit_cmd import submit_command
+
+    return submit_command(console, load_plan(spec_path), executor=executor, wait=wait)
+
+
+@app.command()
+@guarded
+def status(
+    target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (for scripts)."),
+) -> int:
+    """State of every array task, restarts, and the latest verified checkpoint."""
+    from .submit_cmd import status_command
+
+    return status_command(console, target, as_json=as_json)
+
+
+@app.command()
+@guarded
+def cancel(target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR")) -> int:
+    """Cancel a job (all its array tasks)."""
+    from .submit_cmd import cancel_command
+
+    return cancel_command(console, target)
+
+
+@app.command()
+@guarded
+def preflight(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
+    executor: str = Executor,
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
+) -> int:
+    """A preflight-only diagnostic job on the nodes the spec asks for (no training). Exit 4 if a check failed."""
+    from .preflight_cmd import preflight_command
+
+    return preflight_command(console, load_plan(spec_path), executor=executor, json_file=json_file)
+
+
+@app.command()
+@guarded
+def verify(path: Path = typer.Argument(..., help="A checkpoint directory, or an output dir holding several.")) -> int:
+    """Verify checkpoints against their manifests; name what is damaged. Exit 5 if the newest is damaged."""
+    from .verify_cmd import verify_command
+
+    return verify_command(console, path)
+
+
+@app.command()
+@guarded
+def run(
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Plan JSON (default: $SWIFTSLURM_PLAN)."),
+    task: Optional[int] = typer.Option(None, "--task", help="Array task index (default: $SLURM_ARRAY_TASK_ID or 0)."),
+) -> int:
+    """The on-node entry point that srun starts on every rank (users rarely call it)."""
+    from .runtime import run_from_cli
+
+    return run_from_cli(plan_file, task)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Typed errors for people.
+
+Library code raises these; only the CLI turns them into rich output and exit codes.
+Every error says what is wrong, what was found, and what to do (the hint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SwiftSlurmError(Exception):
+    """Base of every user-facing error. ``exit_code`` follows SPEC.md."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, found: str = "", hint: str = "") -> None:
+        self.what = what
+        self.found = found
+        self.hint = hint
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        parts = [self.what]
+        if self.found:
+            parts.append(f"found: {self.found}")
+        if self.hint:
+            parts.append(f"HINT: {self.hint}")
+        return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem in a spec, located by its TOML path (``train.max_steps``) and, for parse errors, line."""
+
+    path: str
+    what: str
+    found: str = ""
+    hint: str = ""
+    line: int | None = None
+
+    def render(self) -> str:
+        where = self.path or "(spec)"
+        if self.line is not None:
+            where += f" (line {self.line})"
+        text = f"{where}: {self.what}"
+        if self.found:
+            text += f"; found {self.found}"
+        if self.hint:
+            text += f". HINT: {self.hint}"
+        return text
+
+
+class SpecError(SwiftSlurmError):
+    """A spec that does not validate. Carries every problem found, not just the first."""
+
+    exit_code = 2
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(
+            f"{source}: {n} problem{'s' if n != 1 else ''} in the job spec",
+            "; ".join(p.render() for p in self.problems),
+            "fix the keys named above; `swiftslurm validate SPEC` re-checks",
+        )
+
+
+class SubmissionError(SwiftSlurmError):
+    """Slurm (or the local executor) refused the submission."""
+
+    exit_code = 3
+
+
+class JobFailedError(SwiftSlurmError):
+    exit_code = 1
+
+
+class PreflightFailed(SwiftSlurmError):
+    exit_code = 4
+
+
+class CheckpointDamaged(SwiftSlurmError):
+    exit_code = 5
+
+
+class ToolMissing(SwiftSlurmError):
+    """An external tool (sbatch, nc, iperf3, fio, nvidia-smi) is not on PATH."""
+
+    exit_code = 1
+
+
+class RuntimeEnvError(SwiftSlurmError):
+    """What Slurm granted does not match what the spec asked for (on-node)."""
+
+    exit_code = 1

@@ -1,0 +1,152 @@
+"""Build, then send: ``make_plan`` is pure and complete; submitting only sends what it returns.
+
+A Plan holds the resolved spec of every array task (one per sweep combination), the merged
+DeepSpeed config of each, the environment exported on every node, and the sbatch script that
+``swiftslurm render`` writes. ``swiftslurm plan`` prints exactly this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .spec import JobSpec, _sweep_overrides, apply_overrides, validate_spec
+
+PLAN_FILE = "swiftslurm-plan.json"
+
+
+@dataclass(frozen=True)
+class Task:
+    index: int
+    overrides: dict[str, Any]
+    output_dir: str  # absolute
+    spec: JobSpec
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "overrides": self.overrides,
+            "output_dir": self.output_dir,
+            "spec": self.spec.model_dump(mode="json"),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: str
+    spec: JobSpec
+    base_dir: str  # directory relative paths are resolved against (the submitting cwd)
+    output_dir: str  # absolute job.output_dir: the plan, submission records and (with a sweep) task dirs
+    tasks: list[Task]
+    deepspeed: list[dict[str, Any] | None]  # per task; None when train.command runs a user script
+    warnings: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_array(self) -> bool:
+        return bool(self.spec.sweep)
+
+    @property
+    def plan_path(self) -> str:
+        return str(PurePosixPath(self.output_dir) / PLAN_FILE)
+
+    def to_json(self, sbatch: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": self.source,
+            "base_dir": self.base_dir,
+            "output_dir": self.output_dir,
+            "plan_path": self.plan_path,
+            "array": self.is_array,
+            "nodes": self.spec.slurm.nodes,
+            "tasks_per_node": self.spec.slurm.ranks_per_node,
+            "world_size": self.spec.world_size,
+            "spec": self.spec.model_dump(mode="json"),
+            "tasks": [t.to_json() for t in self.tasks],
+            "deepspeed": self.deepspeed,
+            "env": self.env,
+            "warnings": self.warnings,
+        }
+        if sbatch is not None:
+            out["sbatch"] = sbatch
+        return out
+
+
+def _absolute(path: str, base: str) -> str:
+    p = PurePosixPath(path)
+    return str(p if p.is_absolute() else PurePosixPath(base) / p)
+
+
+def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
+    """Relative dataset / deepspeed / model paths become absolute, so every node sees the same files."""
+    train = spec.train
+    updates: dict[str, Any] = {"dataset": [_absolute(d, base_dir) for d in train.dataset]}
+    if train.deepspeed.endswith(".json") or "/" in train.deepspeed:
+        updates["deepspeed"] = _absolute(train.deepspeed, base_dir)
+    if train.model and train.model.startswith("."):
+        updates["model"] = _absolute(train.model, base_dir)
+    return spec.model_copy(update={"train": train.model_copy(update=updates)})
+
+
+def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "spec") -> Plan:
+    """Everything submit would do, as values. Pure: no cluster, no environment, no disk.
+
+    ``raw`` is the spec's TOML dict (sweep overrides are applied to it and re-validated);
+    ``base_dir`` is the absolute directory relative paths are resolved against.
+    """
+    from . import dsconfig
+
+    output_dir = _absolute(spec.job.output_dir, base_dir)
+    combos = _sweep_overrides(spec.sweep) if spec.sweep else [{}]
+    tasks: list[Task] = []
+    ds_configs: list[dict[str, Any] | None] = []
+    warnings: list[str] = []
+    for index, overrides in enumerate(combos):
+        task_spec = validate_spec(apply_overrides(raw, overrides), source) if overrides else spec
+        task_spec = _resolve_paths(task_spec, base_dir)
+        task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
+        tasks.append(Task(index, overrides, task_out, task_spec))
+        if task_spec.train.command:
+            ds_configs.append(None)
+        else:
+            ds, warns = dsconfig.build_for_spec(task_spec)
+            ds_configs.append(ds)
+            for w in warns:
+                if w not in warnings:
+                    warnings.append(w)
+    return Plan(
+        source=source,
+        spec=spec,
+        base_dir=base_dir,
+        output_dir=output_dir,
+        tasks=tasks,
+        deepspeed=ds_configs,
+        warnings=warnings,
+        env=dict(spec.env),
+    )
+
+
+def write_plan(plan: Plan, sbatch: str | None = None) -> Path:
+    """Write the plan JSON where every node reads it (``output_dir/swiftslurm-plan.json``), atomically."""
+    import os
+    import tempfile
+
+    path = Path(plan.plan_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(plan.to_json(sbatch), fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_plan_task(plan_path: str | Path, index: int) -> tuple[dict[str, Any], Task, dict[str, Any] | None]:
+    """On a node: the plan JSON, the JobSpec of one task, and its DeepSpeed config."""
+    data = json.loads(Path(plan_path).read_text())
+    entry = data["tasks"][index]
+    spec = JobSpec.model_validate(entry["spec"], strict=False)
+    task = Task(entry["index"], entry["overrides"], entry["output_dir"], spec)
+    return data, task, data["deepspeed"][index]
