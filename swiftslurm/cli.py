@@ -27,8 +27,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 _state = {"debug": False}
 
 Executor = typer.Option("auto", "--executor", "-e", help="auto (Slurm if sbatch is on PATH, else local), slurm, or local.")

@@ -120,7 +120,7 @@ class SlurmTable(_Table):
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
         for opt in v:
-            if not _EXTRA_SBATCH_RE.match(opt):
+            if not _EXTRA_SBATCH_RE.fullmatch(opt):
                 raise ValueError(f"each entry as '--key=value' or '--flag' on one line, not {opt!r}")
         return v
 
@@ -339,8 +339,49 @@ def _problems_from(err: ValidationError, prefix: str = "") -> list[Problem]:
         found = "" if kind == "missing" else _describe(e.get("input"))
         if kind.endswith("_type") or kind.endswith("_parsing"):
             msg = "wrong type: " + msg[0].lower() + msg[1:]
-        problems.append(Problem(path, msg, found))
+        problems.append(Problem(path, msg, found, _hint_for(kind, loc, msg)))
     return problems
+
+
+_TYPE_HINTS = {
+    "int": "an integer without quotes, e.g. 2",
+    "float": "a number without quotes, e.g. 1e-4",
+    "bool": "true or false, without quotes",
+    "string": "a quoted string",
+    "list": "a TOML list, e.g. [\"a\", \"b\"]",
+    "dict": "a TOML table",
+    "model": "a TOML table, e.g. [train]",
+}
+
+
+def _default_of(loc: tuple) -> str:
+    model = _model_at(loc[:-1]) if loc else None
+    field = model.model_fields.get(str(loc[-1])) if model is not None and loc else None
+    if field is None:
+        return ""
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        return ""
+    try:
+        default = field.get_default(call_default_factory=True)
+    except Exception:  # a default that does not validate alone (tables with required keys)
+        return ""
+    return f"remove the key to use the default ({default!r})" if default is not None else ""
+
+
+def _hint_for(kind: str, loc: tuple, msg: str) -> str:
+    """What to do about one pydantic error: the expected form, and the default where there is one."""
+    if "HINT: " in msg:
+        return ""  # the validator's own message carries the hint
+    for prefix, text in _TYPE_HINTS.items():
+        if kind.startswith(prefix + "_") and (kind.endswith("_type") or kind.endswith("_parsing")):
+            default = _default_of(loc)
+            return text + (f"; {default}" if default else "")
+    if kind == "missing":
+        return "add this key"
+    if kind == "literal_error":
+        return "use one of the values listed"
+    default = _default_of(loc)
+    return default or "see the spec reference in the README"
 
 
 def parse_toml(text: str, source: str = "spec") -> dict[str, Any]:

@@ -1,0 +1,46 @@
+# swiftslurm: the two commands.
+#   make demo  -- install everything, then train the quickstart job on this machine (local executor, CPU)
+#   make test  -- install everything, start the local Slurm cluster, run the whole test suite, stop the cluster
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first (DeepSpeed builds against it); 2.13.0 is a CPU build on our dev/CI machines
+TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup system-deps cluster-up cluster-down clean bench
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PY) -m pip install -q -e ".[train,dev]"
+	touch $@
+
+setup: $(VENV)/.installed system-deps
+
+system-deps:
+	@bash scripts/system-deps.sh
+
+demo: setup
+	$(VENV)/bin/swiftslurm submit examples/quickstart.toml --executor local --wait
+
+cluster-up:
+	bash tests/cluster/up.sh
+
+cluster-down:
+	bash tests/cluster/down.sh
+
+test: setup
+	bash tests/cluster/up.sh
+	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS) tests; rc=$$?; bash tests/cluster/down.sh; exit $$rc
+
+bench: setup
+	$(PY) benchmarks/verify.py
+	$(PY) benchmarks/train_overhead.py
+	$(PY) benchmarks/submit_array.py
+
+clean:
+	rm -rf $(VENV) output build *.egg-info
