@@ -1,9 +1,32 @@
-"""DeepSpeed presets and rules (stub: the trainer work replaces this with the real module)."""
+"""DeepSpeed presets and the rules of SPEC.md: spec + world size -> the final DeepSpeed dict.
+
+Pure, apart from reading the preset JSON files shipped in ``swiftslurm.ds_config`` and a user's JSON
+file in ``load_user_config``. ``build_for_spec`` does, in order:
+
+1. start from the preset named by ``train.deepspeed`` (or the user's JSON file);
+2. deep-merge the spec's ``[deepspeed]`` table over it;
+3. validate the merged config (stage, offload combinations); refusals raise ``SpecError``
+   with a Problem naming the TOML path and a domain reason;
+4. drop ``optimizer`` (with a warning: the trainer owns the optimizer) and swiftslurm's own keys;
+5. inject the batch sizes, precision and the fixed keys of SPEC.md.
+
+Both offloads (``offload_optimizer`` and ``offload_param``) on at once are refused unless the config
+says ``"swiftslurm_allow_both_offloads": true`` (the ``zero3_offload`` and ``zero3_nvme`` presets do;
+a user sets it in ``[deepspeed]`` or in the JSON file). The key is removed before DeepSpeed sees it.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from .errors import Problem, SpecError
+
+ALLOW_BOTH_OFFLOADS = "swiftslurm_allow_both_offloads"
+OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
 def preset_names() -> list[str]:
@@ -11,11 +34,149 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
-def load_user_config(path: Path) -> dict:
-    import json
+def is_user_file(name: str) -> bool:
+    """``train.deepspeed`` names a user JSON file (not a preset)."""
+    return name.endswith(".json") or "/" in name
 
-    return json.loads(Path(path).read_text())
+
+def load_preset(name: str) -> dict[str, Any]:
+    text = resources.files("swiftslurm.ds_config").joinpath(f"{name}.json").read_text("utf-8")
+    return json.loads(text)
 
 
-def build_for_spec(spec) -> tuple[dict, list[str]]:
-    return {}, []
+def _refuse(path: str, what: str, found: Any = "", hint: str = "", source: str = "deepspeed") -> SpecError:
+    return SpecError(source, [Problem(path, what, "" if found == "" else repr(found), hint)])
+
+
+def load_user_config(path: str | Path) -> dict[str, Any]:
+    """Read and validate a user's DeepSpeed JSON. Problems are reported under ``train.deepspeed``."""
+    source = str(path)
+    try:
+        text = Path(path).read_text("utf-8")
+    except FileNotFoundError:
+        raise _refuse("train.deepspeed", "DeepSpeed config file not found", source,
+                      f"a preset ({', '.join(preset_names())}) or a path to an existing .json file", source) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _refuse("train.deepspeed", "cannot read the DeepSpeed config file", f"{source}: {exc}",
+                      "check the path and its permissions", source) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(source, [Problem("train.deepspeed", f"not valid JSON: {exc.msg}", f"{source} line {exc.lineno}",
+                                         "fix the JSON syntax (no comments or trailing commas)", line=exc.lineno)]) from None
+    if not isinstance(data, dict):
+        raise _refuse("train.deepspeed", "a DeepSpeed config must be a JSON object", type(data).__name__,
+                      'start from a preset, e.g. {"zero_optimization": {"stage": 2}}', source)
+    stage = data.get("zero_optimization", {}).get("stage") if isinstance(data.get("zero_optimization"), dict) else None
+    if stage not in (2, 3) or isinstance(stage, bool):
+        raise _refuse("train.deepspeed", "a user DeepSpeed config must set zero_optimization.stage to 2 or 3",
+                      stage if stage is not None else "no stage",
+                      "stages 0 and 1 are available as the presets zero0/zero1", source)
+    return data
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A new dict: ``over`` merged into ``base``; nested dicts merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _offload_device(zero: dict[str, Any], key: str) -> str | None:
+    section = zero.get(key)
+    if not isinstance(section, dict):
+        return None
+    device = section.get("device")
+    return device if device in OFFLOAD_DEVICES else None
+
+
+def validate(config: dict[str, Any], bf16: bool, source: str = "deepspeed") -> list[Problem]:
+    """Every refused combination in a merged config, as Problems located by ``deepspeed.*`` paths."""
+    problems: list[Problem] = []
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return [Problem("deepspeed.zero_optimization", "must be a table", type(zero).__name__)]
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        return [Problem("deepspeed.zero_optimization.stage", "unknown ZeRO stage", repr(stage),
+                        "DeepSpeed ZeRO has stages 0, 1, 2 and 3")]
+    opt_dev = _offload_device(zero, "offload_optimizer")
+    param_dev = _offload_device(zero, "offload_param")
+    if param_dev and stage != 3:
+        problems.append(Problem("deepspeed.zero_optimization.offload_param",
+                                f"parameter offload needs ZeRO stage 3 (parameters are only partitioned in stage 3)",
+                                f"stage {stage}", "use the zero3_offload preset or drop offload_param"))
+    if opt_dev and stage == 0:
+        problems.append(Problem("deepspeed.zero_optimization.offload_optimizer",
+                                "optimizer offload needs ZeRO stage 1 or higher", "stage 0", "use zero2_offload"))
+    for key, dev in (("offload_optimizer", opt_dev), ("offload_param", param_dev)):
+        if dev != "nvme":
+            continue
+        if stage != 3:
+            problems.append(Problem(f"deepspeed.zero_optimization.{key}", "NVMe offload needs ZeRO stage 3",
+                                    f"stage {stage}", "use the zero3_nvme preset or device = \"cpu\""))
+        if not bf16:
+            problems.append(Problem(f"deepspeed.zero_optimization.{key}",
+                                    "NVMe offload needs bf16 (swapping fp32 tensors doubles the NVMe traffic; "
+                                    "DeepSpeed's NVMe path is only tested with bf16 here)",
+                                    "train.bf16 = false", "set train.bf16 = true or offload to \"cpu\""))
+    if opt_dev and param_dev and config.get(ALLOW_BOTH_OFFLOADS) is not True:
+        problems.append(Problem("deepspeed.zero_optimization.offload_param",
+                                "offload_optimizer and offload_param are both on: CPU memory must then hold "
+                                "the parameters, gradients and optimizer state of every rank on the node",
+                                f"offload_optimizer={opt_dev}, offload_param={param_dev}",
+                                f"turn one off, use the zero3_offload preset, or set {ALLOW_BOTH_OFFLOADS} = true "
+                                "in [deepspeed] if the nodes have the memory"))
+    return problems
+
+
+def _precision(spec_train) -> dict[str, Any]:
+    fp16: dict[str, Any] = {"enabled": bool(spec_train.fp16)}
+    if spec_train.fp16:
+        fp16.update({"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                     "hysteresis": 2, "min_loss_scale": 1})
+    return {"bf16": {"enabled": bool(spec_train.bf16)}, "fp16": fp16}
+
+
+def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_size: int,
+          source: str = "deepspeed") -> tuple[dict[str, Any], list[str]]:
+    """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings)."""
+    merged = deep_merge(base, overrides)
+    problems = validate(merged, bf16=bool(spec_train.bf16), source=source)
+    if problems:
+        raise SpecError(source, problems)
+    warnings: list[str] = []
+    optimizer = merged.pop("optimizer", None)
+    if optimizer is not None:
+        kind = optimizer.get("type") if isinstance(optimizer, dict) else optimizer
+        warnings.append(f"deepspeed.optimizer (type {kind!r}) is ignored: the trainer owns the optimizer "
+                        f"(AdamW with train.learning_rate and train.weight_decay)")
+    merged.pop(ALLOW_BOTH_OFFLOADS, None)
+    micro = spec_train.per_device_train_batch_size
+    accum = spec_train.gradient_accumulation_steps
+    merged.update({
+        "train_batch_size": micro * world_size * accum,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    })
+    for key, value in _precision(spec_train).items():
+        merged[key] = deep_merge(merged.get(key, {}) if isinstance(merged.get(key), dict) else {}, value)
+    return merged, warnings
+
+
+def build_for_spec(spec) -> tuple[dict[str, Any], list[str]]:
+    """The final DeepSpeed dict of a JobSpec (world size = ``spec.world_size``) and its warnings."""
+    name = spec.train.deepspeed
+    if is_user_file(name):
+        base = load_user_config(name)
+        source = name
+    else:
+        base = load_preset(name)
+        source = f"deepspeed preset {name}"
+    return build(base, dict(spec.deepspeed), spec.train, spec.world_size, source)

@@ -1,0 +1,145 @@
+"""DeepSpeed presets and the rules of SPEC.md (pure: no DeepSpeed import needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from swiftslurm import dsconfig
+from swiftslurm.errors import SpecError
+from swiftslurm.spec import validate_spec
+
+GOLDEN = Path(__file__).parent / "golden" / "ds"
+PRESETS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"]
+
+
+def make_spec(deepspeed="zero2", overrides=None, bf16=True, fp16=False, nodes=1, tasks=2, micro=2, accum=4):
+    data = {
+        "slurm": {"nodes": nodes, "tasks_per_node": tasks},
+        "train": {"model": "tiny-llama", "dataset": ["d.jsonl"], "deepspeed": deepspeed, "bf16": bf16,
+                  "fp16": fp16, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum},
+    }
+    if overrides is not None:
+        data["deepspeed"] = overrides
+    return validate_spec(data)
+
+
+def test_the_eight_presets_ship():
+    assert dsconfig.preset_names() == sorted(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_merged_output_matches_golden(name):
+    ds, warnings = dsconfig.build_for_spec(make_spec(name))
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(json.dumps(ds, indent=2, sort_keys=True) + "\n")
+    assert ds == json.loads(path.read_text())
+    assert warnings == []
+    assert dsconfig.ALLOW_BOTH_OFFLOADS not in ds
+
+
+def test_spec_md_values():
+    z3 = dsconfig.build_for_spec(make_spec("zero3"))[0]["zero_optimization"]
+    assert z3["stage3_gather_16bit_weights_on_model_save"] is True
+    assert z3["contiguous_gradients"] is True and z3["stage3_max_live_parameters"] == 1e9
+    off = dsconfig.build_for_spec(make_spec("zero2_offload"))[0]["zero_optimization"]["offload_optimizer"]
+    assert off == {"device": "cpu", "pin_memory": True, "buffer_count": 4}
+    nvme = dsconfig.build_for_spec(make_spec("zero3_nvme"))[0]
+    assert nvme["aio"]["block_size"] == 1048576
+    fast = dsconfig.build_for_spec(make_spec("zero2_fast"))[0]["zero_optimization"]
+    assert fast["allgather_bucket_size"] == 2e8
+
+
+def test_injection_uses_world_size_and_precision():
+    ds, _ = dsconfig.build_for_spec(make_spec("zero2", nodes=2, tasks=3, micro=5, accum=7, bf16=False, fp16=True))
+    assert ds["train_batch_size"] == 5 * 6 * 7
+    assert ds["train_micro_batch_size_per_gpu"] == 5 and ds["gradient_accumulation_steps"] == 7
+    assert ds["wall_clock_breakdown"] is False and ds["zero_allow_untested_optimizer"] is True
+    assert ds["bf16"] == {"enabled": False} and ds["fp16"]["enabled"] is True
+
+
+def test_overrides_deep_merge_over_preset():
+    ds, _ = dsconfig.build_for_spec(make_spec("zero2", {"zero_optimization": {"reduce_bucket_size": 123},
+                                                        "steps_per_print": 7}))
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 123
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["contiguous_gradients"] is True
+    assert ds["steps_per_print"] == 7
+
+
+def test_optimizer_type_is_dropped_with_a_warning():
+    ds, warnings = dsconfig.build_for_spec(make_spec("zero2", {"optimizer": {"type": "Lamb", "params": {}}}))
+    assert "optimizer" not in ds
+    assert len(warnings) == 1 and "Lamb" in warnings[0] and "ignored" in warnings[0]
+
+
+def test_allow_both_offloads_key_lets_both_through():
+    both = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    ds, _ = dsconfig.build_for_spec(make_spec("zero3", {**both, "swiftslurm_allow_both_offloads": True}))
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert "swiftslurm_allow_both_offloads" not in ds
+
+
+REFUSED = [
+    # (preset, [deepspeed] overrides, bf16, TOML path named, words in the reason)
+    ("zero2", {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, True,
+     "deepspeed.zero_optimization.offload_optimizer", "stage 3"),
+    ("zero3", {"zero_optimization": {"offload_param": {"device": "nvme"}}}, False,
+     "deepspeed.zero_optimization.offload_param", "bf16"),
+    ("zero3_nvme", {}, False, "deepspeed.zero_optimization.offload_optimizer", "bf16"),
+    ("zero3", {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, True,
+     "deepspeed.zero_optimization.offload_param", "both on"),
+    ("zero3_offload", {"swiftslurm_allow_both_offloads": False}, True,
+     "deepspeed.zero_optimization.offload_param", "both on"),
+    ("zero2", {"zero_optimization": {"stage": 5}}, True, "deepspeed.zero_optimization.stage", "unknown ZeRO stage"),
+    ("zero2", {"zero_optimization": {"offload_param": {"device": "cpu"}}}, True,
+     "deepspeed.zero_optimization.offload_param", "stage 3"),
+    ("zero0", {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, True,
+     "deepspeed.zero_optimization.offload_optimizer", "stage 1"),
+]
+
+
+@pytest.mark.parametrize("preset,overrides,bf16,path,reason", REFUSED)
+def test_refused_combinations(preset, overrides, bf16, path, reason):
+    with pytest.raises(SpecError) as info:
+        dsconfig.build_for_spec(make_spec(preset, overrides, bf16=bf16))
+    paths = [p.path for p in info.value.problems]
+    assert path in paths
+    assert any(reason in p.what for p in info.value.problems if p.path == path)
+
+
+USER_FILES = [
+    ("not json {", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"zero_optimization": {"stage": 1}}', "stage to 2 or 3"),
+    ('{"train_batch_size": 8}', "stage to 2 or 3"),
+    ('{"zero_optimization": {"stage": true}}', "stage to 2 or 3"),
+]
+
+
+@pytest.mark.parametrize("text,reason", USER_FILES)
+def test_user_json_refused(tmp_path, text, reason):
+    f = tmp_path / "ds.json"
+    f.write_text(text)
+    with pytest.raises(SpecError) as info:
+        dsconfig.load_user_config(f)
+    assert [p.path for p in info.value.problems] == ["train.deepspeed"]
+    assert reason in info.value.problems[0].what
+
+
+def test_user_json_missing_file(tmp_path):
+    with pytest.raises(SpecError) as info:
+        dsconfig.load_user_config(tmp_path / "nope.json")
+    assert "not found" in info.value.problems[0].what
+
+
+def test_user_json_accepted_and_merged(tmp_path):
+    f = tmp_path / "my_ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True},
+                             "optimizer": {"type": "AdamW"}}))
+    ds, warnings = dsconfig.build_for_spec(make_spec(str(f), {"zero_optimization": {"overlap_comm": False}}))
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": False}
+    assert ds["train_batch_size"] == 2 * 2 * 4 and "optimizer" not in ds and warnings
