@@ -236,3 +236,12 @@ def test_random_text_only_raises_spec_errors(text):
         parse_spec(text)
     except SpecError:
         pass
+
+
+def test_readme_spec_reference_matches_the_model():
+    from swiftslurm.spec_doc import reference_markdown
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- spec-reference")
+    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- /spec-reference -->")].rstrip("\n")
+    assert body == reference_markdown(), "README spec reference is stale: run python -m swiftslurm.spec_doc"

@@ -1,0 +1,109 @@
+"""The spec reference in the README, generated from the model so docs and code cannot drift.
+
+`python -m swiftslurm.spec_doc` prints the Markdown; a test checks the README holds exactly it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from .spec import JobSpec
+
+DESCRIPTIONS: dict[str, str] = {
+    "job.name": "Slurm job name; letters, digits, `.`, `_`, `-`",
+    "job.output_dir": "where logs, TensorBoard events and checkpoints go; with a sweep, `output_dir/<task-index>` per task",
+    "slurm.partition": "sbatch `--partition`",
+    "slurm.account": "sbatch `--account`",
+    "slurm.qos": "sbatch `--qos`",
+    "slurm.constraint": "sbatch `--constraint`",
+    "slurm.exclude": "sbatch `--exclude` (a hostlist)",
+    "slurm.nodelist": "sbatch `--nodelist` (a hostlist)",
+    "slurm.reservation": "sbatch `--reservation`",
+    "slurm.nodes": "number of nodes",
+    "slurm.gpus_per_node": "GPUs per node; one rank per GPU",
+    "slurm.tasks_per_node": "ranks per node; defaults to `gpus_per_node` (or 1); set it for CPU runs; must equal `gpus_per_node` on GPU runs",
+    "slurm.cpus_per_task": "CPUs per rank",
+    "slurm.mem": "sbatch `--mem` syntax (`0` = all of the node's memory); unset = the cluster default",
+    "slurm.time": "sbatch `--time` syntax (`30`, `01:00:00`, `1-12:00:00`)",
+    "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
+    "slurm.max_requeues": "walltime requeues before the job gives up",
+    "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
+    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag` on one line; validated and quoted",
+    "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",
+    "train.dataset": "local JSONL/JSON files, alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
+    "train.train_type": "`lora` or `full`",
+    "train.deepspeed": "a preset (`zero0` ... `zero2_fast`) or a path to a DeepSpeed JSON",
+    "train.bf16": "bf16 mixed precision",
+    "train.fp16": "fp16 mixed precision (not with bf16)",
+    "train.gradient_checkpointing": "recompute activations in the backward pass",
+    "train.per_device_train_batch_size": "micro-batch per rank",
+    "train.gradient_accumulation_steps": "micro-batches per optimizer step",
+    "train.learning_rate": "peak learning rate",
+    "train.weight_decay": "AdamW weight decay",
+    "train.warmup_ratio": "fraction of the steps spent warming up",
+    "train.lr_scheduler_type": "`linear`, `cosine`, `constant`, `constant_with_warmup`",
+    "train.max_steps": "optimizer steps (or `num_train_epochs`, not both)",
+    "train.num_train_epochs": "epochs when `max_steps` is unset (default 1)",
+    "train.max_length": "tokens per sample; longer samples are truncated",
+    "train.save_steps": "a verified checkpoint every this many steps",
+    "train.logging_steps": "metrics every this many steps",
+    "train.seed": "seed for init, data order and dropout",
+    "train.lora_rank": "LoRA rank",
+    "train.lora_alpha": "LoRA alpha",
+    "train.lora_dropout": "LoRA dropout",
+    "train.lora_target_modules": "`all-linear` or a list of module names",
+    "train.report_to": "`tensorboard` and/or `none`",
+    "train.command": "run your own script instead of the built-in trainer, e.g. `[\"python\", \"train.py\"]`, with the same env, preflight and requeue",
+    "checkpoint.keep": "verified checkpoints kept (at least 2)",
+    "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",
+    "checkpoint.checksum": "`xxh3`, `md5` or `sha256`",
+    "preflight.checks": "any of `ports`, `allreduce`, `iperf3`, `nvme`, `gpu`, `disk`, `sharedfs`; `[]` disables",
+    "preflight.min_allreduce_busbw_gbps": "all-reduce bus bandwidth floor, GB/s (0 = report only)",
+    "preflight.min_iperf3_gbps": "iperf3 floor between node pairs, Gbit/s",
+    "preflight.min_nvme_iops": "fio 4k random-read IOPS floor per node",
+    "preflight.min_disk_free_gb": "free space needed in `output_dir`, GB",
+    "preflight.nvme_path": "where `fio` tests",
+    "preflight.on_failure": "`abort` (no training), `warn`, or `exclude` (requeue without the failing nodes)",
+    "preflight.timeout_s": "bound on each check (a hung rank is reported, never waited for)",
+}
+
+TABLE_NOTES = {
+    "deepspeed": "overrides deep-merged into the chosen preset, e.g. `zero_optimization = { offload_optimizer = { device = \"cpu\" } }`",
+    "env": "environment variables exported on every node (`NCCL_*` and friends); your values win",
+    "sweep": "a job array over the cartesian product: `learning_rate = [1e-4, 2e-4]` (a `[train]` key) or `\"slurm.nodes\" = [1, 2]`",
+}
+
+
+def _fmt_default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt_default(v) for v in value) + "]"
+    return repr(value)
+
+
+def reference_markdown() -> str:
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for table, field in JobSpec.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            for key, sub in ann.model_fields.items():
+                try:
+                    default = sub.get_default(call_default_factory=True)
+                except Exception:
+                    default = None
+                desc = DESCRIPTIONS[f"{table}.{key}"]
+                lines.append(f"| `{table}.{key}` | `{_fmt_default(default)}` | {desc} |")
+        else:
+            lines.append(f"| `[{table}]` | empty | {TABLE_NOTES[table]} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
