@@ -1,0 +1,36 @@
+"""Verified checkpoints: two-phase commit with a checksummed manifest, verification, resume discovery, retention.
+
+    from swiftslurm import checkpoint as ck
+    stage = ck.prepare_staging(out, step)        # == ck.staging_dir(out, step), emptied and created
+    ... every rank writes its files into stage; barrier ...
+    ck.commit(stage, ck.final_dir(out, step), algo="xxh3", meta={...})   # rank 0
+    ck.prune(out, keep)                                                  # rank 0
+    resume_from = ck.newest_verified(out)                                # at every start
+
+See docs/checkpoints.md.
+"""
+
+from .commit import atomic_write_text, commit, final_dir, prepare_staging, staging_dir, step_of
+from .discover import list_checkpoints, newest_verified, prune
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
+from .verify import VerifyResult, verify
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Manifest",
+    "ManifestError",
+    "VerifyResult",
+    "algo_name",
+    "atomic_write_text",
+    "commit",
+    "final_dir",
+    "hash_files",
+    "list_checkpoints",
+    "newest_verified",
+    "prepare_staging",
+    "prune",
+    "read_manifest",
+    "staging_dir",
+    "step_of",
+    "verify",
+]

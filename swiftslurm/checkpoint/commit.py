@@ -1,0 +1,135 @@
+"""Two-phase commit of a checkpoint directory.
+
+All ranks write into ``<out>/.staging-checkpoint-<step>``; after a barrier one rank calls ``commit``:
+
+1. hash every file (or take the hashes the ranks computed for their own shards) and fsync each file;
+2. write ``manifest.json`` LAST: write to a temp name, fsync, rename, fsync the directory;
+3. rename the staging directory to ``<out>/checkpoint-<step>`` and fsync ``<out>``;
+4. replace ``<out>/latest`` atomically (temp file, fsync, rename, fsync ``<out>``).
+
+A crash before step 3 leaves only a staging dir, which is never read as a checkpoint. A crash after
+it leaves a complete, verifiable checkpoint. ``latest`` is a convenience: resume never trusts it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
+
+STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+LATEST_NAME = "latest"
+
+# Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
+DELAY_ENV = "SWIFTSLURM_CKPT_TEST_DELAY_S"
+
+
+def staging_dir(output_dir: Path | str, step: int) -> Path:
+    return Path(output_dir) / f"{STAGING_PREFIX}checkpoint-{int(step)}"
+
+
+def final_dir(output_dir: Path | str, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{int(step)}"
+
+
+def step_of(path: Path | str) -> int | None:
+    """The step in a ``checkpoint-<step>`` directory name, else None."""
+    m = CKPT_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def prepare_staging(output_dir: Path | str, step: int) -> Path:
+    """An empty staging dir for ``step``: leftovers of an earlier, killed attempt are removed first."""
+    path = staging_dir(output_dir, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old content or the new, never a mix: write, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent, directory=True)
+
+
+def _test_delay() -> None:
+    delay = os.environ.get(DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None) -> Manifest:
+    """Seal ``staging`` as the checkpoint ``final``. Returns the Manifest written.
+
+    ``hashes`` (``{rel: {size, checksum}}``, from ranks that hashed their own shards) is trusted for the
+    files it names, after a size check; every other file in ``staging`` is hashed here.
+    ``meta`` should carry step, world_size, seed and data_position; library versions are added.
+    """
+    staging, final = Path(staging), Path(final)
+    algo = algo_name(algo)
+    if not staging.is_dir():
+        raise FileNotFoundError(f"staging directory {staging} does not exist")
+    rels = [r for r in walk_files(staging) if r != MANIFEST_NAME]
+    given = {r: v for r, v in (hashes or {}).items() if r in rels and (staging / r).stat().st_size == int(v["size"])}
+    files = {**given, **hash_files(staging, [r for r in rels if r not in given], algo)}
+    for rel in rels:
+        fsync_path(staging / rel)
+    for d in {(staging / r).parent for r in rels} | {staging}:
+        fsync_path(d, directory=True)
+    _test_delay()
+
+    step = step_of(final)
+    meta = dict(meta)
+    step = int(meta.get("step", step if step is not None else -1))
+    meta.setdefault("step", step)
+    meta.setdefault("versions", library_versions())
+    meta.setdefault("committed_at", time.time())
+    manifest = Manifest(step=step, algo=algo, files=files, meta=meta)
+    atomic_write_text(staging / MANIFEST_NAME, manifest.to_json())
+    _test_delay()
+
+    if final.exists():  # a damaged or superseded copy of this step: move it aside, drop it after the swap
+        aside = final.with_name(f"{DELETING_PREFIX}{final.name}.{os.getpid()}")
+        os.rename(final, aside)
+    else:
+        aside = None
+    os.rename(staging, final)
+    fsync_path(final.parent, directory=True)
+    _test_delay()
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    _point_latest(final)
+    from .verify import remember_verified
+
+    remember_verified(final)
+    return manifest
+
+
+def _point_latest(final: Path) -> None:
+    """Point ``<out>/latest`` at ``final`` unless a newer committed checkpoint exists."""
+    out = final.parent
+    step = step_of(final)
+    newer = [p for p in out.iterdir() if p.is_dir() and (step_of(p) or -1) > (step if step is not None else -1)]
+    if not newer:
+        atomic_write_text(out / LATEST_NAME, final.name + "\n")

@@ -1,0 +1,86 @@
+"""Finding checkpoints in an output dir, choosing the one to resume from, and retention.
+
+Resume = the newest checkpoint that verifies (``latest`` is never trusted over verification).
+Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one.
+Deleting renames first (``.deleting-checkpoint-N``), so a kill mid-delete never leaves a half
+checkpoint under a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from .commit import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
+from .verify import verify, verify_cached
+
+
+def list_checkpoints(output_dir: Path | str) -> list[Path]:
+    """Committed ``checkpoint-N`` dirs under ``output_dir``, highest N first (staging dirs are never listed)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=lambda p: step_of(p), reverse=True)
+
+
+def newest_verified(output_dir: Path | str, log: Callable[[str], None] | None = print) -> Path | None:
+    """Newest to oldest, the first checkpoint that verifies; each damaged one skipped is logged with why."""
+    log = log or (lambda _msg: None)
+    for ckpt in list_checkpoints(output_dir):
+        result = verify(ckpt)
+        if result.ok:
+            return ckpt
+        log(f"swiftslurm: skipping damaged {ckpt.name}: {result.summary()}")
+    return None
+
+
+def _remove(path: Path) -> None:
+    aside = path.with_name(DELETING_PREFIX + path.name)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+    path.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _staging_step(path: Path) -> int | None:
+    return step_of(path.name[len(STAGING_PREFIX):]) if path.name.startswith(STAGING_PREFIX) else None
+
+
+def prune(output_dir: Path | str, keep: int) -> list[Path]:
+    """Apply retention; returns the paths removed.
+
+    Keeps the newest ``keep`` (at least 1) verified checkpoints. Removes: verified ones beyond those,
+    damaged ones older than the newest verified (newer damaged ones are left for inspection), staging
+    dirs of a step at or below the newest committed one (leftovers of killed saves), and ``.deleting-*``.
+    Call it only when no save is in progress (the trainer calls it right after ``commit``).
+    """
+    out = Path(output_dir)
+    keep = max(int(keep), 1)
+    removed: list[Path] = []
+    kept_verified: list[Path] = []
+    checkpoints = list_checkpoints(out)
+    for ckpt in checkpoints:
+        if len(kept_verified) >= keep:
+            removed.append(ckpt)  # beyond retention: verified or not, no longer needed
+        elif verify_cached(ckpt):
+            kept_verified.append(ckpt)
+        elif kept_verified:
+            removed.append(ckpt)  # damaged and older than the newest verified
+    newest_step = step_of(checkpoints[0]) if checkpoints else None
+    if out.is_dir():
+        for p in out.iterdir():
+            staged = _staging_step(p)
+            if p.name.startswith(DELETING_PREFIX) or p.name.startswith(f".{LATEST_NAME}.tmp."):
+                removed.append(p)
+            elif staged is not None and newest_step is not None and staged <= newest_step:
+                removed.append(p)
+    for p in removed:
+        if p.is_file():
+            p.unlink(missing_ok=True)
+        elif p.name.startswith(DELETING_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            _remove(p)
+    return removed

@@ -1,0 +1,182 @@
+"""The manifest of a checkpoint: every file with its size and checksum, plus what the run needs to resume.
+
+``manifest.json`` (written last by ``commit``) looks like::
+
+    {"format": "swiftslurm-checkpoint/1", "algo": "xxh3_128", "step": 12,
+     "meta": {"world_size": 2, "seed": 42, "data_position": ..., "versions": {...}},
+     "files": {"global_step12/mp_rank_00_model_states.pt": {"size": 123, "checksum": "9f..."}, ...},
+     "body_checksum": "<sha256 of the canonical JSON of everything above>"}
+
+``body_checksum`` lets ``verify`` tell an edited (or truncated) manifest from a damaged data file.
+Hashing is parallel over files (a thread pool: xxhash and hashlib release the GIL on large buffers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import xxhash
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "swiftslurm-checkpoint/1"
+CHUNK_BYTES = 4 << 20  # 4 MiB reads: large enough to release the GIL, small enough for a smooth progress bar
+
+# spec.checkpoint.checksum names -> the algorithm recorded in manifests. "xxh3" is XXH3-128.
+ALGOS: dict[str, Callable[[], Any]] = {
+    "xxh3_128": xxhash.xxh3_128,
+    "md5": hashlib.md5,
+    "sha256": hashlib.sha256,
+}
+ALIASES = {"xxh3": "xxh3_128"}
+
+Progress = Callable[[int], None]  # called with the number of bytes just hashed (from worker threads)
+
+
+def algo_name(algo: str) -> str:
+    """The canonical name of a checksum algorithm ('xxh3' -> 'xxh3_128'); ValueError for an unknown one."""
+    name = ALIASES.get(algo, algo)
+    if name not in ALGOS:
+        raise ValueError(f"unknown checksum algorithm {algo!r}; choose xxh3, md5 or sha256")
+    return name
+
+
+def walk_files(root: Path) -> list[str]:
+    """Every regular file under ``root`` as a sorted POSIX relative path (symlinks to files count as files)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            full = Path(dirpath) / name
+            out.append(full.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def read_file(path: Path, algo: str | None, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
+    """Read one file in chunks; hash it with ``algo`` (None = only read, for benchmarks). {size, checksum}."""
+    hasher = ALGOS[algo_name(algo)]() if algo else None
+    buf = buf if buf is not None else bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(view)
+            if not n:
+                break
+            if hasher is not None:
+                hasher.update(view[:n])
+            size += n
+            if progress is not None:
+                progress(n)
+    return {"size": size, "checksum": hasher.hexdigest() if hasher else ""}
+
+
+def hash_files(
+    root: Path | str,
+    rel_paths: list[str] | None,
+    algo: str,
+    workers: int = 4,
+    progress: Progress | None = None,
+) -> dict[str, dict]:
+    """``{rel: {"size": int, "checksum": hex}}`` for ``rel_paths`` under ``root`` (None = every file).
+
+    Files are hashed in parallel, largest first, so one big shard does not finish last alone.
+    """
+    root = Path(root)
+    rels = walk_files(root) if rel_paths is None else sorted(set(rel_paths))
+    algo = algo_name(algo)
+    rels_by_size = sorted(rels, key=lambda r: -(root / r).stat().st_size)
+    local = threading.local()
+
+    def one(rel: str) -> tuple[str, dict]:
+        if not hasattr(local, "buf"):
+            local.buf = bytearray(CHUNK_BYTES)
+        return rel, read_file(root / rel, algo, progress, local.buf)
+
+    if workers <= 1 or len(rels) <= 1:
+        results = [one(r) for r in rels_by_size]
+    else:
+        with ThreadPoolExecutor(max_workers=min(workers, len(rels))) as pool:
+            results = list(pool.map(one, rels_by_size))
+    return dict(sorted(results))
+
+
+def body_checksum(body: dict) -> str:
+    """sha256 of the canonical JSON of a manifest body (everything but ``body_checksum``)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    algo: str
+    files: dict[str, dict]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.files.values())
+
+    def body(self) -> dict:
+        return {"format": FORMAT, "algo": self.algo, "step": self.step, "meta": self.meta, "files": self.files}
+
+    def to_json(self) -> str:
+        body = self.body()
+        return json.dumps({**body, "body_checksum": body_checksum(body)}, indent=1, sort_keys=True) + "\n"
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trusted; the message says why (for verify's problem list)."""
+
+
+def parse_manifest(text: str) -> Manifest:
+    """A Manifest from ``manifest.json`` text, or ManifestError: not JSON, wrong shape, or edited."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ManifestError(f"not a swiftslurm manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+    stated = data.pop("body_checksum", None)
+    if stated is None:
+        raise ManifestError("no body_checksum field")
+    if body_checksum(data) != stated:
+        raise ManifestError("edited or corrupted: its body checksum does not match")
+    try:
+        files = data["files"]
+        for rel, entry in files.items():
+            int(entry["size"]), str(entry["checksum"])
+        return Manifest(step=int(data["step"]), algo=algo_name(data["algo"]), files=files, meta=data.get("meta") or {})
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ManifestError(f"malformed ({type(exc).__name__}: {exc})") from None
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    path = Path(ckpt) / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError("no manifest.json (never committed, or deleted)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"unreadable ({exc})") from None
+    return parse_manifest(text)
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries whose formats a checkpoint depends on (cheap: no imports of torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in ("swiftslurm", "torch", "deepspeed", "transformers", "peft", "accelerate"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out

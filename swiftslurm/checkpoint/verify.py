@@ -1,0 +1,124 @@
+"""Verify a checkpoint directory against its manifest, naming every file that is wrong and how.
+
+A checkpoint is verified when, and only when: its manifest parses and its body checksum matches (not
+edited), the manifest's step matches the directory name, every listed file exists with the listed size
+and checksum, and no file exists that the manifest does not list.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .commit import step_of
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, hash_files, read_manifest, walk_files
+
+# progress(done_bytes, total_bytes): called from worker threads, under a lock, as bytes are hashed.
+VerifyProgress = Callable[[int, int], None]
+
+
+@dataclass
+class VerifyResult:
+    path: Path
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    manifest: Manifest | None = None
+    seconds: float = 0.0
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step if self.manifest is not None else step_of(self.path)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.manifest.total_bytes if self.manifest is not None else 0
+
+    def summary(self) -> str:
+        return "verified" if self.ok else "; ".join(self.problems)
+
+
+def verify(path: Path | str, progress: VerifyProgress | None = None, workers: int = 4) -> VerifyResult:
+    """Check ``path`` against its manifest. Never raises for damage: it is reported in ``problems``."""
+    path = Path(path)
+    t0 = time.monotonic()
+    if not path.is_dir():
+        return VerifyResult(path, False, [f"{path}: not a directory"])
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as exc:
+        return VerifyResult(path, False, [f"{MANIFEST_NAME}: {exc}"], seconds=time.monotonic() - t0)
+
+    problems: list[str] = []
+    dir_step = step_of(path)
+    if dir_step is not None and dir_step != manifest.step:
+        problems.append(f"{MANIFEST_NAME}: says step {manifest.step} but the directory is {path.name}")
+    on_disk = set(walk_files(path)) - {MANIFEST_NAME}
+    for rel in sorted(on_disk - set(manifest.files)):
+        problems.append(f"{rel}: extra file, not in the manifest")
+
+    to_hash = []
+    for rel, entry in sorted(manifest.files.items()):
+        if rel not in on_disk:
+            problems.append(f"{rel}: missing")
+            continue
+        size = (path / rel).stat().st_size
+        if size != int(entry["size"]):
+            problems.append(f"{rel}: size {size} bytes, manifest says {entry['size']} (truncated or overwritten)")
+            continue
+        to_hash.append(rel)
+
+    total = sum(int(manifest.files[r]["size"]) for r in to_hash)
+    done = [0]
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            progress(done[0], total)
+
+    actual = hash_files(path, to_hash, manifest.algo, workers=workers, progress=tick if progress else None)
+    for rel in to_hash:
+        if actual[rel]["checksum"] != manifest.files[rel]["checksum"]:
+            problems.append(f"{rel}: {manifest.algo} checksum mismatch (content changed)")
+    return VerifyResult(path, not problems, problems, manifest, time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------- a per-process cache for retention
+# prune runs after every save; re-hashing `keep` checkpoints each time would dominate save time. A
+# checkpoint fully verified (or committed) by THIS process is trusted again while no file under it
+# changed size, mtime or inode. Resume (newest_verified) never uses the cache: it always re-hashes.
+
+_fingerprints: dict[str, tuple] = {}
+
+
+def _fingerprint(path: Path) -> tuple:
+    out = []
+    for rel in walk_files(path):
+        st = (path / rel).stat()
+        out.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def remember_verified(path: Path | str) -> None:
+    path = Path(path)
+    _fingerprints[str(path.resolve())] = _fingerprint(path)
+
+
+def verify_cached(path: Path | str) -> bool:
+    """True if ``path`` verifies; skips hashing when this process verified it and nothing changed since."""
+    path = Path(path)
+    key = str(path.resolve())
+    try:
+        if key in _fingerprints and _fingerprints[key] == _fingerprint(path):
+            return True
+    except OSError:
+        pass
+    result = verify(path)
+    if result.ok:
+        remember_verified(path)
+    else:
+        _fingerprints.pop(key, None)
+    return result.ok

@@ -1,0 +1,265 @@
+"""Verified checkpoints: two-phase commit, manifests, verify naming each kind of damage, resume choice, retention.
+
+Real files in tmp dirs; the CLI is run as a subprocess (`python -m swiftslurm verify`) for exit codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from swiftslurm import checkpoint as ck
+
+
+def write_hf_like(stage: Path, step: int, world_size: int = 2, shard_bytes: int = 20_000) -> None:
+    """Files shaped like an HF Trainer + DeepSpeed ZeRO-2 checkpoint (content differs per step)."""
+    g = stage / f"global_step{step}"
+    g.mkdir(parents=True, exist_ok=True)
+    seed = step.to_bytes(4, "little")
+    (g / "mp_rank_00_model_states.pt").write_bytes(hashlib.sha256(seed).digest() * (shard_bytes // 32))
+    for r in range(world_size):
+        (g / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(shard_bytes))
+        (stage / f"rng_state_{r}.pth").write_bytes(os.urandom(300))
+    (stage / "latest").write_text(f"global_step{step}")
+    (stage / "scheduler.pt").write_bytes(os.urandom(500))
+    (stage / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (stage / "adapter_model.safetensors").write_bytes(os.urandom(4000))
+
+
+def make_checkpoint(out: Path, step: int, algo: str = "xxh3") -> Path:
+    stage = ck.prepare_staging(out, step)
+    write_hf_like(stage, step)
+    ck.commit(stage, ck.final_dir(out, step), algo=algo, meta={"world_size": 2, "seed": 42, "data_position": step * 4})
+    return ck.final_dir(out, step)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+# ---------------------------------------------------------------- commit and manifest
+
+
+@pytest.mark.parametrize("algo,direct", [
+    ("xxh3", lambda b: xxhash.xxh3_128(b).hexdigest()),
+    ("md5", lambda b: hashlib.md5(b).hexdigest()),
+    ("sha256", lambda b: hashlib.sha256(b).hexdigest()),
+])
+def test_commit_writes_manifest_of_every_file(tmp_path, algo, direct):
+    final = make_checkpoint(tmp_path, 7, algo)
+    assert not ck.staging_dir(tmp_path, 7).exists()
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-7"
+    m = ck.read_manifest(final)
+    on_disk = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(m.files) == on_disk and len(on_disk) == 9
+    for rel, entry in m.files.items():
+        data = (final / rel).read_bytes()
+        assert entry == {"size": len(data), "checksum": direct(data)}
+    assert m.step == 7 and m.meta["world_size"] == 2 and m.meta["seed"] == 42 and m.meta["data_position"] == 28
+    assert "torch" in m.meta["versions"] and "deepspeed" in m.meta["versions"]
+    assert m.algo == ck.algo_name(algo)
+    assert ck.verify(final).ok
+
+
+def test_hash_files_parallel_matches_serial_and_progress_counts_every_byte(tmp_path):
+    for i in range(12):
+        (tmp_path / f"f{i}").write_bytes(os.urandom(1000 * i + 1))
+    serial = ck.hash_files(tmp_path, None, "xxh3", workers=1)
+    parallel = ck.hash_files(tmp_path, None, "xxh3", workers=4)
+    assert serial == parallel and len(serial) == 12
+    seen = []
+    final = make_checkpoint(tmp_path / "out", 1)
+    ck.verify(final, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1][0] == seen[-1][1] == ck.read_manifest(final).total_bytes
+
+
+def test_commit_uses_rank_hashes_and_hashes_the_rest(tmp_path):
+    stage = ck.prepare_staging(tmp_path, 3)
+    write_hf_like(stage, 3)
+    shard = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank_hashes = ck.hash_files(stage, [shard], "xxh3")  # what rank 1 computed for its own shard
+    m = ck.commit(stage, ck.final_dir(tmp_path, 3), algo="xxh3", meta={}, hashes=rank_hashes)
+    assert m.files[shard] == rank_hashes[shard] and len(m.files) == 9
+    assert ck.verify(ck.final_dir(tmp_path, 3)).ok
+
+
+def test_prepare_staging_drops_leftovers_of_a_killed_save(tmp_path):
+    stage = ck.staging_dir(tmp_path, 5)
+    (stage / "global_step5").mkdir(parents=True)
+    (stage / "global_step5" / "stale_rank_3.pt").write_bytes(b"old world size")
+    assert ck.prepare_staging(tmp_path, 5) == stage and list(stage.iterdir()) == []
+
+
+def test_commit_replaces_a_damaged_copy_of_the_same_step(tmp_path):
+    final = make_checkpoint(tmp_path, 4)
+    (final / "scheduler.pt").write_bytes(b"garbage")
+    assert not ck.verify(final).ok
+    make_checkpoint(tmp_path, 4)
+    assert ck.verify(final).ok and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_latest_never_moves_backwards(tmp_path):
+    make_checkpoint(tmp_path, 10)
+    make_checkpoint(tmp_path, 5)
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-10"
+
+
+# ---------------------------------------------------------------- damage: verify names it, resume falls back
+
+
+def flip_byte(ck_dir: Path) -> str:
+    rel = "global_step3/mp_rank_00_model_states.pt"
+    p = ck_dir / rel
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    return rel
+
+
+def truncate(ck_dir: Path) -> str:
+    rel = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(ck_dir / rel, "r+b") as f:
+        f.truncate(1000)
+    return rel
+
+
+def delete_shard(ck_dir: Path) -> str:
+    rel = "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    (ck_dir / rel).unlink()
+    return rel
+
+
+def edit_manifest(ck_dir: Path) -> str:
+    """Someone 'fixes' a size in the manifest by hand (the JSON stays valid)."""
+    p = ck_dir / "manifest.json"
+    data = json.loads(p.read_text())
+    data["files"]["scheduler.pt"]["size"] += 1
+    p.write_text(json.dumps(data))
+    return "manifest.json"
+
+
+def edit_manifest_step(ck_dir: Path) -> str:
+    p = ck_dir / "manifest.json"
+    p.write_text(p.read_text().replace('"step": 3', '"step": 2'))
+    return "manifest.json"
+
+
+def extra_file(ck_dir: Path) -> str:
+    rel = "global_step3/zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    (ck_dir / rel).write_bytes(b"a shard from another world size")
+    return rel
+
+
+def no_manifest(ck_dir: Path) -> str:
+    (ck_dir / "manifest.json").unlink()
+    return "manifest.json"
+
+
+DAMAGE = {
+    "flipped byte": (flip_byte, "checksum mismatch"),
+    "truncated file": (truncate, "size 1000 bytes"),
+    "deleted shard": (delete_shard, "missing"),
+    "edited manifest": (edit_manifest, "edited or corrupted"),
+    "edited manifest step": (edit_manifest_step, "edited or corrupted"),
+    "extra file": (extra_file, "extra file"),
+    "no manifest": (no_manifest, "no manifest.json"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_named_and_resume_falls_back(tmp_path, kind):
+    damage, words = DAMAGE[kind]
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step)
+    newest = ck.final_dir(tmp_path, 3)
+    rel = damage(newest)
+
+    result = ck.verify(newest)
+    assert not result.ok
+    assert any(p.startswith(f"{rel}:") and words in p for p in result.problems), result.problems
+    assert ck.verify(ck.final_dir(tmp_path, 2)).ok
+
+    logged: list[str] = []
+    assert ck.newest_verified(tmp_path, log=logged.append) == ck.final_dir(tmp_path, 2)
+    assert len(logged) == 1 and "checkpoint-3" in logged[0] and rel in logged[0]
+
+    cli = run_cli("verify", str(tmp_path))
+    assert cli.returncode == 5, cli.stdout + cli.stderr
+    assert rel in cli.stdout and "DAMAGED" in cli.stdout and "resumes from checkpoint-2" in cli.stdout
+    assert "Traceback" not in cli.stderr and "newest checkpoint is damaged" in cli.stderr
+
+
+def test_renamed_checkpoint_dir_is_caught(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    os.rename(ck.final_dir(tmp_path, 2), ck.final_dir(tmp_path, 9))
+    result = ck.verify(ck.final_dir(tmp_path, 9))
+    assert not result.ok and "says step 2" in result.problems[0]
+
+
+def test_cli_ok_single_checkpoint_array_dirs_and_missing_path(tmp_path):
+    for task in ("0", "1"):
+        for step in (1, 2):
+            make_checkpoint(tmp_path / task, step)
+    ok = run_cli("verify", str(tmp_path))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("verified") == 4 and "0/checkpoint-2" in ok.stdout
+    flip_byte_step = ck.final_dir(tmp_path / "1", 1) / "scheduler.pt"
+    flip_byte_step.write_bytes(b"x")
+    older_damaged = run_cli("verify", str(tmp_path))  # only the newest decides the exit code
+    assert older_damaged.returncode == 0 and "DAMAGED" in older_damaged.stdout
+    one = run_cli("verify", str(ck.final_dir(tmp_path / "1", 1)))
+    assert one.returncode == 5 and "scheduler.pt" in one.stdout
+    missing = run_cli("verify", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+# ---------------------------------------------------------------- discovery and retention
+
+
+def test_list_checkpoints_is_numeric_and_ignores_staging(tmp_path):
+    for step in (9, 10, 100):
+        make_checkpoint(tmp_path, step)
+    ck.prepare_staging(tmp_path, 200)
+    (tmp_path / "checkpoint-notanumber").mkdir()
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-100", "checkpoint-10", "checkpoint-9"]
+    assert ck.list_checkpoints(tmp_path / "absent") == []
+    assert ck.newest_verified(tmp_path / "absent") is None
+
+
+def test_prune_keeps_newest_verified_and_removes_stale(tmp_path):
+    for step in range(1, 6):
+        make_checkpoint(tmp_path, step)
+    ck.prepare_staging(tmp_path, 2)  # leftover of a killed save, older than the newest commit
+    ck.prepare_staging(tmp_path, 9)  # a save that may be in progress
+    removed = ck.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == [".staging-checkpoint-2", "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-4"]
+    assert ck.staging_dir(tmp_path, 9).exists()
+
+
+def test_prune_never_counts_a_damaged_checkpoint_as_kept(tmp_path):
+    for step in range(1, 5):
+        make_checkpoint(tmp_path, step)
+    flip = ck.final_dir(tmp_path, 4) / "scheduler.pt"
+    flip.write_bytes(b"\0" * 500)  # the newest is damaged after it was committed (and cached as verified)
+    delete_shard_dir = ck.final_dir(tmp_path, 2)
+    (delete_shard_dir / "trainer_state.json").unlink()  # an older one is damaged too
+    ck.prune(tmp_path, keep=2)
+    # 4 damaged but newer than every verified one: left for inspection; 3 and 1 are the two kept verified;
+    # 2 is damaged and older than the newest verified: removed.
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-3", "checkpoint-1"]
+    assert ck.newest_verified(tmp_path, log=None) == ck.final_dir(tmp_path, 3)
+
+
+def test_prune_with_keep_one_never_deletes_the_only_verified(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    assert ck.prune(tmp_path, keep=0) == []
+    assert ck.newest_verified(tmp_path, log=None) == ck.final_dir(tmp_path, 1)
