@@ -1,0 +1,76 @@
+"""Per-rank logging and the rank-0 startup banner.
+
+Rank 0 logs to stderr (the Slurm output file) and prints the banner; every other rank logs to
+``<output_dir>/logs/rank-<r>.log``, so a hang can be traced to the rank that stopped talking.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hostlist
+
+from .distenv import DistEnv
+
+LOGGER = "swiftslurm.runtime"
+
+
+def rank_log_path(output_dir: str, rank: int) -> Path:
+    return Path(output_dir) / "logs" / f"rank-{rank}.log"
+
+
+def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
+    """The runtime's logger for this rank (idempotent: a rerun in the same process replaces handlers)."""
+    log = logging.getLogger(LOGGER)
+    for handler in list(log.handlers):
+        if getattr(handler, "_swiftslurm", False):
+            log.removeHandler(handler)
+            handler.close()
+    if dist.rank == 0:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        path = rank_log_path(output_dir, dist.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+    handler._swiftslurm = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist.rank} {dist.node}] %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return log
+
+
+def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -> list[tuple[str, str]]:
+    """What the banner shows, as (label, value) rows (pure)."""
+    job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
+    what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
+    return [
+        ("job", f"{spec.job.name} {job} [{dist.executor}]"),
+        ("nodes", f"{hostlist.collect_hostlist(list(dist.nodes))} ({dist.nnodes})"),
+        ("world size", f"{dist.world_size} = {dist.nnodes} node(s) x {dist.local_world_size} rank(s)"),
+        ("master", f"{dist.master_addr}:{dist.master_port}"),
+        ("gpus", ",".join(dist.gpus) if dist.gpus else "none (CPU, gloo)"),
+        ("mode", mode),
+        ("runs", what),
+        ("deepspeed", "-" if spec.train.command else spec.train.deepspeed),
+        ("resume from", resume),
+        ("output", output_dir),
+    ]
+
+
+def print_banner(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -> None:
+    """Rank 0 only: a rich table on stderr."""
+    if dist.rank != 0:
+        return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="swiftslurm run", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    for label, value in banner_rows(dist, spec, output_dir, mode, resume):
+        table.add_row(label, Text(value))  # values are user text: no markup
+    Console(stderr=True, width=120).print(table, markup=False, highlight=False)

@@ -1,0 +1,344 @@
+"""The distributed environment of one rank, derived from the environment Slurm (or submitit's
+local executor) gives it.
+
+Pure: ``derive(env)`` reads a mapping and returns a ``DistEnv``; ``check_allocation`` compares it
+with the spec; ``child_env`` builds (and returns) the environment a rank's trainer runs with. Nothing
+here reads or writes ``os.environ``: the caller passes it in and applies the result (STYLE.md, 7).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Mapping
+
+import hostlist
+
+from .errors import RuntimeEnvError
+
+PORT_BASE = 20000
+PORT_SPAN = 40000  # master ports live in [20000, 59999]: above most services, below the ephemeral range
+
+# Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them.
+PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "NNODES")
+
+# Defaults that make hangs and failures visible; the spec's [env] wins over them.
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed/timed-out collective aborts the job, not hangs it
+    "NCCL_ASYNC_ERROR_HANDLING": "1",  # the same, for older torch
+    "DEEPSPEED_TIMEOUT": "30",  # minutes; DeepSpeed's process-group timeout (its default is 10)
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # on a collective timeout, dump the flight recorder
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
+    "TORCH_FR_BUFFER_SIZE": "2000",  # the same, newer name
+}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    nnodes: int
+    nodes: tuple[str, ...]  # expanded host names, allocation order
+    node: str  # this rank's node name (SLURMD_NODENAME on Slurm)
+    master_addr: str
+    master_port: int
+    job_id: str  # Slurm job id ("123"), or "local-<pid>" under the local executor
+    requeue_id: str  # what `scontrol requeue` takes: "123" or "<array job>_<task>"
+    array_task_id: int | None
+    restart_count: int  # SLURM_RESTART_COUNT or 0
+    gpus: tuple[str, ...]  # GPU ids visible on this node to this rank (() on CPU)
+    executor: str  # "slurm" | "local"
+    gpu: str = ""  # the one GPU this rank drives (its LOCAL_RANK-th visible GPU); "" on CPU
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def summary(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
+            f"node {self.node_rank}/{self.nnodes} {self.node}), master {self.master_addr}:{self.master_port}"
+        )
+
+
+# ---------------------------------------------------------------- pure parsers
+
+
+def expand_nodelist(text: str, source: str = "SLURM_JOB_NODELIST") -> tuple[str, ...]:
+    """Every Slurm hostlist form (``gpu[001-004,010],cpu-a[1-2]``) to host names, in order."""
+    if not text or not text.strip():
+        raise RuntimeEnvError(
+            f"{source} is empty",
+            repr(text),
+            "run inside a Slurm allocation (sbatch/srun), or through `swiftslurm submit --executor local`",
+        )
+    try:
+        hosts = hostlist.expand_hostlist(text.strip(), allow_duplicates=True)
+    except hostlist.BadHostlist as exc:
+        raise RuntimeEnvError(
+            f"{source} is not a valid Slurm hostlist ({exc})",
+            repr(text),
+            "a hostlist looks like 'node1', 'node[1-4]' or 'gpu[001-004,010],cpu-a[1-2]'",
+        ) from None
+    if not hosts or any(not h or any(c in h for c in " []") for h in hosts):
+        raise RuntimeEnvError(f"{source} is not a valid Slurm hostlist", repr(text), "a hostlist looks like 'node[1-4]'")
+    return tuple(hosts)
+
+
+_TPN_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def expand_tasks_per_node(text: str) -> tuple[int, ...]:
+    """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) to one count per node: (2, 2, 2, 1)."""
+    counts: list[int] = []
+    for part in text.split(","):
+        m = _TPN_RE.match(part.strip())
+        if not m:
+            raise RuntimeEnvError("SLURM_TASKS_PER_NODE is not in Slurm's 'N(xM),K' form", repr(text), "is this a Slurm job step?")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return tuple(counts)
+
+
+def port_for_job(job_id: str) -> int:
+    """A master port from the job id: the same for every requeue of a job (Slurm keeps its id),
+    different for two jobs (or array tasks: each has its own SLURM_JOB_ID) sharing a node.
+
+    Numeric ids map modulo the span, so 40000 consecutive jobs never collide.
+    """
+    key = job_id.strip()
+    number = int(key) if key.isascii() and key.isdigit() else zlib.crc32(key.encode())
+    return PORT_BASE + number % PORT_SPAN
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise RuntimeEnvError(f"{name} is not set", "", "`swiftslurm run` runs inside a Slurm job step (srun) or the local executor")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeEnvError(f"{name} is not an integer", repr(value), "is this environment from Slurm?") from None
+
+
+def _explicit_port(env: Mapping[str, str]) -> int | None:
+    value = env.get("MASTER_PORT", "").strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:
+        raise RuntimeEnvError("MASTER_PORT is not a port number", repr(value), "unset MASTER_PORT to let swiftslurm derive one from the job id")
+    return int(value)
+
+
+def visible_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
+    value = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not value or value in ("-1", "NoDevFiles"):
+        return ()
+    return tuple(g.strip() for g in value.split(",") if g.strip())
+
+
+def bind_gpu(gpus: tuple[str, ...], local_rank: int, local_world_size: int) -> str:
+    """The GPU a rank drives: its own when Slurm bound one per task, else its LOCAL_RANK-th."""
+    if not gpus:
+        return ""
+    if len(gpus) == 1:
+        return gpus[0]
+    return gpus[local_rank] if local_rank < len(gpus) else ""
+
+
+# ---------------------------------------------------------------- derive
+
+
+def derive(env: Mapping[str, str], pid: int | None = None) -> DistEnv:
+    """The rank's distributed environment from SLURM_* (an srun task), SUBMITIT_LOCAL_* (submitit's
+    local executor) or nothing (a single process, ``pid`` names it). Raises RuntimeEnvError."""
+    if env.get("SUBMITIT_EXECUTOR") == "local" or "SUBMITIT_LOCAL_JOB_ID" in env:
+        return _derive_local(env)
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
+        return _derive_slurm(env)
+    return _derive_single(env, pid)
+
+
+def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
+    source = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodes = expand_nodelist(env.get(source, ""), source)
+    rank = _int(env, "SLURM_PROCID")
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1))
+    node_rank = _int(env, "SLURM_NODEID", 0)
+    node = env.get("SLURMD_NODENAME") or (nodes[node_rank] if node_rank < len(nodes) else "")
+    tpn = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    per_node = expand_tasks_per_node(tpn) if tpn else (world_size // max(len(nodes), 1),) * len(nodes)
+    local_world_size = per_node[node_rank] if node_rank < len(per_node) else 1
+    local_rank = _int(env, "SLURM_LOCALID", 0)
+    job_id = env["SLURM_JOB_ID"].strip()
+    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    array_task_id = _int(env, "SLURM_ARRAY_TASK_ID") if array_task else None
+    gpus = visible_gpus(env)
+    explicit = _explicit_port(env)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        nnodes=_int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_JOB_NUM_NODES", len(nodes))) if nodes else 1,
+        nodes=nodes,
+        node=node,
+        master_addr=env.get("MASTER_ADDR") or nodes[0],
+        master_port=explicit if explicit is not None else port_for_job(job_id),
+        job_id=job_id,
+        requeue_id=f"{array_job}_{array_task}" if array_job and array_task else job_id,
+        array_task_id=array_task_id,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        gpus=gpus,
+        executor="slurm",
+        gpu=bind_gpu(gpus, local_rank, local_world_size),
+    )
+
+
+def _derive_local(env: Mapping[str, str]) -> DistEnv:
+    """submitit's LocalExecutor: one node, SUBMITIT_LOCAL_NTASKS ranks, the controller's pid as job id."""
+    local_id = env.get("SUBMITIT_LOCAL_JOB_ID", "").strip() or "0"
+    job_id = f"local-{local_id}"
+    rank = _int(env, "SUBMITIT_LOCAL_GLOBALID", 0)
+    local_rank = _int(env, "SUBMITIT_LOCAL_LOCALID", rank)
+    world_size = _int(env, "SUBMITIT_LOCAL_NTASKS", 1)
+    gpus = visible_gpus(env)
+    explicit = _explicit_port(env)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        node_rank=0,
+        nnodes=1,
+        nodes=("localhost",),
+        node="localhost",
+        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=explicit if explicit is not None else port_for_job(local_id),
+        job_id=job_id,
+        requeue_id=job_id,
+        array_task_id=None,
+        restart_count=0,
+        gpus=gpus,
+        executor="local",
+        gpu=bind_gpu(gpus, local_rank, world_size),
+    )
+
+
+def _derive_single(env: Mapping[str, str], pid: int | None) -> DistEnv:
+    job_id = f"local-{pid if pid is not None else 0}"
+    explicit = _explicit_port(env)
+    gpus = visible_gpus(env)
+    return DistEnv(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1,
+        nodes=("localhost",), node="localhost",
+        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=explicit if explicit is not None else port_for_job(job_id),
+        job_id=job_id, requeue_id=job_id, array_task_id=None, restart_count=0,
+        gpus=gpus, executor="local", gpu=bind_gpu(gpus, 0, 1),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- checks and export
+
+
+def check_allocation(dist: DistEnv, spec) -> None:
+    """What Slurm granted vs what the spec asked; RuntimeEnvError with a HINT before any training."""
+    want_nodes, want_tpn = spec.slurm.nodes, spec.slurm.ranks_per_node
+    if dist.executor == "local":
+        # the local executor runs the whole job's ranks on this one machine
+        if dist.world_size != spec.world_size:
+            raise RuntimeEnvError(
+                f"the local executor started {dist.world_size} rank(s), the spec asks for {spec.world_size}",
+                f"slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
+                f"submit with `swiftslurm submit --executor local` so it starts {spec.world_size} local ranks",
+            )
+        return
+    if dist.nnodes != want_nodes:
+        raise RuntimeEnvError(
+            f"Slurm granted {dist.nnodes} node(s), the spec asks for {want_nodes}",
+            f"nodes {','.join(dist.nodes)}",
+            f"set sbatch --nodes={want_nodes} (or [slurm] nodes = {dist.nnodes} in the spec)",
+        )
+    if dist.local_world_size != want_tpn:
+        raise RuntimeEnvError(
+            f"Slurm started {dist.local_world_size} task(s) on node {dist.node}, the spec asks for {want_tpn} per node",
+            f"SLURM_TASKS_PER_NODE gives {dist.local_world_size} on node {dist.node_rank}",
+            f"set sbatch/srun --ntasks-per-node={want_tpn} (or [slurm] tasks_per_node = {dist.local_world_size} in the spec)",
+        )
+    if dist.world_size != spec.world_size:
+        raise RuntimeEnvError(
+            f"the job step has {dist.world_size} task(s), the spec asks for {spec.world_size}",
+            f"SLURM_NTASKS={dist.world_size}",
+            f"set sbatch --ntasks={spec.world_size} or drop --ntasks and use --ntasks-per-node={want_tpn}",
+        )
+    want_gpus = spec.slurm.gpus_per_node
+    if want_gpus and not dist.gpus:
+        raise RuntimeEnvError(
+            f"the spec asks for {want_gpus} GPU(s) per node, this task sees none",
+            f"CUDA_VISIBLE_DEVICES unset on {dist.node}",
+            f"set sbatch --gpus-per-node={want_gpus} on a GPU partition (or [slurm] gpus_per_node = 0 for a CPU run)",
+        )
+    if want_gpus and len(dist.gpus) not in (1, dist.local_world_size):
+        raise RuntimeEnvError(
+            f"rank {dist.rank} sees {len(dist.gpus)} GPU(s); one rank per GPU needs 1 or {dist.local_world_size}",
+            f"CUDA_VISIBLE_DEVICES={','.join(dist.gpus)} on {dist.node}",
+            f"set sbatch --gpus-per-node={want_gpus} with --ntasks-per-node={want_gpus} (and no --gpus-per-task mismatch)",
+        )
+
+
+def check_spec_env(spec_env: Mapping[str, str]) -> None:
+    """The spec's [env] is job-wide; per-rank variables in it would give every rank the same rank."""
+    bad = sorted(k for k in spec_env if k in PER_RANK_VARS)
+    if bad:
+        raise RuntimeEnvError(
+            f"[env] sets per-rank variable(s) {', '.join(bad)}",
+            ", ".join(f"{k}={spec_env[k]}" for k in bad),
+            "remove them from [env]: swiftslurm derives them from Slurm for every rank "
+            "(MASTER_ADDR and MASTER_PORT may be set there)",
+        )
+
+
+def dist_vars(dist: DistEnv) -> dict[str, str]:
+    """The torch.distributed env:// variables of this rank."""
+    return {
+        "RANK": str(dist.rank),
+        "LOCAL_RANK": str(dist.local_rank),
+        "WORLD_SIZE": str(dist.world_size),
+        "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+        "NODE_RANK": str(dist.node_rank),
+        "GROUP_RANK": str(dist.node_rank),
+        "NNODES": str(dist.nnodes),
+        "MASTER_ADDR": dist.master_addr,
+        "MASTER_PORT": str(dist.master_port),
+    }
+
+
+def child_env(
+    base_env: Mapping[str, str],
+    dist: DistEnv,
+    spec_env: Mapping[str, str],
+    log_dir: str | None = None,
+) -> dict[str, str]:
+    """The ONE export step: the environment the rank's trainer runs with. Later wins:
+
+    base env < NCCL/torch defaults < derived dist vars < the spec's [env] (user wins), except that
+    [env] may not set per-rank variables (RANK, LOCAL_RANK, ... : RuntimeEnvError). To change a
+    default (say NCCL_ASYNC_ERROR_HANDLING), set it in [env].
+    """
+    check_spec_env(spec_env)
+    out = dict(base_env)
+    defaults = dict(NCCL_DEFAULTS)
+    if log_dir:
+        defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
+        defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
+    out.update(defaults)
+    out.update(dist_vars(dist))
+    out.update(spec_env)
+    return out

@@ -1,0 +1,276 @@
+"""distenv: pure functions tested with env dicts, and hostlists checked against real scontrol."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftslurm import distenv
+from swiftslurm.distenv import check_allocation, child_env, derive, expand_nodelist, expand_tasks_per_node, port_for_job
+from swiftslurm.errors import RuntimeEnvError
+from swiftslurm.spec import parse_spec
+
+DATA = Path(__file__).parent / "data" / "hostlists"
+
+
+def _captured() -> dict[str, list[str]]:
+    """scontrol.txt (from capture.sh): '== FORM' then the host names scontrol printed."""
+    out: dict[str, list[str]] = {}
+    form = None
+    for line in (DATA / "scontrol.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        if line.startswith("== "):
+            form = line[3:]
+            out[form] = []
+        elif line:
+            out[form].append(line)
+    return out
+
+
+CAPTURED = _captured()
+FORMS = (DATA / "forms.txt").read_text().splitlines()
+
+
+def test_table_covers_enough_forms():
+    assert len(FORMS) >= 25
+    assert list(CAPTURED) == FORMS
+    assert all(CAPTURED[f] for f in FORMS), "every form in the table is one scontrol accepts"
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hostlist_matches_captured_scontrol(form):
+    assert list(expand_nodelist(form)) == CAPTURED[form]
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol")
+def test_hostlist_matches_live_scontrol():
+    from swiftslurm import slurm
+
+    mismatches = {f: (slurm.show_hostnames(f), list(expand_nodelist(f))) for f in FORMS}
+    mismatches = {f: v for f, v in mismatches.items() if v[0] != v[1]}
+    assert not mismatches
+
+
+MALFORMED = ["", "   ", "node[1-", "node[1-2", "node1]", "node[3-1]", "node[10-8]", "node[a-b]", "node[]", "no de1", "n[1-2]]"]
+
+
+@pytest.mark.parametrize("form", MALFORMED)
+def test_malformed_hostlist_names_the_input(form):
+    with pytest.raises(RuntimeEnvError) as err:
+        expand_nodelist(form, "SLURM_JOB_NODELIST")
+    assert "SLURM_JOB_NODELIST" in err.value.what
+    assert repr(form) in err.value.found
+    assert err.value.hint
+
+
+def test_forms_slurm_2205_refuses_are_expanded_like_newer_slurm():
+    # Slurm 22.05's scontrol says "Invalid hostlist" to a suffix after brackets; Slurm never writes
+    # such a SLURM_JOB_NODELIST itself, and python-hostlist expands it the way later Slurm does.
+    assert expand_nodelist("node[1-3]-ib") == ("node1-ib", "node2-ib", "node3-ib")
+    assert expand_nodelist("gpu[1-2].cluster") == ("gpu1.cluster", "gpu2.cluster")
+
+
+@pytest.mark.parametrize(
+    "text,counts",
+    [("4", (4,)), ("2(x2)", (2, 2)), ("2(x3),1", (2, 2, 2, 1)), ("1,3(x2)", (1, 3, 3))],
+)
+def test_tasks_per_node(text, counts):
+    assert expand_tasks_per_node(text) == counts
+
+
+def test_tasks_per_node_malformed():
+    with pytest.raises(RuntimeEnvError, match="SLURM_TASKS_PER_NODE"):
+        expand_tasks_per_node("2(3)")
+
+
+# ---------------------------------------------------------------- derive under Slurm
+
+
+def slurm_env(**over: str) -> dict[str, str]:
+    """An srun task's environment: 2 nodes x 2 tasks, this is rank 3 on node2 (as captured from srun)."""
+    env = {
+        "SLURM_JOB_ID": "4711",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURMD_NODENAME": "node2",
+        "PATH": "/usr/bin",
+    }
+    env.update(over)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_derive_slurm_ranks():
+    d = derive(slurm_env())
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size) == (3, 1, 4, 2)
+    assert (d.node_rank, d.nnodes, d.nodes, d.node) == (1, 2, ("node1", "node2"), "node2")
+    assert d.master_addr == "node1"
+    assert d.master_port == port_for_job("4711")
+    assert (d.job_id, d.requeue_id, d.array_task_id, d.restart_count) == ("4711", "4711", None, 0)
+    assert d.executor == "slurm" and d.gpus == () and d.gpu == ""
+
+
+def test_step_nodelist_wins_over_job_nodelist():
+    d = derive(slurm_env(SLURM_JOB_NODELIST="node[1-4]", SLURM_JOB_NUM_NODES="4"))
+    assert d.nodes == ("node1", "node2") and d.nnodes == 2
+
+
+def test_derive_array_task_and_requeue():
+    d = derive(slurm_env(SLURM_JOB_ID="4713", SLURM_ARRAY_JOB_ID="4711", SLURM_ARRAY_TASK_ID="2", SLURM_RESTART_COUNT="3"))
+    assert (d.requeue_id, d.array_task_id, d.restart_count) == ("4711_2", 2, 3)
+    assert d.master_port == port_for_job("4713")  # each array task has its own job id, so its own port
+
+
+def test_explicit_master_port_and_addr_win():
+    d = derive(slurm_env(MASTER_PORT="29500", MASTER_ADDR="10.0.0.9"))
+    assert (d.master_addr, d.master_port) == ("10.0.0.9", 29500)
+    with pytest.raises(RuntimeEnvError, match="MASTER_PORT"):
+        derive(slurm_env(MASTER_PORT="99999"))
+
+
+def test_uneven_tasks_per_node():
+    d = derive(slurm_env(SLURM_STEP_TASKS_PER_NODE="3,1", SLURM_PROCID="3", SLURM_LOCALID="0"))
+    assert d.local_world_size == 1
+
+
+def test_bad_procid_is_a_clear_error():
+    with pytest.raises(RuntimeEnvError, match="SLURM_PROCID"):
+        derive(slurm_env(SLURM_PROCID="three"))
+
+
+def test_ports_same_for_requeue_distinct_for_neighbours():
+    # Slurm keeps the job id across `scontrol requeue`; two jobs have two ids.
+    assert port_for_job("812") == port_for_job("812")
+    ports = {port_for_job(str(i)) for i in range(100000, 140000)}
+    assert len(ports) == 40000  # 40000 consecutive job ids never share a port
+    assert port_for_job("local-123") != port_for_job("local-124")
+
+
+@given(st.one_of(st.integers(0, 2**40).map(str), st.text(min_size=1, max_size=30)))
+def test_port_in_safe_range(job_id):
+    assert distenv.PORT_BASE <= port_for_job(job_id) < distenv.PORT_BASE + distenv.PORT_SPAN
+    assert port_for_job(job_id) < 60000
+
+
+def test_gpu_binding():
+    # Slurm with --gpus-per-node: every task sees the node's GPUs; the rank drives its LOCAL_RANK-th
+    d = derive(slurm_env(CUDA_VISIBLE_DEVICES="0,1"))
+    assert d.gpus == ("0", "1") and d.gpu == "1"
+    # --gpu-bind=single / --gpus-per-task=1: each task sees its own one
+    d = derive(slurm_env(CUDA_VISIBLE_DEVICES="5"))
+    assert d.gpus == ("5",) and d.gpu == "5"
+
+
+# ---------------------------------------------------------------- submitit local executor
+
+
+def local_env(k: int, n: int = 2) -> dict[str, str]:
+    """What submitit/local/_local.py sets for task k of n (SUBMITIT_LOCAL_JOB_ID = the controller's pid)."""
+    return {
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_NTASKS": str(n),
+        "SUBMITIT_LOCAL_NODEID": "0",
+        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+        "SUBMITIT_LOCAL_LOCALID": str(k),
+        "SUBMITIT_LOCAL_GLOBALID": str(k),
+        "SUBMITIT_LOCAL_JOB_ID": "31337",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+
+
+def test_derive_submitit_local():
+    d0, d1 = derive(local_env(0)), derive(local_env(1))
+    assert (d1.rank, d1.local_rank, d1.world_size, d1.local_world_size, d1.nnodes) == (1, 1, 2, 2, 1)
+    assert d0.master_addr == d1.master_addr == "127.0.0.1"
+    assert d0.master_port == d1.master_port == port_for_job("31337")
+    assert d0.job_id == "local-31337" and d0.executor == "local"
+
+
+def test_local_wins_over_stray_slurm_vars():
+    # submitting locally from inside a Slurm allocation leaves SLURM_* in the environment
+    d = derive({**slurm_env(), **local_env(1)})
+    assert d.executor == "local" and d.world_size == 2 and d.rank == 1
+
+
+def test_single_process():
+    d = derive({"PATH": "/bin"}, pid=42)
+    assert (d.rank, d.world_size, d.job_id, d.master_addr) == (0, 1, "local-42", "127.0.0.1")
+
+
+# ---------------------------------------------------------------- check_allocation
+
+
+def spec_of(slurm: str = "nodes = 2\ntasks_per_node = 2") -> object:
+    return parse_spec(f'[slurm]\n{slurm}\n[train]\ncommand = ["true"]\n')
+
+
+def test_allocation_matches():
+    check_allocation(derive(slurm_env()), spec_of())
+
+
+def test_allocation_one_task_per_node_but_spec_says_two():
+    env = slurm_env(SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1", SLURM_LOCALID="0")
+    with pytest.raises(RuntimeEnvError) as err:
+        check_allocation(derive(env), spec_of())
+    assert "--ntasks-per-node=2" in err.value.hint and "tasks_per_node" in err.value.hint
+
+
+def test_allocation_wrong_node_count():
+    env = slurm_env(SLURM_STEP_NODELIST="node1", SLURM_STEP_NUM_NODES="1", SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1",
+                    SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_STEP_TASKS_PER_NODE="2",
+                    SLURM_PROCID="1", SLURM_NODEID="0", SLURMD_NODENAME="node1")  # fmt: skip
+    with pytest.raises(RuntimeEnvError) as err:
+        check_allocation(derive(env), spec_of())
+    assert "--nodes=2" in err.value.hint
+
+
+def test_allocation_gpus_missing_or_wrong():
+    spec = spec_of("nodes = 2\ngpus_per_node = 2")
+    with pytest.raises(RuntimeEnvError) as err:
+        check_allocation(derive(slurm_env()), spec)
+    assert "--gpus-per-node=2" in err.value.hint
+    with pytest.raises(RuntimeEnvError, match="sees 3 GPU"):
+        check_allocation(derive(slurm_env(CUDA_VISIBLE_DEVICES="0,1,2")), spec)
+    check_allocation(derive(slurm_env(CUDA_VISIBLE_DEVICES="0,1")), spec)
+
+
+def test_allocation_local_executor_runs_the_whole_world():
+    check_allocation(derive(local_env(0, n=4)), spec_of())
+    with pytest.raises(RuntimeEnvError, match="local executor started 2"):
+        check_allocation(derive(local_env(0, n=2)), spec_of())
+
+
+# ---------------------------------------------------------------- child_env
+
+
+def test_child_env_order():
+    base = {"PATH": "/bin", "RANK": "99", "NCCL_ASYNC_ERROR_HANDLING": "0", "KEEP": "me"}
+    spec_env = {"NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_DEBUG": "INFO", "MASTER_PORT": "29400"}
+    out = child_env(base, derive(slurm_env()), spec_env, log_dir="/o/logs")
+    assert out["KEEP"] == "me" and out["PATH"] == "/bin"  # base env passes through
+    assert out["RANK"] == "3"  # derived beats base
+    assert out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # defaults beat base
+    assert out["NCCL_ASYNC_ERROR_HANDLING"] == "3" and out["NCCL_DEBUG"] == "INFO"  # user [env] beats all
+    assert out["MASTER_PORT"] == "29400"
+    assert out["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/o/logs/nccl_trace_rank_"
+    assert base["RANK"] == "99"  # read never writes
+
+
+def test_child_env_refuses_per_rank_vars_in_spec():
+    with pytest.raises(RuntimeEnvError) as err:
+        child_env({}, derive(slurm_env()), {"RANK": "0", "WORLD_SIZE": "8"})
+    assert "RANK" in err.value.what and "WORLD_SIZE" in err.value.what
