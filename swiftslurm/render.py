@@ -1,5 +1,138 @@
-"""sbatch script rendering (stub: the submitter work replaces this)."""
+"""The sbatch script of a plan: ``render_sbatch(plan) -> str``, pure (no cluster, no disk writes).
+
+``sbatch_directives(plan)`` is the one list of ``#SBATCH`` options; the submitit path
+(``submit.py``) sends the same list, so a hand-submitted ``sbatch FILE`` and ``swiftslurm submit``
+ask Slurm for the same thing. Every user value reaches the script through ``quoting.shell_quote``.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from pathlib import PurePosixPath
+
+import jinja2
+
+from .errors import Problem, SpecError
+from .plan import Plan
+from .quoting import one_line, shell_quote
+
+TEMPLATE = "sbatch.sh.j2"
+
+# Options a spec field (or swiftslurm itself) sets: extra_sbatch may not set them a second way.
+_FIELD_OF_OPTION = {
+    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
+    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
+    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
+    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
+    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
+    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
+    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
+    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
+    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
+}
 
 
-def render_sbatch(plan) -> str:
-    return "#!/bin/bash\n# TODO\n"
+def _problem(path: str, what: str, found: str, hint: str) -> SpecError:
+    return SpecError("spec", [Problem(path, what, found, hint)])
+
+
+def extra_options(extra: list[str]) -> list[tuple[str, str | None]]:
+    """``["--key=value", "--flag"]`` as (key, value|None); options swiftslurm sets elsewhere are refused."""
+    out: list[tuple[str, str | None]] = []
+    for opt in extra:
+        key, eq, value = opt[2:].partition("=")
+        if key in _FIELD_OF_OPTION:
+            raise _problem("slurm.extra_sbatch", f"--{key} is set by swiftslurm", repr(opt), f"use {_FIELD_OF_OPTION[key]} instead")
+        out.append((key, value if eq else None))
+    return out
+
+
+def array_spec(plan: Plan) -> str | None:
+    """``0-N%P`` for a sweep (one array task per combination), None for a single job."""
+    if not plan.is_array:
+        return None
+    n = len(plan.tasks)
+    parallel = min(plan.spec.slurm.array_parallelism or n, n)
+    return f"0-{n - 1}%{parallel}"
+
+
+def sbatch_directives(plan: Plan) -> list[tuple[str, str | None]]:
+    """Every ``#SBATCH`` option both submit paths send, as (key, value|None for a flag).
+
+    Logs and ``--array`` are added by each path (submitit keeps its own log folder).
+    """
+    s = plan.spec.slurm
+    if "%" in plan.output_dir:
+        raise _problem("job.output_dir", "'%' in the output dir would be read as a Slurm filename pattern", plan.output_dir, "choose a path without '%'")
+    opts: list[tuple[str, str | None]] = [
+        ("job-name", plan.spec.job.name),
+        ("nodes", str(s.nodes)),
+        ("ntasks-per-node", str(s.ranks_per_node)),
+        ("cpus-per-task", str(s.cpus_per_task)),
+    ]
+    if s.gpus_per_node:
+        opts.append(("gpus-per-node", str(s.gpus_per_node)))
+    if s.mem is not None:
+        opts.append(("mem", s.mem))
+    opts.append(("time", s.time))
+    for key in ("partition", "account", "qos", "constraint", "exclude", "nodelist", "reservation"):
+        value = getattr(s, key)
+        if value is not None:
+            opts.append((key, value))
+    opts += [("signal", f"USR2@{s.signal_grace_s}"), ("requeue", None), ("open-mode", "append")]
+    opts += extra_options(s.extra_sbatch)
+    return opts
+
+
+def log_pattern(plan: Plan) -> str:
+    """Where the hand-submitted script's Slurm log goes (``%A_%a`` per array task).
+
+    Slurm opens it before the script runs, so it lies in the output dir itself, which
+    ``swiftslurm render -o`` creates when it writes the plan.
+    """
+    name = "slurm-%A_%a.out" if plan.is_array else "slurm-%j.out"
+    return str(PurePosixPath(plan.output_dir) / name)
+
+
+def _directive_line(key: str, value: str | None) -> str:
+    if value is None:
+        return f"#SBATCH --{key}"
+    return f"#SBATCH --{key}={shell_quote(one_line(value, f'#SBATCH --{key}'))}"
+
+
+def _template() -> jinja2.Template:
+    text = resources.files("swiftslurm.templates").joinpath(TEMPLATE).read_text()
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = shell_quote
+    return env.from_string(text)
+
+
+def render_sbatch(plan: Plan, python: str | None = None) -> str:
+    """A standalone script that plain ``sbatch FILE`` runs: directives, env, USR2 trap, ``srun ... swiftslurm run``.
+
+    ``python`` is the interpreter the nodes run (default: this one, so the same installed swiftslurm).
+    The plan file (``plan.plan_path``) must exist when the job starts: ``swiftslurm render -o`` writes it.
+    """
+    from . import __version__
+
+    opts = sbatch_directives(plan)
+    opts.append(("output", log_pattern(plan)))
+    array = array_spec(plan)
+    if array:
+        opts.append(("array", array))
+    try:
+        directives = [_directive_line(k, v) for k, v in opts]
+        for key in plan.env:
+            one_line(key, "an [env] name")
+    except ValueError as exc:
+        raise _problem("slurm", "a value cannot go on an #SBATCH line", str(exc), "remove the line break") from None
+    return _template().render(
+        version=__version__,
+        source=plan.source.replace("\n", " ").replace("\r", " "),
+        directives=directives,
+        env=plan.env,
+        plan_path=plan.plan_path,
+        python=python or sys.executable,
+        is_array=plan.is_array,
+    )

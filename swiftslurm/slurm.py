@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import dataclass
 
-from .errors import SwiftSlurmError, ToolMissing
+from .errors import SubmissionError, SwiftSlurmError, ToolMissing
 
 SLURM_TIMEOUT_S = 60
 
@@ -42,3 +43,165 @@ def show_hostnames(hostlist: str) -> list[str]:
 def requeue(job_id: str) -> None:
     """``scontrol requeue`` one job or one array task (``123_4``)."""
     _run(["scontrol", "requeue", job_id])
+
+
+# ---------------------------------------------------------------- states
+
+ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"})
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"})
+
+
+def normalize_state(raw: str) -> str:
+    """``CANCELLED by 0`` -> ``CANCELLED``; ``CANCELLED+`` -> ``CANCELLED``."""
+    word = raw.strip().split(" ")[0] if raw.strip() else "UNKNOWN"
+    return word.rstrip("+") or "UNKNOWN"
+
+
+def is_final(state: str) -> bool:
+    return normalize_state(state) in FINAL_STATES
+
+
+# ---------------------------------------------------------------- pure parsers
+
+
+def parse_sbatch_parsable(text: str) -> str:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    line = text.strip().splitlines()[-1] if text.strip() else ""
+    job_id = line.split(";")[0].strip()
+    if not job_id.isdigit():
+        raise SwiftSlurmError("could not read a job id from sbatch's answer", repr(text[:200]), "run `sbatch --parsable FILE` by hand to see what it says")
+    return job_id
+
+
+def expand_job_ids(job_id: str) -> list[str]:
+    """One sacct/squeue JobID as the array tasks it stands for.
+
+    ``123`` -> [``123``]; ``123_4`` -> [``123_4``]; ``123_[2-4,7%2]`` -> [``123_2``, ``123_3``, ``123_4``, ``123_7``].
+    """
+    base, sep, rest = job_id.partition("_")
+    if not sep or not rest.startswith("["):
+        return [job_id]
+    body = rest.strip("[]").split("%")[0]
+    out: list[str] = []
+    for part in body.split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            return [job_id]
+        for i in range(int(lo), int(hi if dash else lo) + 1):
+            out.append(f"{base}_{i}")
+    return out
+
+
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One Slurm job (or array task) as sacct/squeue report it."""
+
+    job_id: str  # "123" or "123_4"
+    state: str  # normalized: COMPLETED, RUNNING, ...
+    exit_code: str = ""
+    nodes: str = ""  # Slurm hostlist, "None assigned" -> ""
+    elapsed: str = ""
+    restarts: int = 0  # earlier runs of this job id (requeues)
+
+
+def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, JobRecord]:
+    """``sacct -X -D -P -n --format=<fields>`` output -> latest record per job id, requeues counted.
+
+    With ``-D`` every run of a requeued job is a line (earlier ones say REQUEUED); the last line
+    of a job id is its current run. Array ranges (``123_[2-9%4]``, pending) are expanded.
+    """
+    col = {name: i for i, name in enumerate(fields)}
+    runs: dict[str, list[list[str]]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = line.split("|")
+        if len(cells) < len(fields):
+            continue
+        for jid in expand_job_ids(cells[col["JobID"]]):
+            runs.setdefault(jid, []).append(cells)
+    out: dict[str, JobRecord] = {}
+    for jid, rows in runs.items():
+        last = rows[-1]
+        nodes = last[col["NodeList"]] if "NodeList" in col else ""
+        out[jid] = JobRecord(
+            job_id=jid,
+            state=normalize_state(last[col["State"]]),
+            exit_code=last[col["ExitCode"]] if "ExitCode" in col else "",
+            nodes="" if nodes.startswith("None") else nodes,
+            elapsed=last[col["Elapsed"]] if "Elapsed" in col else "",
+            restarts=len(rows) - 1,
+        )
+    return out
+
+
+SQUEUE_FORMAT = "%i|%T|%N|%M|%r"
+
+
+def parse_squeue(text: str) -> dict[str, JobRecord]:
+    """``squeue -h -r -o '%i|%T|%N|%M|%r'`` output -> record per job id (pending arrays expanded)."""
+    out: dict[str, JobRecord] = {}
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) < 4:
+            continue
+        for jid in expand_job_ids(cells[0].strip()):
+            out[jid] = JobRecord(jid, normalize_state(cells[1]), "", cells[2].strip(), cells[3].strip())
+    return out
+
+
+def merge_records(sacct: dict[str, JobRecord], squeue: dict[str, JobRecord]) -> dict[str, JobRecord]:
+    """sacct is the record of finished runs and requeues; squeue is fresher for live ones."""
+    out = dict(sacct)
+    for jid, live in squeue.items():
+        acc = sacct.get(jid)
+        if acc is None:
+            out[jid] = live
+        elif not is_final(acc.state) or acc.restarts:
+            out[jid] = JobRecord(jid, live.state, acc.exit_code, live.nodes or acc.nodes, live.elapsed or acc.elapsed, acc.restarts)
+    return out
+
+
+# ---------------------------------------------------------------- calls
+
+
+def sbatch(script_path: str, extra: list[str] | None = None) -> str:
+    """``sbatch --parsable [extra] FILE`` -> job id; a refusal is a SubmissionError with Slurm's reason."""
+    proc = _run(["sbatch", "--parsable", *(extra or []), script_path], check=False)
+    if proc.returncode != 0:
+        raise refusal(proc.stderr or proc.stdout)
+    return parse_sbatch_parsable(proc.stdout)
+
+
+def refusal(slurm_message: str) -> SubmissionError:
+    """Slurm's own words for a refused submission, as one SubmissionError."""
+    lines = [ln.strip() for ln in slurm_message.strip().splitlines() if ln.strip()]
+    reason = "; ".join(ln.removeprefix("sbatch: error: ") for ln in lines if "error" in ln.lower()) or "; ".join(lines)
+    return SubmissionError(
+        "Slurm refused the submission",
+        reason[:800] or "(sbatch gave no reason)",
+        "check partition/account/qos/nodes/time against `sinfo` and `sacctmgr show assoc`; `swiftslurm plan SPEC` shows what was asked",
+    )
+
+
+def job_records(job_ids: list[str]) -> dict[str, JobRecord]:
+    """Current record of each job (``123``) or array (``123`` covers ``123_*``), from sacct and squeue."""
+    if not job_ids:
+        return {}
+    joined = ",".join(sorted(set(job_ids)))
+    acc = _run(["sacct", "-X", "-D", "-P", "-n", "-j", joined, f"--format={','.join(SACCT_FIELDS)}"], check=False)
+    live = _run(["squeue", "-h", "-r", "-j", joined, "-o", SQUEUE_FORMAT], check=False)
+    sacct_records = parse_sacct(acc.stdout) if acc.returncode == 0 else {}
+    squeue_records = parse_squeue(live.stdout) if live.returncode == 0 else {}
+    if acc.returncode != 0 and live.returncode != 0:
+        raise SwiftSlurmError("neither sacct nor squeue could report the job", (acc.stderr or live.stderr).strip()[:300], "is slurmctld up (`sinfo`)? is accounting configured (`sacct`)?")
+    return merge_records(sacct_records, squeue_records)
+
+
+def scancel(job_ids: list[str]) -> None:
+    """``scancel`` jobs or array tasks (``123`` cancels every task of array 123)."""
+    if job_ids:
+        _run(["scancel", *job_ids])

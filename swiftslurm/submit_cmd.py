@@ -1,0 +1,127 @@
+"""`swiftslurm submit`, `status`, `cancel`: rich output around submit.py (the CLI's thin layer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import PurePosixPath
+
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from . import slurm
+from .plan import Plan
+from .submit import Submission, TaskStatus, find_submission, resolve_executor, submission_for_job, submit_plan
+
+_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
+MAX_ROWS = 40  # a 1000-task array is summarised, not printed line by line
+
+
+def _says_auto(console: Console, requested: str, kind: str) -> None:
+    if requested == "auto":
+        why = "sbatch is on PATH" if kind == "slurm" else "no sbatch on PATH: one node, no Slurm"
+        console.print(f"executor: [bold]{kind}[/] (auto: {why})", highlight=False)
+
+
+def _summary(sub: Submission, plan: Plan) -> Panel:
+    s = plan.spec.slurm
+    n = len(plan.tasks)
+    first_dir = plan.tasks[0].output_dir
+    ids = sub.job_ids
+    if sub.executor == "slurm":
+        job = f"{sub.slurm_job_ids[0]} (array of {n}: {ids[0]} .. {ids[-1]})" if plan.is_array else ids[0]
+    else:
+        job = ", ".join(ids[:8]) + (" ..." if len(ids) > 8 else "") + " (local controller pid)"
+    where = f"{plan.output_dir}/<task>" if plan.is_array else first_dir
+    lines = [
+        f"[bold]{plan.spec.job.name}[/] submitted via {sub.executor}: job {job}",
+        f"{n} task(s), each {s.nodes} node(s) x {s.ranks_per_node} rank(s) (world size {plan.spec.world_size}), time {s.time}",
+        f"task dirs:   {where}  (resolved spec: spec.json)",
+        f"logs:        {sub.folder}  and <task dir>/logs/",
+        f"checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
+        f"follow:      swiftslurm status {_q(plan.output_dir)}   (or submit with --wait)",
+    ]
+    return Panel.fit("\n".join(lines), title="swiftslurm submit")
+
+
+def _q(path: str) -> str:
+    from .quoting import shell_quote
+
+    return shell_quote(path)
+
+
+def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool = False) -> Table:
+    table = Table(title=title or None)
+    for col in ("task", "job", "state", "node(s)", "restarts", "elapsed"):
+        table.add_column(col, justify="right" if col in ("task", "restarts") else "left")
+    if with_checkpoint:
+        table.add_column("latest verified checkpoint")
+    shown = rows if len(rows) <= MAX_ROWS else [r for r in rows if not slurm.is_final(r.state) or r.state != "COMPLETED"][:MAX_ROWS]
+    for r in shown:
+        style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
+        cells = [str(r.task), r.job_id, f"[{style}]{r.state}[/]" if style else r.state, r.nodes or "-", str(r.restarts), r.elapsed or "-"]
+        if with_checkpoint:
+            cells.append(str(PurePosixPath(r.checkpoint).name) if r.checkpoint else "-")
+        table.add_row(*cells)
+    if len(shown) < len(rows):
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.state] = counts.get(r.state, 0) + 1
+        table.caption = f"{len(rows)} tasks: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    return table
+
+
+def follow(console: Console, sub: Submission, timeout_s: float | None = None) -> int:
+    """A live table until every task ends; 0 only if all COMPLETED, else 1."""
+    with Live(status_table([], "waiting for the job"), console=console, refresh_per_second=2, transient=False) as live:
+        states = sub.wait(timeout_s=timeout_s, on_update=lambda rows: live.update(status_table(rows, f"job {', '.join(sub.slurm_job_ids) if sub.executor == 'slurm' else sub.executor}")))
+    bad = {t: s for t, s in states.items() if s != "COMPLETED"}
+    if bad:
+        console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + ", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10]), highlight=False)
+        console.print(f"logs: {sub.folder}", highlight=False)
+        return 1
+    console.print(f"[green]all {len(states)} task(s) COMPLETED[/]")
+    return 0
+
+
+def submit_command(console: Console, plan: Plan, executor: str, wait: bool) -> int:
+    kind = resolve_executor(executor)
+    _says_auto(console, executor, kind)
+    sub = submit_plan(plan, executor=kind)
+    console.print(_summary(sub, plan))
+    if not wait:
+        return 0
+    return follow(console, sub)
+
+
+def _target(target: str) -> Submission:
+    return find_submission(target) or submission_for_job(target)
+
+
+def status_command(console: Console, target: str, as_json: bool) -> int:
+    sub = _target(target)
+    rows = sub.statuses(with_checkpoints=bool(sub.output_dir))
+    if as_json:
+        out = {
+            "executor": sub.executor,
+            "job_ids": sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids,
+            "output_dir": sub.output_dir or None,
+            "tasks": [
+                {"task": r.task, "job_id": r.job_id, "state": r.state, "nodes": r.nodes, "restarts": r.restarts,
+                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint}
+                for r in rows
+            ],
+        }
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        return 0
+    console.print(status_table(rows, f"{sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids[:4])}", with_checkpoint=bool(sub.output_dir)))
+    return 0
+
+
+def cancel_command(console: Console, target: str) -> int:
+    sub = _target(target)
+    sub.cancel() if sub.output_dir else slurm.scancel(sub.slurm_job_ids)
+    console.print(f"cancelled {sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)}", highlight=False)
+    return 0
