@@ -1,0 +1,178 @@
+"""SFT data: local JSONL/JSON in alpaca or messages format -> token ids with the prompt masked out.
+
+- alpaca: ``{"instruction": str, "input": str (optional), "output": str}``
+- messages: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
+
+Only the response tokens (alpaca ``output``, every ``assistant`` turn) carry labels; everything else
+is -100. Examples are truncated to ``max_length`` tokens; an example left without any label token
+is dropped (and counted). A malformed record raises ``DataError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import SwiftSlurmError
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant", "tool")
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+class DataError(SwiftSlurmError):
+    """A dataset file that cannot be read or a record that is not alpaca or messages format."""
+
+    exit_code = 2
+
+
+def _bad(path: Path, line: int, what: str, found: str = "") -> DataError:
+    return DataError(f"{path}, line {line}: {what}", found,
+                     'each record is {"instruction", "input", "output"} (alpaca) or '
+                     '{"messages": [{"role", "content"}, ...]}')
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, record) for every record of a .jsonl file, or of a .json file holding a list."""
+    p = Path(path)
+    try:
+        text = p.read_text("utf-8")
+    except FileNotFoundError:
+        raise DataError("dataset file not found", str(p), "check train.dataset; paths are relative to where you submit") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError("cannot read the dataset file", f"{p}: {exc}", "datasets are UTF-8 JSON or JSONL") from None
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _bad(p, exc.lineno, f"not valid JSON: {exc.msg}") from None
+        # json.loads gives no line numbers per element: report the element's position (1-based) instead
+        for i, item in enumerate(items, 1):
+            yield i, item
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _bad(p, lineno, f"not valid JSON: {exc.msg}", line[:80]) from None
+
+
+def _check_record(path: Path, line: int, rec: Any) -> tuple[str, Any]:
+    """("alpaca", rec) or ("messages", messages), or a DataError naming what is wrong."""
+    if not isinstance(rec, dict):
+        raise _bad(path, line, "a record must be a JSON object", type(rec).__name__)
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad(path, line, "'messages' must be a non-empty list", repr(msgs)[:80])
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+                raise _bad(path, line, f"each message needs 'role' ({', '.join(ROLES)}) and a string 'content'", repr(m)[:80])
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise _bad(path, line, "a conversation needs at least one assistant message to learn from")
+        return "messages", msgs
+    if "instruction" in rec or "output" in rec:
+        for key in ("instruction", "output"):
+            if not isinstance(rec.get(key), str):
+                raise _bad(path, line, f"alpaca field '{key}' must be a string", repr(rec.get(key))[:80])
+        if not isinstance(rec.get("input", ""), str):
+            raise _bad(path, line, "alpaca field 'input' must be a string", repr(rec.get("input"))[:80])
+        return "alpaca", rec
+    raise _bad(path, line, "neither alpaca nor messages format", f"keys {sorted(rec)[:6]}")
+
+
+def _label_spans(kind: str, rec: Any, tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The full text of one example and the character spans that are trained on."""
+    if kind == "alpaca":
+        template = ALPACA_PROMPT_INPUT if rec.get("input") else ALPACA_PROMPT
+        prompt = template.format(instruction=rec["instruction"], input=rec.get("input", ""))
+        answer = rec["output"] + (tokenizer.eos_token or "")
+        return prompt + answer, [(len(prompt), len(prompt) + len(answer))]
+    render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    text = render(rec)
+    spans = []
+    for i, m in enumerate(rec):
+        if m["role"] != "assistant":
+            continue
+        prefix, upto = render(rec[:i], True) if i else "", render(rec[: i + 1])
+        if text.startswith(upto) and upto.startswith(prefix):
+            spans.append((len(prefix), len(upto)))
+        else:  # a template that is not prefix-stable: fall back to locating the content itself
+            start = text.find(m["content"], spans[-1][1] if spans else 0)
+            if start >= 0:
+                spans.append((start, start + len(m["content"])))
+    return text, spans
+
+
+def encode(kind: str, rec: Any, tokenizer, max_length: int) -> dict[str, list[int]] | None:
+    """input_ids / labels / attention_mask of one record, or None when truncation left no label."""
+    text, spans = _label_spans(kind, rec, tokenizer)
+    add_special = kind == "alpaca"  # chat templates carry their own special tokens
+    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    ids = enc["input_ids"][:max_length]
+    labels = []
+    for tok_id, (start, end) in zip(ids, enc["offset_mapping"]):
+        inside = any(s <= start < e for s, e in spans)
+        labels.append(tok_id if inside else IGNORE_INDEX)
+    if all(lab == IGNORE_INDEX for lab in labels):
+        return None
+    return {"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
+
+
+@dataclass
+class SFTDataset:
+    """A list of encoded examples (a map-style dataset for the Trainer's DataLoader)."""
+
+    examples: list[dict[str, list[int]]]
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.examples[i]
+
+
+def load_dataset(paths: list[str], tokenizer, max_length: int) -> SFTDataset:
+    """Read and encode every record of every file, in file order (the Trainer's sampler shuffles by seed)."""
+    if tokenizer.chat_template is None:
+        from .tinymodel import CHAT_TEMPLATE
+
+        tokenizer.chat_template = CHAT_TEMPLATE
+    examples, dropped = [], 0
+    for path in paths:
+        for line, rec in read_records(path):
+            kind, body = _check_record(Path(path), line, rec)
+            ex = encode(kind, body, tokenizer, max_length)
+            if ex is None:
+                dropped += 1
+            else:
+                examples.append(ex)
+    if not examples:
+        raise DataError("no trainable example in the dataset", f"{len(paths)} file(s), {dropped} dropped by max_length",
+                        "check train.dataset, or raise train.max_length so responses are not cut off")
+    return SFTDataset(examples, dropped)
+
+
+class Collator:
+    """Right-pads a batch: input_ids with the pad id, labels with -100, attention_mask with 0."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(ex["input_ids"]) for ex in batch)
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for ex in batch:
+            pad = width - len(ex["input_ids"])
+            out["input_ids"].append(ex["input_ids"] + [self.pad_id] * pad)
+            out["labels"].append(ex["labels"] + [IGNORE_INDEX] * pad)
+            out["attention_mask"].append(ex["attention_mask"] + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}

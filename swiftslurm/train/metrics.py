@@ -1,0 +1,180 @@
+"""What the trainer measures, and where it goes (TensorBoard via the Trainer's logs, and metrics.jsonl).
+
+Every number is measured on this rank with ``time.perf_counter``, not derived from a formula that
+assumes the answer (docs/training.md says how each is measured):
+
+- step time: from the start of a step's batch fetch to the Trainer's ``on_step_end`` (fwd, bwd,
+  optimizer); checkpoint saves and logging are outside it.
+- data wait: time inside ``next(dataloader)`` for the step's micro-batches.
+- comm wait: time inside DeepSpeed's collectives (``deepspeed.comm.all_reduce``, ``reduce_scatter_*``,
+  ``all_gather_*``, ``broadcast``, ``barrier``, ...), wrapped by ``CommTimer``; nested calls count once.
+- tokens / samples: non-padding tokens (attention_mask) and rows of the batches actually fetched,
+  summed over ranks with one all-reduce per logging step.
+- memory: CPU RSS (VmRSS) always; GPU allocated / peak from the CUDA caching allocator on GPUs.
+- MFU (GPU only, peak FLOPs from a table): model FLOPs per token x measured tokens/s / peak.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+# dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of torch.cuda.get_device_name()
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "V100": 125.0}
+
+COMM_FUNCTIONS = (
+    "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_fn", "all_gather", "all_gather_into_tensor", "allgather_fn",
+    "all_gather_coalesced", "broadcast", "barrier", "all_to_all_single", "gather", "scatter",
+)
+
+
+class CommTimer:
+    """Seconds spent inside DeepSpeed's collectives on this rank (a hook on ``deepspeed.comm``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+        self._originals: dict[str, Any] = {}
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+                self._depth -= 1
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def install(self) -> "CommTimer":
+        import deepspeed.comm as dscomm
+        import deepspeed.comm.comm as dscomm_impl
+
+        for name in COMM_FUNCTIONS:
+            fn = getattr(dscomm_impl, name, None)
+            if fn is None or name in self._originals:
+                continue
+            self._originals[name] = fn
+            wrapped = self._wrap(fn)
+            setattr(dscomm_impl, name, wrapped)
+            if getattr(dscomm, name, None) is fn:
+                setattr(dscomm, name, wrapped)
+        return self
+
+    def uninstall(self) -> None:
+        import deepspeed.comm as dscomm
+        import deepspeed.comm.comm as dscomm_impl
+
+        for name, fn in self._originals.items():
+            setattr(dscomm_impl, name, fn)
+            setattr(dscomm, name, fn)
+        self._originals.clear()
+
+
+def cpu_rss_mb() -> float:
+    """Resident set size of this process (Linux /proc), in MiB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key, tflops in PEAK_TFLOPS_BF16.items():
+        if key in device_name:
+            return tflops
+    return None
+
+
+class StepMeter:
+    """Accumulates one rank's measurements between two logging steps."""
+
+    def __init__(self, comm: CommTimer | None = None) -> None:
+        self.comm = comm
+        self.reset()
+        self._step_start: float | None = None
+        self._comm_start = 0.0
+        self.last_step_s: float | None = None
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.step_s = 0.0
+        self.data_s = 0.0
+        self.comm_s = 0.0
+        self.tokens = 0
+        self.samples = 0
+
+    def begin_step(self) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+            self._comm_start = self.comm.seconds if self.comm else 0.0
+
+    def add_batch(self, batch: dict[str, Any], fetch_s: float) -> None:
+        self.data_s += fetch_s
+        mask = batch.get("attention_mask")
+        ids = batch["input_ids"]
+        self.tokens += int(mask.sum()) if mask is not None else int(ids.numel())
+        self.samples += int(ids.shape[0])
+
+    def end_step(self) -> None:
+        if self._step_start is None:
+            return
+        self.last_step_s = time.perf_counter() - self._step_start
+        self.step_s += self.last_step_s
+        if self.comm:
+            self.comm_s += self.comm.seconds - self._comm_start
+        self.steps += 1
+        self._step_start = None
+
+    def summary(self, world_tokens: int, world_samples: int, flops_per_token: float | None = None,
+                world_size: int = 1) -> dict[str, float]:
+        """The logged values for the steps since the last summary (then reset)."""
+        import torch
+
+        out: dict[str, float] = {}
+        if self.steps and self.step_s > 0:
+            out["step_time_s"] = self.step_s / self.steps
+            out["tokens_per_s"] = world_tokens / self.step_s
+            out["samples_per_s"] = world_samples / self.step_s
+            out["data_wait_ratio"] = self.data_s / self.step_s
+            if self.comm is not None:
+                out["comm_wait_ratio"] = self.comm_s / self.step_s
+        out["cpu_rss_mb"] = cpu_rss_mb()
+        if torch.cuda.is_available():
+            out["gpu_mem_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
+            out["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            peak = peak_tflops(torch.cuda.get_device_name())
+            if peak and flops_per_token and "tokens_per_s" in out:
+                out["mfu"] = flops_per_token * out["tokens_per_s"] / (peak * 1e12 * world_size)
+        self.reset()
+        return out
+
+
+def flops_per_token(total_params: int, trainable_params: int) -> float:
+    """Training FLOPs per token of a dense decoder: 2N forward + 2N backward (activations) + 2N_trainable
+    (weight gradients). Full fine-tuning gives the usual 6N; attention's sequence term is left out."""
+    return 4.0 * total_params + 2.0 * trainable_params
+
+
+class MetricsFile:
+    """``metrics.jsonl``: one JSON object per log call, appended and flushed (rank 0 only)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, logs: dict[str, Any]) -> None:
+        row = {"step": step, "time": time.time(), **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")

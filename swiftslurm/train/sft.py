@@ -1,0 +1,213 @@
+"""The built-in SFT trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
+
+Called in-process on every rank by ``swiftslurm.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
+RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
+``dsconfig.build_for_spec``), peft LoRA or full fine-tuning, verified checkpoints, TensorBoard and
+metrics.jsonl under ``output_dir``. Without CUDA it runs on the CPU: DS_ACCELERATOR=cpu, gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import SwiftSlurmError
+
+log = logging.getLogger("swiftslurm.train")
+
+
+@dataclass
+class TrainResult:
+    global_step: int
+    final_loss: float | None
+    tokens_per_s: float | None
+    stopped_for_requeue: bool
+    checkpoints: list[str] = field(default_factory=list)
+    save_seconds: list[float] = field(default_factory=list)
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+    wall_s: float = 0.0
+
+
+class ModelUnavailable(SwiftSlurmError):
+    exit_code = 2
+
+
+def _prepare_device_env() -> bool:
+    """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return cuda
+
+
+def load_model_and_tokenizer(spec, cuda: bool):
+    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
+    import torch
+
+    train = spec.train
+    if train.model == "tiny-llama":
+        from .tinymodel import build_model, build_tokenizer
+
+        tok = build_tokenizer()
+        return build_model(len(tok), train.max_length, train.seed), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    last: Exception | None = None
+    for local_only in (True, False) if not offline else (True,):
+        try:
+            tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only)
+            return model, tok
+        except (OSError, ValueError) as exc:
+            last = exc
+    raise ModelUnavailable(
+        f"cannot load model {train.model!r}",
+        str(last).splitlines()[0][:200] if last else "",
+        "nodes usually have no internet: download it first (`huggingface-cli download ...` into the shared "
+        "HF_HOME) or set train.model to a local directory with config.json; 'tiny-llama' is a built-in test model",
+    )
+
+
+def _apply_lora(model, train):
+    from peft import LoraConfig, get_peft_model
+
+    targets = train.lora_target_modules
+    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool):
+    from transformers import TrainingArguments
+
+    t = spec.train
+    report = [r for r in t.report_to if r != "none"]
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        lr_scheduler_type=t.lr_scheduler_type,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        num_train_epochs=t.epochs,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=None,  # retention is checkpoint.prune's job
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        deepspeed=ds_config,
+        use_cpu=not cuda,
+        report_to=report or "none",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_only_model=False,
+    )
+
+
+def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: str | None,
+          should_stop: Callable[[], bool]) -> TrainResult:
+    """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved."""
+    started = time.perf_counter()
+    cuda = _prepare_device_env()
+    import transformers
+
+    from .data import Collator, load_dataset
+    from .metrics import CommTimer, StepMeter, flops_per_token
+    from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
+
+    transformers.set_seed(spec.train.seed)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    args = training_arguments(spec, output_dir, ds_config, cuda)  # before the model: ZeRO-3 init needs it
+    model, tok = load_model_and_tokenizer(spec, cuda)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    total_params = sum(p.numel() for p in model.parameters())
+    if spec.train.train_type == "lora":
+        model = _apply_lora(model, spec.train)
+        if spec.train.gradient_checkpointing:
+            model.enable_input_require_grads()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dataset = load_dataset(spec.train.dataset, tok, spec.train.max_length)
+    if dataset.dropped and dist.rank == 0:
+        log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
+                    dataset.dropped, spec.train.max_length)
+
+    comm = CommTimer().install()
+    meter = StepMeter(comm)
+    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter)
+    callbacks = [schedule]
+    metrics_path = Path(output_dir) / "metrics.jsonl"
+    if dist.rank == 0:
+        callbacks.append(MetricsFileCallback(metrics_path))
+    job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
+           "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
+           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size}
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=Collator(tok.pad_token_id),
+        processing_class=tok, callbacks=callbacks, meter=meter, job=job,
+        flops_per_token=flops_per_token(total_params, trainable),
+    )
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    finally:
+        comm.uninstall()
+    return _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank)
+
+
+def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: float, rank: int) -> TrainResult:
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    speeds = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
+    runs = Path(output_dir) / "runs"
+    result = TrainResult(
+        global_step=trainer.state.global_step,
+        final_loss=losses[-1] if losses else None,
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else None,
+        stopped_for_requeue=schedule.stopped_for_requeue,
+        checkpoints=list(trainer.committed),
+        save_seconds=list(trainer.save_seconds),
+        tensorboard_dir=str(runs) if runs.exists() else None,
+        metrics_file=str(metrics_path) if rank == 0 else None,
+        wall_s=wall_s,
+    )
+    if rank == 0:
+        print(summary(result, output_dir, losses[0] if losses else None), flush=True)
+    return result
+
+
+def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> str:
+    """The end-of-training lines printed on rank 0."""
+    def fmt(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+
+    how = "stopped for requeue (walltime signal)" if result.stopped_for_requeue else "finished"
+    lines = [
+        f"swiftslurm: training {how} at step {result.global_step} in {result.wall_s:.1f} s",
+        f"  loss: first {fmt(first_loss)} -> final {fmt(result.final_loss)}",
+        f"  throughput: {fmt(result.tokens_per_s, '.1f')} tokens/s (all ranks)",
+        f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
+        f"`swiftslurm verify {output_dir}` checks them",
+    ]
+    if result.tensorboard_dir:
+        lines.append(f"  TensorBoard: tensorboard --logdir {result.tensorboard_dir}")
+    if result.metrics_file:
+        lines.append(f"  metrics: {result.metrics_file}")
+    return "\n".join(lines)

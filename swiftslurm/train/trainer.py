@@ -1,0 +1,161 @@
+"""The HF Trainer subclass and callbacks: verified checkpoint saves, measured metrics, walltime stop.
+
+Saving: the Trainer writes its normal HF/DeepSpeed checkpoint (weights or adapter, DeepSpeed shards,
+rng_state_<rank>.pth, scheduler, trainer_state.json) through a link ``<out>/.swiftslurm-save/checkpoint-N``
+that points at ``checkpoint.staging_dir(out, N)``; after a barrier rank 0 seals it with
+``checkpoint.commit`` (manifest last, rename into ``checkpoint-N``, ``latest``), a barrier, then
+``checkpoint.prune(out, keep)`` on rank 0. The Trainer's own rotation is off (save_total_limit None).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+from transformers import Trainer, TrainerCallback
+
+from .. import checkpoint as ck
+from .metrics import MetricsFile, StepMeter
+
+log = logging.getLogger("swiftslurm.train")
+SAVE_LINK_DIR = ".swiftslurm-save"
+
+
+def _barrier() -> None:
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()
+
+
+def _all_reduce(values: list[float], op, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+class SFTTrainer(Trainer):
+    """Trainer + swiftslurm's save protocol and measurements. ``job`` carries spec facts for the meta."""
+
+    def __init__(self, *args, meter: StepMeter, job: dict[str, Any], flops_per_token: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.meter = meter
+        self.job = job
+        self.flops_per_token = flops_per_token
+        self.save_seconds: list[float] = []
+        self.committed: list[str] = []
+
+    # ---- measurements
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self.meter.begin_step()
+        batches = []
+        for _ in range(num_batches):
+            start = time.perf_counter()
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            self.meter.add_batch(batch, time.perf_counter() - start)
+            batches.append(batch)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
+            tokens, samples = _all_reduce([self.meter.tokens, self.meter.samples], tdist.ReduceOp.SUM, self.args.device)
+            logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size))
+        super().log(logs, start_time)
+
+    # ---- verified checkpoints
+    def _get_output_dir(self, trial) -> str:
+        return os.path.join(self.args.output_dir, SAVE_LINK_DIR)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        start = time.perf_counter()
+        out, step = self.args.output_dir, self.state.global_step
+        link = Path(out) / SAVE_LINK_DIR / f"checkpoint-{step}"
+        staging = ck.staging_dir(out, step)
+        if self.args.process_index == 0:
+            ck.prepare_staging(out, step)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            os.symlink(os.path.relpath(staging, link.parent), link)
+        _barrier()
+        super()._save_checkpoint(model, trial)
+        _barrier()
+        if self.args.process_index == 0:
+            link.unlink()
+            try:
+                link.parent.rmdir()
+            except OSError:
+                pass
+            meta = {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
+                    "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
+                    "job_name": self.job["name"], "train_type": self.job["train_type"]}
+            final = ck.final_dir(out, step)
+            ck.commit(staging, final, algo=self.job["checksum"], meta=meta)
+            self.committed.append(str(final))
+        _barrier()
+        if self.args.process_index == 0:
+            for path in ck.prune(out, self.job["keep"]):
+                log.info("pruned old checkpoint %s", path)
+        seconds = time.perf_counter() - start
+        self.save_seconds.append(seconds)
+        self.log({"checkpoint_save_s": seconds})
+        self._check_grace(seconds)
+
+    def _check_grace(self, save_s: float) -> None:
+        """Warn once when slurm.signal_grace_s cannot cover one step plus one save."""
+        step_s = self.meter.last_step_s
+        if self.job.get("grace_warned") or step_s is None:
+            return
+        self.job["grace_warned"] = True
+        if self.job["signal_grace_s"] < step_s + save_s:
+            log.warning("slurm.signal_grace_s = %d s is shorter than one step + one save (%.1f s + %.1f s): "
+                        "a walltime stop may be killed mid-save. HINT: raise signal_grace_s.",
+                        self.job["signal_grace_s"], step_s, save_s)
+
+
+class ScheduleCallback(TrainerCallback):
+    """Forced saves at fractions of max_steps and at the last step, plus the walltime stop.
+
+    The stop flag is all-reduced with MAX every step, so every rank stops at the same step even when
+    only one of them saw the signal. On a stop: save now, then stop training.
+    """
+
+    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter):
+        self.should_stop = should_stop
+        self.fractions = fractions
+        self.meter = meter
+        self.stopped_for_requeue = False
+        self.forced: set[int] = set()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.meter.end_step()
+        (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        if flag > 0:
+            self.stopped_for_requeue = True
+            control.should_save = True
+            control.should_training_stop = True
+            log.warning("walltime signal: saving at step %d, then stopping for requeue", state.global_step)
+        elif state.global_step in self.forced:
+            control.should_save = True
+        return control
+
+
+class MetricsFileCallback(TrainerCallback):
+    """Writes metrics.jsonl on rank 0 for every log call."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = MetricsFile(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            self.file.write(state.global_step, logs)
