@@ -263,3 +263,22 @@ def test_prune_with_keep_one_never_deletes_the_only_verified(tmp_path):
     make_checkpoint(tmp_path, 1)
     assert ck.prune(tmp_path, keep=0) == []
     assert ck.newest_verified(tmp_path, log=None) == ck.final_dir(tmp_path, 1)
+
+
+def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
+    from swiftslurm.checkpoint.manifest import MMAP_MIN_BYTES, MMAP_SLICE_BYTES
+
+    stage = ck.prepare_staging(tmp_path, 1)
+    big = os.urandom(MMAP_SLICE_BYTES + MMAP_MIN_BYTES + 123)  # two slices, not a multiple of either
+    (stage / "big.pt").write_bytes(big)
+    (stage / "empty.pt").write_bytes(b"")
+    m = ck.commit(stage, ck.final_dir(tmp_path, 1), algo="xxh3", meta={})
+    assert m.files["big.pt"] == {"size": len(big), "checksum": xxhash.xxh3_128(big).hexdigest()}
+    assert m.files["empty.pt"] == {"size": 0, "checksum": xxhash.xxh3_128(b"").hexdigest()}
+    seen = []
+    assert ck.verify(ck.final_dir(tmp_path, 1), progress=lambda d, t: seen.append((d, t))).ok
+    assert seen[-1] == (len(big), len(big)) and len(seen) >= 2
+    with open(ck.final_dir(tmp_path, 1) / "big.pt", "r+b") as f:
+        f.seek(len(big) - 5)
+        f.write(bytes([big[-5] ^ 0x80]))
+    assert ck.verify(ck.final_dir(tmp_path, 1)).problems == ["big.pt: xxh3_128 checksum mismatch (content changed)"]

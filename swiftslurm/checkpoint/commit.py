@@ -103,7 +103,7 @@ def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, has
     meta = dict(meta)
     step = int(meta.get("step", step if step is not None else -1))
     meta.setdefault("step", step)
-    meta.setdefault("versions", library_versions())
+    meta.setdefault("versions", dict(library_versions()))
     meta.setdefault("committed_at", time.time())
     manifest = Manifest(step=step, algo=algo, files=files, meta=meta)
     atomic_write_text(staging / MANIFEST_NAME, manifest.to_json())

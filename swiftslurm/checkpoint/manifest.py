@@ -13,8 +13,10 @@ Hashing is parallel over files (a thread pool: xxhash and hashlib release the GI
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,9 @@ import xxhash
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "swiftslurm-checkpoint/1"
-CHUNK_BYTES = 4 << 20  # 4 MiB reads: large enough to release the GIL, small enough for a smooth progress bar
+CHUNK_BYTES = 1 << 20  # 1 MiB reads: release the GIL, and stay in L2 cache between the copy and the hash (4 MiB was ~15% slower)
+MMAP_MIN_BYTES = 1 << 20  # files at least this large are hashed through mmap
+MMAP_SLICE_BYTES = 8 << 20  # hashed per slice, so the progress bar moves and the GIL is released per slice
 
 # spec.checkpoint.checksum names -> the algorithm recorded in manifests. "xxh3" is XXH3-128.
 ALGOS: dict[str, Callable[[], Any]] = {
@@ -58,7 +62,7 @@ def walk_files(root: Path) -> list[str]:
 
 
 def read_file(path: Path, algo: str | None, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
-    """Read one file in chunks; hash it with ``algo`` (None = only read, for benchmarks). {size, checksum}."""
+    """Read one file in chunks with ``readinto``; hash it with ``algo`` (None = only read). {size, checksum}."""
     hasher = ALGOS[algo_name(algo)]() if algo else None
     buf = buf if buf is not None else bytearray(CHUNK_BYTES)
     view = memoryview(buf)
@@ -74,6 +78,35 @@ def read_file(path: Path, algo: str | None, progress: Progress | None = None, bu
             if progress is not None:
                 progress(n)
     return {"size": size, "checksum": hasher.hexdigest() if hasher else ""}
+
+
+def hash_file(path: Path, algo: str, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
+    """Hash one file. Large files are hashed through ``mmap`` (no copy into a buffer: hashing a cached
+    checkpoint then costs about what reading it does); small files, empty files and filesystems that
+    cannot mmap go through ``read_file``. Committed checkpoint files are never truncated in place
+    (commit renames, prune renames then unlinks), which is what makes mapping them safe.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < MMAP_MIN_BYTES:
+                raise ValueError("small file")
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    except (ValueError, OSError):
+        return read_file(path, algo, progress, buf)
+    try:
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+        hasher = ALGOS[algo_name(algo)]()
+        with memoryview(mapped) as view:
+            for start in range(0, size, MMAP_SLICE_BYTES):
+                piece = view[start : start + MMAP_SLICE_BYTES]
+                hasher.update(piece)
+                piece.release()
+                if progress is not None:
+                    progress(min(MMAP_SLICE_BYTES, size - start))
+        return {"size": size, "checksum": hasher.hexdigest()}
+    finally:
+        mapped.close()
 
 
 def hash_files(
@@ -96,7 +129,7 @@ def hash_files(
     def one(rel: str) -> tuple[str, dict]:
         if not hasattr(local, "buf"):
             local.buf = bytearray(CHUNK_BYTES)
-        return rel, read_file(root / rel, algo, progress, local.buf)
+        return rel, hash_file(root / rel, algo, progress, local.buf)
 
     if workers <= 1 or len(rels) <= 1:
         results = [one(r) for r in rels_by_size]
@@ -168,6 +201,7 @@ def read_manifest(ckpt: Path) -> Manifest:
     return parse_manifest(text)
 
 
+@functools.lru_cache(maxsize=1)
 def library_versions() -> dict[str, str]:
     """Versions of the libraries whose formats a checkpoint depends on (cheap: no imports of torch)."""
     from importlib.metadata import PackageNotFoundError, version
