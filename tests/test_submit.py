@@ -1,0 +1,235 @@
+"""submit / status / cancel for real: the local executor, and the local Slurm cluster (marker slurm)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from swiftslurm import slurm
+from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.plan import make_plan, write_plan
+from swiftslurm.render import render_sbatch
+from swiftslurm.spec import parse_toml, validate_spec
+from swiftslurm.submit import Submission, load_submission, resolve_executor, submit_plan
+
+WAIT_S = 180
+
+# Each rank writes what it was given into DIR/<array task or x>-<rank>-<pid>.json.
+RECORD = (
+    "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
+    "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'SLURMD_NODENAME', "
+    "'SLURM_JOB_NODELIST', 'SLURM_ARRAY_TASK_ID', 'SWIFTSLURM_PROBE_A', 'SWIFTSLURM_PROBE_B', 'SWIFTSLURM_PROBE_C']; "
+    "name = os.environ.get('SLURM_ARRAY_TASK_ID', 'x') + '-' + os.environ['RANK'] + '-' + str(os.getpid()); "
+    "open(os.path.join(d, name + '.json'), 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
+)
+
+
+def spec_text(out: str, ranks_dir: str, nodes=1, tasks=1, sweep="", env="", slurm_extra="", name="ssub", command=None) -> str:
+    cmd = command or ["python", "-c", RECORD, ranks_dir]
+    return f"""
+[job]
+name = {json.dumps(name)}
+output_dir = {json.dumps(out)}
+[slurm]
+partition = "debug"
+nodes = {nodes}
+tasks_per_node = {tasks}
+time = "00:05:00"
+signal_grace_s = 30
+{slurm_extra}
+[train]
+command = {json.dumps(cmd)}
+[preflight]
+checks = []
+{env}
+{sweep}
+"""
+
+
+def plan_from(text: str, base: Path):
+    raw = parse_toml(text)
+    return make_plan(validate_spec(raw), raw, base_dir=str(base), source="test.toml")
+
+
+def ranks(d: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+
+
+def cli(*args, cwd=None, timeout=WAIT_S + 30):
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+
+def test_auto_picks_local_without_sbatch(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no sbatch on it
+    assert resolve_executor("auto") == "local"
+    with pytest.raises(Exception, match="sbatch"):
+        resolve_executor("slurm")
+    with pytest.raises(SubmissionError, match="unknown executor"):
+        resolve_executor("kubernetes")
+
+
+def test_local_sweep_two_ranks_each(tmp_path):
+    text = spec_text("out", str(tmp_path / "ranks"), tasks=2, sweep="[sweep]\nlearning_rate = [1e-4, 2e-4]",
+                     env='[env]\nSWIFTSLURM_PROBE_A = "$(touch pwned) \'x\' `y`"')
+    plan = plan_from(text, tmp_path)
+    sub = submit_plan(plan, executor="local")
+    assert sub.executor == "local" and len(sub.job_ids) == 2
+    assert sub.wait(timeout_s=WAIT_S, poll_s=0.5) == {"0": "COMPLETED", "1": "COMPLETED"}
+    for i, lr in enumerate((1e-4, 2e-4)):
+        spec = json.loads((tmp_path / "out" / str(i) / "spec.json").read_text())
+        assert spec["spec"]["train"]["learning_rate"] == lr
+    got = ranks(tmp_path / "ranks")
+    assert sorted((r["RANK"], r["WORLD_SIZE"]) for r in got) == [("0", "2"), ("0", "2"), ("1", "2"), ("1", "2")]
+    assert {r["SWIFTSLURM_PROBE_A"] for r in got} == {"$(touch pwned) 'x' `y`"}
+    assert not (tmp_path / "pwned").exists()
+    again = load_submission(str(tmp_path / "out"))  # the record alone gives the same answer
+    assert again.job_ids == sub.job_ids and again.states() == {"0": "COMPLETED", "1": "COMPLETED"}
+
+
+def test_local_failure_is_reported_and_exits_1(tmp_path):
+    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["python", "-c", "raise SystemExit(3)"]))
+    proc = cli("submit", "s.toml", "--executor", "local", "--wait", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED" in proc.stdout
+    status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
+    assert [t["state"] for t in status["tasks"]] == ["FAILED"]
+
+
+# ---------------------------------------------------------------- on the local Slurm cluster
+
+
+def _sbatch_calls(sub: Submission) -> int:
+    """submitit writes one submission script per sbatch call into the submission's folder."""
+    return len(list(Path(sub.folder).glob("*_submission.sh")))
+
+
+@pytest.mark.slurm
+def test_sweep_is_one_sbatch_array_cli(tmp_path):
+    (tmp_path / "s.toml").write_text(spec_text("out", str(tmp_path / "ranks"), sweep="[sweep]\nlearning_rate = [1e-4, 2e-4]\nseed = [1, 2]"))
+    proc = cli("submit", "s.toml", "--executor", "auto", "--wait", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "executor: slurm (auto" in proc.stdout
+    sub = load_submission(str(tmp_path / "out"))
+    assert sub.executor == "slurm" and len(sub.slurm_job_ids) == 1 and _sbatch_calls(sub) == 1
+    assert sub.job_ids == [f"{sub.slurm_job_ids[0]}_{i}" for i in range(4)]
+    seen = set()
+    for i in range(4):
+        spec = json.loads((tmp_path / "out" / str(i) / "spec.json").read_text())["spec"]
+        seen.add((spec["train"]["learning_rate"], spec["train"]["seed"]))
+    assert seen == {(1e-4, 1), (1e-4, 2), (2e-4, 1), (2e-4, 2)}
+    assert sorted(r["SLURM_ARRAY_TASK_ID"] for r in ranks(tmp_path / "ranks")) == ["0", "1", "2", "3"]
+    status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
+    assert [t["state"] for t in status["tasks"]] == ["COMPLETED"] * 4
+    assert all(t["nodes"] for t in status["tasks"])
+    by_id = json.loads(cli("status", sub.slurm_job_ids[0], "--json").stdout)
+    assert [t["state"] for t in by_id["tasks"]] == ["COMPLETED"] * 4
+
+
+@pytest.mark.slurm
+def test_two_nodes_two_tasks_ranks(tmp_path):
+    plan = plan_from(spec_text("out", str(tmp_path / "ranks"), nodes=2, tasks=2), tmp_path)
+    sub = submit_plan(plan, executor="slurm")
+    assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}
+    got = ranks(tmp_path / "ranks")
+    assert sorted(int(r["RANK"]) for r in got) == [0, 1, 2, 3]
+    assert {r["WORLD_SIZE"] for r in got} == {"4"}
+    by_node = {}
+    for r in got:
+        by_node.setdefault(r["SLURMD_NODENAME"], []).append(r)
+    assert len(by_node) == 2
+    assert sorted(r["NODE_RANK"] for r in got) == ["0", "0", "1", "1"]
+    assert all(sorted(r["LOCAL_RANK"] for r in rs) == ["0", "1"] for rs in by_node.values())
+    first = slurm.show_hostnames(got[0]["SLURM_JOB_NODELIST"])[0]
+    assert len({r["MASTER_ADDR"] for r in got}) == 1
+    master = got[0]["MASTER_ADDR"]
+    assert master in (first, _addr_of(first))
+    rank0 = next(r for r in got if r["RANK"] == "0")
+    assert rank0["SLURMD_NODENAME"] == first
+
+
+def _addr_of(host: str) -> str:
+    import socket
+
+    return socket.gethostbyname(host)
+
+
+@pytest.mark.slurm
+def test_rendered_script_runs_under_plain_sbatch(tmp_path):
+    plan = plan_from(spec_text("out", str(tmp_path / "ranks"), tasks=2, sweep="[sweep]\nseed = [1, 2]"), tmp_path)
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
+    job = slurm.sbatch(str(tmp_path / "job.sh"))
+    sub = Submission("slurm", [f"{job}_0", f"{job}_1"], plan.output_dir, [t.output_dir for t in plan.tasks], "")
+    assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED", "1": "COMPLETED"}
+    assert sorted((r["SLURM_ARRAY_TASK_ID"], r["RANK"]) for r in ranks(tmp_path / "ranks")) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert len(list((tmp_path / "out").glob("slurm-*_*.out"))) == 2
+
+
+@pytest.mark.slurm
+def test_injection_through_render_and_real_sbatch(tmp_path):
+    pwned = Path(f"/tmp/pwned-{uuid.uuid4().hex}")
+    bare_pwned_existed = Path("/tmp/pwned").exists()
+    nasty = [f"'; touch {pwned} #", f"$(touch {pwned})", f"`touch {pwned}`", "two\nlines", "sp  aces"]
+    # job name: refused by the spec with a clear error
+    for bad in nasty:
+        with pytest.raises(SpecError, match="job.name"):
+            plan_from(spec_text("o", str(tmp_path / "r"), name=bad), tmp_path)
+    # extra options: a line break is refused; the rest reach sbatch quoted
+    with pytest.raises(SpecError, match="extra_sbatch"):
+        plan_from(spec_text("o", str(tmp_path / "r"), slurm_extra=f"extra_sbatch = {json.dumps(['--comment=' + nasty[3]])}"), tmp_path)
+    comment = f"--comment={nasty[0]} {nasty[1]} {nasty[2]}"
+    # env values and the output path: arrive literally
+    env = "[env]\n" + "\n".join(f"SWIFTSLURM_PROBE_{k} = {json.dumps(v)}" for k, v in zip("ABC", (nasty[0] + nasty[3], nasty[1] + nasty[4], nasty[2])))
+    out = tmp_path / f"out {nasty[0]} {nasty[1]} {nasty[2]}".replace("/", "_")
+    text = spec_text(str(out), str(tmp_path / "ranks"), env=env, slurm_extra=f"extra_sbatch = {json.dumps([comment])}")
+    plan = plan_from(text, tmp_path)
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    job = slurm.sbatch(str(tmp_path / "job.sh"))
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    assert f"Comment={comment.removeprefix('--comment=')} " in shown  # sbatch read the quoted option literally
+    sub = Submission("slurm", [job], plan.output_dir, [plan.output_dir], "")
+    assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}
+    (got,) = ranks(tmp_path / "ranks")
+    assert got["SWIFTSLURM_PROBE_A"] == nasty[0] + nasty[3]
+    assert got["SWIFTSLURM_PROBE_B"] == nasty[1] + nasty[4]
+    assert got["SWIFTSLURM_PROBE_C"] == nasty[2]
+    assert list(out.glob("slurm-*.out")), "the log went to the literal output dir"
+    assert not pwned.exists()
+    assert Path("/tmp/pwned").exists() == bare_pwned_existed
+
+
+@pytest.mark.slurm
+def test_refused_submission_exits_3_with_slurms_reason(tmp_path):
+    plan = plan_from(spec_text("out", str(tmp_path / "r")).replace('partition = "debug"', 'partition = "nope"'), tmp_path)
+    with pytest.raises(SubmissionError) as err:
+        submit_plan(plan, executor="slurm")
+    assert "invalid partition" in err.value.found.lower()
+    (tmp_path / "s.toml").write_text(spec_text("out2", str(tmp_path / "r")).replace('partition = "debug"', 'partition = "nope"'))
+    proc = cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path)
+    assert proc.returncode == 3 and "invalid partition" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slurm
+def test_cancel_from_output_dir(tmp_path):
+    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["sleep", "120"]))
+    assert cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path).returncode == 0
+    sub = load_submission(str(tmp_path / "out"))
+    deadline = time.monotonic() + 30
+    while sub.states()["0"] != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc = cli("cancel", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert sub.wait(timeout_s=60, poll_s=0.5) == {"0": "CANCELLED"}
