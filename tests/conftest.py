@@ -1,0 +1,99 @@
+"""Shared test setup: the `slurm` marker and the local Slurm cluster (tests/cluster/up.sh).
+
+A test marked `@pytest.mark.slurm` needs the cluster. When `sinfo` does not answer, it is
+skipped with the reason, except under CI=true, where a missing cluster is a failure.
+Helpers for such tests: the `slurm_cluster` fixture (node names) and
+`from conftest import wait_for_job`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from functools import lru_cache
+
+import pytest
+
+START_HINT = "bring it up with tests/cluster/up.sh as root (see tests/cluster/README.md)"
+
+# sacct states after which a job will not change again (a requeued job shows REQUEUED, then PENDING).
+FINAL_STATES = frozenset(
+    {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+@lru_cache(maxsize=1)
+def _probe_cluster() -> tuple[tuple[str, ...], str]:
+    """(node names, "") when sinfo answers with nodes, else ((), why not)."""
+    if shutil.which("sinfo") is None:
+        return (), "sinfo is not installed"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return (), "sinfo did not answer within 20 s"
+    if proc.returncode != 0:
+        return (), f"sinfo exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+    nodes = sorted(set(proc.stdout.split()), key=_natural)
+    if not nodes:
+        return (), "sinfo lists no nodes"
+    return tuple(nodes), ""
+
+
+def _require_cluster() -> tuple[str, ...]:
+    nodes, why = _probe_cluster()
+    if nodes:
+        return nodes
+    message = f"the local Slurm cluster is not up ({why}); {START_HINT}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("slurm") is not None:
+        _require_cluster()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> tuple[str, ...]:
+    """The cluster's node names, in order: ("node1", ..., "nodeN")."""
+    return _require_cluster()
+
+
+def wait_for_job(job_id: str, timeout_s: float, *, min_rows: int = 1, poll_s: float = 0.5) -> dict[str, str]:
+    """Poll sacct until the job (every array task) is in a final state; return {JobID: State}.
+
+    min_rows: how many rows must be there (an array of 4 tasks: 4), since sacct learns of a job
+    a moment after sbatch returns. Raises TimeoutError with the last rows seen.
+    """
+    deadline = time.monotonic() + timeout_s
+    rows: dict[str, str] = {}
+    while True:
+        try:
+            proc = subprocess.run(
+                ["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobID,State"],
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, min(30.0, deadline - time.monotonic())),
+            )
+        except subprocess.TimeoutExpired:
+            proc = None
+        if proc is not None and proc.returncode == 0:
+            # "CANCELLED by 0" -> "CANCELLED"
+            rows = {jid: (state.split() or [""])[0] for jid, _, state in (line.partition("|") for line in proc.stdout.splitlines() if line.strip())}
+            if len(rows) >= min_rows and all(state in FINAL_STATES for state in rows.values()):
+                return rows
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Slurm job {job_id} not finished after {timeout_s} s; last sacct rows: {rows}")
+        time.sleep(poll_s)
