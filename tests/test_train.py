@@ -1,0 +1,222 @@
+"""The built-in trainer on CPU with real DeepSpeed (gloo), 2 ranks, the tiny model.
+
+Few, combined runs (each costs ~20-40 s on 2 cores, most of it imports):
+  demo     the quickstart spec (zero2, full FT, 50 steps): loss halves, checkpoints verify, every
+           TensorBoard metric is there with plausible values, metrics.jsonl, the rank-0 summary
+  stop     same spec, rank 0 alone sees a walltime stop at step 7: every rank saves and stops
+  resume   from that checkpoint to step 10: losses of steps 8-10 equal the demo run's
+  zero3    full FT: consolidated 16-bit weights load with from_pretrained, same logits as the shards
+  offload  zero2_offload + LoRA: trains, saves an adapter that loads with peft
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from swiftslurm import checkpoint as ck
+from swiftslurm.train.launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.toml"
+METRICS = ["loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s",
+           "data_wait_ratio", "comm_wait_ratio", "cpu_rss_mb", "checkpoint_save_s"]
+
+pytestmark = pytest.mark.slow
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def to_toml(data: dict) -> str:
+    lines = []
+    for table, body in data.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items() if not isinstance(v, dict)]
+        for k, v in body.items():
+            if isinstance(v, dict):
+                lines.append(f"[{table}.{k}]")
+                lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+def quickstart_spec(tmp: Path, name: str, **train) -> tuple[str, Path]:
+    """The shipped quickstart spec with absolute paths, its own output dir and train overrides."""
+    data = tomllib.loads(QUICKSTART.read_text())
+    out = tmp / name
+    data["job"]["output_dir"] = str(out)
+    data["train"]["dataset"] = [str(ROOT / d) for d in data["train"]["dataset"]]
+    data["train"].update(train)
+    data.pop("preflight", None)
+    path = tmp / f"{name}.toml"
+    path.write_text(to_toml(data))
+    return str(path), out
+
+
+def run(spec: str, out: Path, **kw) -> list[dict]:
+    procs = launch(spec, str(out), nprocs=2, timeout_s=400, **kw)
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {rank} failed:\n{p.stdout[-6000:]}"
+    results = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
+    results[0]["stdout"] = procs[0].stdout
+    return results
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def tensorboard_scalars(out: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = list((out / "runs").iterdir())
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    spec, out = quickstart_spec(tmp, "demo", logging_steps=1)
+    return run(spec, out), out, tmp
+
+
+def test_demo_loss_halves_and_checkpoints_verify(demo):
+    results, out, _ = demo
+    assert [r["global_step"] for r in results] == [50, 50]
+    assert not any(r["stopped_for_requeue"] for r in results)
+    by_step = losses(out)
+    assert by_step[50] < by_step[1] / 2, by_step
+    assert [Path(p).name for p in results[0]["checkpoints"]] == ["checkpoint-25", "checkpoint-50"]
+    for name in ("checkpoint-25", "checkpoint-50"):
+        assert ck.verify(out / name).ok, ck.verify(out / name).problems
+    assert (out / "latest").read_text().strip().endswith("checkpoint-50")
+    assert not (out / ".swiftslurm-save").exists() and not list(out.glob(".staging-*"))
+    stdout = results[0]["stdout"]
+    assert "training finished at step 50" in stdout and f"tensorboard --logdir {out}/runs" in stdout
+    assert "tokens/s" in stdout
+
+
+def test_demo_tensorboard_has_every_metric_with_plausible_values(demo):
+    _, out, _ = demo
+    scalars = tensorboard_scalars(out)
+    for name in METRICS:
+        assert f"train/{name}" in scalars, f"train/{name} missing from {sorted(scalars)}"
+    s = {name: scalars[f"train/{name}"] for name in METRICS}
+    assert len(s["loss"]) == 50 and all(0 < v < 10 for v in s["loss"])
+    assert all(abs(v - 3e-3) < 1e-9 for v in s["learning_rate"])  # constant schedule
+    assert all(v > 0 for v in s["grad_norm"])
+    assert all(0 < v < 30 for v in s["step_time_s"])
+    assert all(0 < v < 1 for v in s["data_wait_ratio"])
+    assert all(0 < v < 1 for v in s["comm_wait_ratio"])  # 2 ranks: ZeRO-2 reduces gradients every step
+    assert all(50 < v < 20000 for v in s["cpu_rss_mb"])
+    assert len(s["checkpoint_save_s"]) == 2 and all(0 < v < 60 for v in s["checkpoint_save_s"])
+    # tokens/s and samples/s are counted separately from the fetched batches: their ratio must be a
+    # tokens-per-example figure of the shipped data (between its shortest and longest example)
+    from swiftslurm.train.data import load_dataset
+    from swiftslurm.train.tinymodel import build_tokenizer
+
+    ds = load_dataset([str(ROOT / "examples/data/alpaca_demo.jsonl")], build_tokenizer(), 128)
+    lengths = [len(ex["input_ids"]) for ex in ds.examples]
+    ratio = [t / n for t, n in zip(s["tokens_per_s"], s["samples_per_s"])]
+    assert all(min(lengths) <= r <= max(lengths) for r in ratio), (ratio, min(lengths), max(lengths))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum("tokens_per_s" in r for r in rows) == 50 and rows[0]["step"] == 1
+
+
+@pytest.fixture(scope="module")
+def stopped(demo):
+    _, _, tmp = demo
+    spec, out = quickstart_spec(tmp, "stop", logging_steps=1)
+    return run(spec, out, stop_at_step=7), spec, out
+
+
+def test_walltime_stop_saves_on_every_rank_and_stops(stopped):
+    results, _, out = stopped
+    assert [r["global_step"] for r in results] == [7, 7]
+    assert [r["stopped_for_requeue"] for r in results] == [True, True]  # rank 1 learned it by all-reduce
+    assert ck.verify(out / "checkpoint-7").ok
+    assert "stopped for requeue" in results[0]["stdout"]
+
+
+def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
+    _, spec, out = stopped
+    data = tomllib.loads(Path(spec).read_text())
+    data["train"]["max_steps"] = 10  # constant lr: the first 10 steps are those of the 50-step run
+    Path(spec).write_text(to_toml(data))
+    assert ck.newest_verified(out, log=None) == out / "checkpoint-7"
+    results = run(spec, out, resume=str(out / "checkpoint-7"))
+    assert results[0]["global_step"] == 10
+    resumed, reference = losses(out), losses(demo[1])
+    for step in (8, 9, 10):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-4), (step, resumed, reference)
+
+
+def test_zero3_full_saves_consolidated_weights_that_load_with_same_logits(tmp_path):
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from swiftslurm.train.tinymodel import build_model
+
+    spec, out = quickstart_spec(tmp_path, "z3", deepspeed="zero3", max_steps=2, save_steps=2, logging_steps=1)
+    run(spec, out)
+    ckpt = out / "checkpoint-2"
+    assert ck.verify(ckpt).ok and (ckpt / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    shards = build_model(loaded.config.vocab_size, 128, seed=0).eval()
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    missing, unexpected = shards.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+    with torch.no_grad():
+        a, b = loaded(ids).logits, shards(ids).logits
+        fresh = build_model(loaded.config.vocab_size, 128, seed=42).eval()(ids).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(a, fresh, atol=1e-3)  # it trained: not the initial weights
+
+
+def test_zero2_offload_lora_saves_an_adapter(tmp_path):
+    import torch
+    from peft import PeftModel
+
+    from swiftslurm.train.tinymodel import build_model
+
+    spec, out = quickstart_spec(tmp_path, "off", deepspeed="zero2_offload", train_type="lora", max_steps=2,
+                                save_steps=2, logging_steps=1)
+    results = run(spec, out)
+    ckpt = out / "checkpoint-2"
+    assert results[0]["global_step"] == 2 and ck.verify(ckpt).ok
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    base = build_model(259, 128, seed=42)
+    model = PeftModel.from_pretrained(base, ckpt)
+    assert any("lora_" in n for n, _ in model.named_parameters())
+    cfg = json.loads((ckpt / "adapter_config.json").read_text())
+    assert cfg["r"] == 16 and cfg["lora_alpha"] == 32
+
+
+def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
+    from swiftslurm.errors import SwiftSlurmError
+    from swiftslurm.spec import validate_spec
+    from swiftslurm.train.sft import load_model_and_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = validate_spec({"train": {"model": "no-such-org/no-such-model", "dataset": ["d.jsonl"]}})
+    with pytest.raises(SwiftSlurmError) as info:
+        load_model_and_tokenizer(spec, cuda=False)
+    assert "no-such-org/no-such-model" in info.value.what and "local directory" in info.value.hint
