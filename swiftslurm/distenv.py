@@ -26,12 +26,13 @@ PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_R
 # Defaults that make hangs and failures visible; the spec's [env] wins over them.
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed/timed-out collective aborts the job, not hangs it
-    "NCCL_ASYNC_ERROR_HANDLING": "1",  # the same, for older torch
     "DEEPSPEED_TIMEOUT": "30",  # minutes; DeepSpeed's process-group timeout (its default is 10)
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # on a collective timeout, dump the flight recorder
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
-    "TORCH_FR_BUFFER_SIZE": "2000",  # the same, newer name
+    "TORCH_FR_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
 }
+# Not set: NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE, the
+# pre-2.2 / deprecated names of the same settings: torch >= 2.2 reads the names above, and prints a
+# deprecation warning on every rank when the old ones are set.
 
 
 @dataclass(frozen=True)
@@ -330,13 +331,12 @@ def child_env(
 
     base env < NCCL/torch defaults < derived dist vars < the spec's [env] (user wins), except that
     [env] may not set per-rank variables (RANK, LOCAL_RANK, ... : RuntimeEnvError). To change a
-    default (say NCCL_ASYNC_ERROR_HANDLING), set it in [env].
+    default (say DEEPSPEED_TIMEOUT), set it in [env].
     """
     check_spec_env(spec_env)
     out = dict(base_env)
     defaults = dict(NCCL_DEFAULTS)
     if log_dir:
-        defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
         defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
     out.update(defaults)
     out.update(dist_vars(dist))

@@ -74,7 +74,11 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
 
     the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")))
     if spec.train.command:
-        code = run_command(spec.train.command, the_env, cwd=data.get("base_dir") or None, dist=dist, out_dir=out_dir, log=log)
+        # Slurm signals every process of a job step (proctrack), the child included: forwarding as
+        # well would deliver twice, and a second USR2 can kill a child already past its handlers.
+        # submitit's local executor signals only the ranks it started: there we forward.
+        forward = dist.executor != "slurm"
+        code = run_command(spec.train.command, the_env, cwd=data.get("base_dir") or None, dist=dist, out_dir=out_dir, log=log, forward=forward)
         if signals.stop_requested() and dist.rank == 0:
             after_walltime_stop(dist, spec, out_dir, log, step=None)
             return 0
@@ -105,7 +109,7 @@ def _resume_point(out_dir: str, log) -> str | None:
     except ImportError:
         log.info("checkpoint module not installed: starting fresh")
         return None
-    found = newest_verified(out_dir)
+    found = newest_verified(out_dir, log=log.warning)
     return str(found) if found else None
 
 
@@ -118,8 +122,9 @@ def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
     return bool(gate(dist, spec, out_dir, mode))
 
 
-def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log) -> int:
-    """The user's command as a child of this rank; USR2/TERM forwarded; its exit code (128+sig if killed).
+def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log, forward: bool = True) -> int:
+    """The user's command as a child of this rank; its exit code (128+sig if killed). With ``forward``,
+    USR2/TERM this process receives are passed on to the child (else only recorded).
 
     Rank 0's child writes to this process's stdout/stderr; other ranks' to logs/rank-<r>.log.
     """
@@ -139,8 +144,12 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
             except subprocess.TimeoutExpired:
                 pass
             for signum in signals.take_received():
-                log.info("forwarding %s to the command", signal.Signals(signum).name)
-                proc.send_signal(signum)
+                name = signal.Signals(signum).name
+                if forward:
+                    log.info("forwarding %s to the command", name)
+                    proc.send_signal(signum)
+                else:
+                    log.info("%s received (Slurm delivers it to the command too)", name)
     finally:
         if log_file:
             log_file.close()

@@ -258,15 +258,15 @@ def test_allocation_local_executor_runs_the_whole_world():
 
 
 def test_child_env_order():
-    base = {"PATH": "/bin", "RANK": "99", "NCCL_ASYNC_ERROR_HANDLING": "0", "KEEP": "me"}
-    spec_env = {"NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_DEBUG": "INFO", "MASTER_PORT": "29400"}
+    base = {"PATH": "/bin", "RANK": "99", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "DEEPSPEED_TIMEOUT": "5", "KEEP": "me"}
+    spec_env = {"DEEPSPEED_TIMEOUT": "60", "NCCL_DEBUG": "INFO", "MASTER_PORT": "29400"}
     out = child_env(base, derive(slurm_env()), spec_env, log_dir="/o/logs")
     assert out["KEEP"] == "me" and out["PATH"] == "/bin"  # base env passes through
     assert out["RANK"] == "3"  # derived beats base
     assert out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # defaults beat base
-    assert out["NCCL_ASYNC_ERROR_HANDLING"] == "3" and out["NCCL_DEBUG"] == "INFO"  # user [env] beats all
+    assert out["DEEPSPEED_TIMEOUT"] == "60" and out["NCCL_DEBUG"] == "INFO"  # user [env] beats all
     assert out["MASTER_PORT"] == "29400"
-    assert out["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/o/logs/nccl_trace_rank_"
+    assert out["TORCH_FR_DUMP_TEMP_FILE"] == "/o/logs/nccl_trace_rank_"
     assert base["RANK"] == "99"  # read never writes
 
 

@@ -174,3 +174,137 @@ def test_decide_requeue(recorded, restarts, limit, requeue, count):
     assert (d.requeue, d.count) == (requeue, count)
     if not requeue:
         assert "max_requeues" in d.message
+
+
+# ---------------------------------------------------------------- on the real cluster
+
+HOLD_ALLREDUCE = """
+import datetime, json, os, signal, sys, time
+import torch, torch.distributed as dist
+out, hold_until = sys.argv[1], sys.argv[2]  # hold: "usr2" (until USR2 on the first run) or a file to wait for
+got = []
+signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=90))
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+info = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_JOB_ID")}
+info["sum"] = t.item()
+with open(os.path.join(out, "rank-%d-restart%s.json" % (dist.get_rank(), restart)), "w") as fh:
+    json.dump(info, fh)
+deadline = time.monotonic() + 150  # the process group (and its store on MASTER_PORT) stays up while holding
+if hold_until == "usr2":
+    while restart == "0" and not got and time.monotonic() < deadline:
+        time.sleep(0.1)
+else:
+    while not os.path.exists(hold_until) and time.monotonic() < deadline:
+        time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+def sbatch_script(tmp: Path, name: str, plan: Path, directives: str) -> Path:
+    """A minimal batch script: one Slurm task per rank, each `swiftslurm run` (as render's script does)."""
+    script = tmp / f"{name}.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --job-name=rt-{name} --partition=debug --time=00:04:00 --cpus-per-task=1 {directives}\n"
+        f"#SBATCH --output={tmp}/{name}-%j.out\n"
+        f"cd {shlex.quote(str(ROOT))}\n"
+        f"srun --unbuffered {shlex.quote(PY)} -m swiftslurm run --plan {shlex.quote(str(plan))}\n"
+    )
+    return script
+
+
+def wait_state(job_id: str, states: set[str], timeout_s: float):
+    from swiftslurm import slurm
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rec = slurm.job_records([job_id]).get(job_id)
+        if rec and rec.state in states:
+            return rec
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not in {states} within {timeout_s} s: {slurm.job_records([job_id])}")
+
+
+def wait_files(paths: list[Path], timeout_s: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [str(p) for p in paths if not p.exists()]
+            logs = "".join(f.read_text()[-3000:] for f in sorted(log.glob("*.out"))) if log else ""
+            raise AssertionError(f"missing after {timeout_s} s: {missing}\n{logs}")
+        time.sleep(0.2)
+
+
+slurm_up = pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs Slurm")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@slurm_up
+def test_cluster_allreduce_ports_and_requeue(tmp_path):
+    """2 nodes x 2 tasks: gloo all-reduce from the derived env; a second job on the same nodes at the
+    same time gets another MASTER_PORT; a walltime USR2 makes rank 0 requeue, and the rerun keeps the port."""
+    from swiftslurm import slurm
+
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir(), b_dir.mkdir()
+    release = tmp_path / "release-b"
+    plan_a = make_plan_file(a_dir, command_spec(a_dir, HOLD_ALLREDUCE, str(a_dir), "usr2", slurm="nodes = 2\ntasks_per_node = 2\nmax_requeues = 3"))
+    plan_b = make_plan_file(b_dir, command_spec(b_dir, HOLD_ALLREDUCE, str(b_dir), str(release), slurm="nodes = 2\ntasks_per_node = 1"))
+    job_a = slurm.sbatch(str(sbatch_script(tmp_path, "a", plan_a, "--nodes=2 --ntasks-per-node=2")))
+    try:
+        nodes = wait_state(job_a, {"RUNNING"}, 120).nodes
+        job_b = slurm.sbatch(str(sbatch_script(tmp_path, "b", plan_b, f"--nodes=2 --ntasks-per-node=1 --nodelist={nodes}")))
+        try:
+            wait_files([a_dir / f"rank-{r}-restart0.json" for r in range(4)] + [b_dir / f"rank-{r}-restart0.json" for r in range(2)], 150, tmp_path)
+            a0 = [json.loads((a_dir / f"rank-{r}-restart0.json").read_text()) for r in range(4)]
+            b0 = [json.loads((b_dir / f"rank-{r}-restart0.json").read_text()) for r in range(2)]
+            # the all-reduce: 1+2+3+4 on every rank, ranks spread 2 per node
+            assert [r["sum"] for r in a0] == [10.0] * 4
+            assert [r["WORLD_SIZE"] for r in a0] == ["4"] * 4
+            assert sorted((r["SLURMD_NODENAME"], r["LOCAL_RANK"]) for r in a0) == sorted((n, str(i)) for n in slurm.show_hostnames(nodes) for i in range(2))
+            assert {r["MASTER_ADDR"] for r in a0} == {slurm.show_hostnames(nodes)[0]}
+            # both jobs hold their process group (store on MASTER_PORT) at this moment, on the same nodes
+            assert {r["SLURMD_NODENAME"] for r in b0} == {r["SLURMD_NODENAME"] for r in a0}
+            assert [r["sum"] for r in b0] == [3.0, 3.0]
+            port_a, port_b = {r["MASTER_PORT"] for r in a0}, {r["MASTER_PORT"] for r in b0}
+            assert len(port_a) == len(port_b) == 1 and port_a != port_b
+            release.touch()
+            # the walltime signal, as Slurm's --signal=USR2@grace sends it: to every task of the step
+            subprocess.run(["scancel", "--signal=USR2", job_a], check=True, timeout=30)
+            wait_files([a_dir / f"rank-{r}-restart1.json" for r in range(4)], 150, tmp_path)
+            a1 = [json.loads((a_dir / f"rank-{r}-restart1.json").read_text()) for r in range(4)]
+            assert [r["sum"] for r in a1] == [10.0] * 4
+            assert {r["MASTER_PORT"] for r in a1} == port_a  # requeued: same job id, same port
+            assert {r["SLURM_JOB_ID"] for r in a1} == {job_a}
+            records = read_requeues(str(a_dir / "out"))
+            assert len(records) == 1 and records[0]["requeued"] is True and records[0]["job_id"] == job_a
+            assert wait_state(job_a, {"COMPLETED"}, 60).restarts >= 1
+            assert wait_state(job_b, {"COMPLETED"}, 60)
+        finally:
+            release.touch()
+            slurm.scancel([job_b])
+    finally:
+        slurm.scancel([job_a])
+
+
+@pytest.mark.slurm
+@slurm_up
+def test_cluster_mis_sized_allocation_stops_before_training(tmp_path):
+    """The spec says 2 tasks per node; the job runs 1 per node: every rank stops with the hint."""
+    from swiftslurm import slurm
+
+    plan = make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), slurm="nodes = 2\ntasks_per_node = 2"))
+    job = slurm.sbatch(str(sbatch_script(tmp_path, "small", plan, "--nodes=2 --ntasks-per-node=1")))
+    try:
+        rec = wait_state(job, {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"}, 150)
+    finally:
+        slurm.scancel([job])
+    out = (tmp_path / f"small-{job}.out").read_text()
+    assert rec.state == "FAILED", out
+    assert "the spec asks for 2 per node" in out and "HINT: set sbatch/srun --ntasks-per-node=2" in out
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("env-*.json"))  # the command never started
