@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from swiftslurm import checkpoint as ck
 
 KEEP = 3
@@ -110,3 +112,94 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
     print(f"{TRIALS} kills in {elapsed:.1f} s; {mid_save} landed mid-save; {len(commits)} commits; resumed at {expected_resume}")
     assert mid_save >= TRIALS // 4, f"only {mid_save} of {TRIALS} kills hit a save in progress: the test lost its point"
     assert len(commits) >= TRIALS, "the writer barely committed anything; kills came too early"
+
+
+# ---------------------------------------------------------------- the real trainer, killed mid-save
+
+TRAIN_SPEC = """
+[job]
+name = "fault"
+output_dir = "{out}"
+[slurm]
+tasks_per_node = 1
+[train]
+model = "tiny-llama"
+dataset = ["{data}"]
+train_type = "full"
+deepspeed = "zero2"
+gradient_checkpointing = false
+per_device_train_batch_size = 2
+learning_rate = 1e-3
+max_steps = {steps}
+max_length = 128
+save_steps = 2
+logging_steps = 1
+report_to = ["none"]
+[checkpoint]
+keep = 2
+forced_save_fractions = []
+[preflight]
+checks = []
+[env]
+OMP_NUM_THREADS = "1"
+"""
+
+
+def _start_trainer(plan: Path, delay_s: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}
+    if delay_s:
+        env["SWIFTSLURM_CKPT_TEST_DELAY_S"] = delay_s
+    return subprocess.Popen([sys.executable, "-m", "swiftslurm", "run", "--plan", str(plan)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_for_commit_after(out: Path, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(ck.step_of(p) > step for p in ck.list_checkpoints(out)):
+        if proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before committing past step {step}:\n"
+                                 + proc.stderr.read().decode(errors="replace")[-3000:])
+        assert time.monotonic() < deadline, f"no checkpoint after step {step} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_path):
+    import tomllib
+
+    from swiftslurm.plan import make_plan, write_plan
+    from swiftslurm.spec import parse_spec
+
+    steps = 16
+    root = Path(__file__).resolve().parents[1]
+    toml = TRAIN_SPEC.format(out=tmp_path / "out", data=root / "examples/data/alpaca_demo.jsonl", steps=steps)
+    plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
+    out = tmp_path / "out"
+    rng = random.Random(7)
+    resumed_at = 0
+    kills_mid_save = 0
+    for trial in range(2):
+        # each commit sleeps 3 x 0.4 s: most of a save's wall time is inside commit, so a random kill
+        # after the first new checkpoint usually lands in the middle of the next save
+        proc = _start_trainer(plan, delay_s="0.4")
+        try:
+            _wait_for_commit_after(out, resumed_at, proc, timeout_s=180)
+            time.sleep(rng.uniform(0.2, 1.4))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        if any(p.name.startswith(".staging-") for p in out.iterdir()):
+            kills_mid_save += 1
+        for ckpt in ck.list_checkpoints(out):
+            assert ck.verify(ckpt).ok, f"trial {trial}: {ckpt.name} is visible but does not verify"
+        newest = ck.newest_verified(out, log=None)
+        assert newest is not None and ck.step_of(newest) > resumed_at
+        resumed_at = ck.step_of(newest)
+    proc = _start_trainer(plan, delay_s=None)
+    _, err = proc.communicate(timeout=300)
+    text = err.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert f"checkpoint-{resumed_at}" in text, "the last start did not say it resumed from the newest verified checkpoint"
+    final = ck.newest_verified(out, log=None)
+    assert final == ck.final_dir(out, steps) and ck.read_manifest(final).meta["world_size"] == 1
+    print(f"real trainer: 2 kills ({kills_mid_save} mid-save), resumed from checkpoint-{resumed_at}, finished at {steps}")
