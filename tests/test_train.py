@@ -220,3 +220,30 @@ def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(SwiftSlurmError) as info:
         load_model_and_tokenizer(spec, cuda=False)
     assert "no-such-org/no-such-model" in info.value.what and "local directory" in info.value.hint
+
+
+@pytest.mark.slurm
+def test_same_trainer_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
+    """The quickstart trainer, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`."""
+    import subprocess
+
+    spec, out = quickstart_spec(tmp_path, "slurm2", max_steps=8, save_steps=4, logging_steps=1)
+    data = tomllib.loads(Path(spec).read_text())
+    data["job"]["name"] = "train-2node-test"
+    data["slurm"] = {"partition": "debug", "nodes": 2, "tasks_per_node": 1, "time": "00:10:00", "signal_grace_s": 60}
+    data["preflight"] = {"checks": []}
+    Path(spec).write_text(to_toml(data))
+    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", spec, "--executor", "slurm", "--wait"],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job_id,) = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"]
+    nodelist = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "NodeList"],
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    assert len(set(hosts)) == 2, nodelist
+    for name in ("checkpoint-4", "checkpoint-8"):
+        assert ck.verify(out / name).ok
+    by_step = losses(out)
+    assert sorted(by_step) == list(range(1, 9)) and by_step[8] < by_step[1]
+    assert (out / "runs").is_dir()
