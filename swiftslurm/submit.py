@@ -280,10 +280,12 @@ def _update_record(sub: Submission) -> None:
 
 
 def _write_task_specs(plan: Plan) -> None:
+    """Each task's resolved spec in its own dir (indented for people; compact for big sweeps)."""
+    indent = 2 if len(plan.tasks) <= 64 else None
     for task in plan.tasks:
         out = Path(task.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / TASK_SPEC_FILE).write_text(json.dumps(task.to_json(), indent=2) + "\n")
+        (out / TASK_SPEC_FILE).write_text(json.dumps(task.to_json(), indent=indent) + "\n")
 
 
 def env_setup_lines(plan: Plan) -> list[str]:

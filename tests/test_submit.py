@@ -233,3 +233,39 @@ def test_cancel_from_output_dir(tmp_path):
     proc = cli("cancel", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert sub.wait(timeout_s=60, poll_s=0.5) == {"0": "CANCELLED"}
+
+
+# Waits for USR2 (up to 80 s), records which rank got it, exits 0.
+ON_USR2 = (
+    "import os, signal, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); got = []; "
+    "signal.signal(signal.SIGUSR2, lambda *a: got.append(1)); t = time.time(); "
+    "exec('while not got and time.time() - t < 80: time.sleep(0.2)'); "
+    "open(os.path.join(d, 'usr2-' + os.environ['RANK']), 'w').write(str(bool(got)))"
+)
+
+
+def _usr2_spec(tmp_path, out: str, nodes: int, tasks: int) -> str:
+    return spec_text(out, "", nodes=nodes, tasks=tasks, command=["python", "-c", ON_USR2, str(tmp_path / out / "got")]).replace(
+        'time = "00:05:00"\nsignal_grace_s = 30', 'time = "00:01:40"\nsignal_grace_s = 60\nmax_requeues = 0'
+    )
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_walltime_usr2_reaches_every_rank(tmp_path):
+    """--signal=USR2@grace (not B:) reaches every rank, on both submit paths (run side by side):
+    submitit with 2 nodes x 1 rank, the rendered script with 1 node x 2 ranks.
+
+    slurmctld checks limits every 30 s, so USR2 comes 10-40 s after the start here (not before
+    the ranks have installed their handlers: an unhandled USR2 kills a process).
+    """
+    via_submitit = submit_plan(plan_from(_usr2_spec(tmp_path, "a", nodes=2, tasks=1), tmp_path), executor="slurm")
+    plan = plan_from(_usr2_spec(tmp_path, "b", nodes=1, tasks=2), tmp_path)
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    via_render = Submission("slurm", [slurm.sbatch(str(tmp_path / "job.sh"))], plan.output_dir, [plan.output_dir], "")
+    for sub, out in ((via_submitit, "a"), (via_render, "b")):
+        assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}, out
+        got = {p.name: p.read_text() for p in (tmp_path / out / "got").iterdir()}
+        assert got == {"usr2-0": "True", "usr2-1": "True"}, out
