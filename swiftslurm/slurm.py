@@ -205,3 +205,39 @@ def scancel(job_ids: list[str]) -> None:
     """``scancel`` jobs or array tasks (``123`` cancels every task of array 123)."""
     if job_ids:
         _run(["scancel", *job_ids])
+
+
+# ---------------------------------------------------------------- preflight: exclude bad nodes and requeue
+
+
+def parse_exc_node_list(show_job: str) -> str:
+    """``ExcNodeList`` from ``scontrol show job -o`` output; "" when it is ``(null)`` (pure)."""
+    for word in show_job.split():
+        if word.startswith("ExcNodeList="):
+            value = word.split("=", 1)[1]
+            return "" if value == "(null)" else value
+    return ""
+
+
+def merge_exclude(current: str, nodes: list[str]) -> str:
+    """A hostlist of the job's current excluded nodes plus ``nodes`` (pure)."""
+    import hostlist
+
+    names = set(hostlist.expand_hostlist(current)) if current else set()
+    return hostlist.collect_hostlist(sorted(names | set(nodes)))
+
+
+def exclude_and_requeue(job_id: str, nodes: list[str]) -> str:
+    """Requeue a running job (or array task ``123_4``) with ``nodes`` added to its ExcNodeList.
+
+    Slurm only updates ExcNodeList of a pending job, so: ``requeuehold`` (the job stops and goes
+    back to pending, held), ``update ExcNodeList``, ``release``. Called from inside the job: the
+    caller must ignore SIGTERM meanwhile, since requeuehold signals the job's own steps.
+    Returns the new ExcNodeList.
+    """
+    current = parse_exc_node_list(_run(["scontrol", "show", "job", "-o", job_id]).stdout)
+    merged = merge_exclude(current, nodes)
+    _run(["scontrol", "requeuehold", job_id])
+    _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
+    _run(["scontrol", "release", job_id])
+    return merged

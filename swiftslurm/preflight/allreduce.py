@@ -1,0 +1,179 @@
+"""The ``allreduce`` check: torch.distributed all-reduce across all ranks over a sweep of sizes.
+
+NCCL on GPUs, gloo on CPUs. Bandwidth follows the nccl-tests convention: algbw = bytes / time,
+busbw = algbw x 2(n-1)/n, in GB/s (1e9 bytes/s). The collective runs in a worker thread bounded by a
+watchdog (``join(timeout)``) on top of ``init_process_group(timeout=...)``: a dead or hung rank
+makes this rank report a failure in bounded time, never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+CPU_SIZES = [2**k for k in (12, 16, 20, 22, 24)]  # 4 KiB .. 16 MiB
+GPU_SIZES = [2**k for k in (20, 22, 24, 26, 28, 30)]  # 1 MiB .. 1 GiB
+TIME_PER_SIZE_S = 0.4
+
+
+def bus_bw(algbw: float, world_size: int) -> float:
+    """nccl-tests all-reduce bus bandwidth (pure)."""
+    return algbw * 2 * (world_size - 1) / world_size if world_size > 0 else 0.0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} GiB"
+
+
+def short_error(exc: BaseException) -> str:
+    """The first line of a torch/gloo/NCCL error without its source-file prefix (pure)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return f"{type(exc).__name__}: {text[:160]}"
+
+
+def iterations(size: int, backend: str) -> int:
+    """Timed iterations per size: the same on every rank (collective counts must match)."""
+    if backend == "nccl":
+        return 20 if size <= 2**26 else 5
+    return 10 if size <= 2**20 else 3
+
+
+def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: float, local_rank: int, fault: str, on_progress: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as tdist
+
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    group = tdist.group.WORLD
+    sizes = GPU_SIZES if backend == "nccl" else CPU_SIZES
+    out: dict[str, Any] = {"sizes": [], "algbw_gbps": [], "busbw_gbps": [], "backend": backend}
+
+    def sync() -> None:
+        if backend == "nccl":
+            torch.cuda.synchronize()
+
+    for k, size in enumerate(sizes):
+        if fault == "kill" and k == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: a rank dies mid-sweep
+        if fault == "hang" and k == 1:
+            time.sleep(10**6)  # test hook: a rank hangs mid-sweep
+        on_progress(k)  # "entered size k": a rank that stalls before a collective is the one the others wait for
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        tdist.all_reduce(x, group=group)  # warm-up
+        sync()
+        n = iterations(size, backend)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tdist.all_reduce(x, group=group)
+        sync()
+        dt = (time.perf_counter() - t0) / n
+        algbw = size / dt / 1e9
+        out["sizes"].append(size)
+        out["algbw_gbps"].append(round(algbw, 4))
+        out["busbw_gbps"].append(round(bus_bw(algbw, world_size), 4))
+    return out
+
+
+def run_allreduce(rank: int, world_size: int, backend: str, store: Any, timeout_s: float, local_rank: int = 0, fault: str = "",
+                  on_progress: Any = lambda k: None) -> dict[str, Any]:
+    """This rank's view of the sweep: ``{"ok", "error", "sizes", "algbw_gbps", "busbw_gbps", "wall_s"}``.
+
+    The process group is destroyed afterwards when the sweep finished, so the trainer can init its own.
+    """
+    import torch.distributed as tdist
+
+    box: dict[str, Any] = {}
+    t0 = time.monotonic()
+
+    def work() -> None:
+        try:
+            box["result"] = _sweep(rank, world_size, backend, store, timeout_s, local_rank, fault, on_progress)
+        except Exception as exc:  # gloo: "Connection closed by peer", timeouts, NCCL errors
+            box["error"] = short_error(exc)
+
+    thread = threading.Thread(target=work, name="preflight-allreduce", daemon=True)
+    thread.start()
+    thread.join(timeout=timeout_s + 5)  # the watchdog
+    wall = round(time.monotonic() - t0, 2)
+    if thread.is_alive():
+        return {"ok": False, "error": f"all-reduce did not finish within {timeout_s:.0f} s (a peer is dead or hung)", "wall_s": wall}
+    if "error" in box:
+        _destroy(tdist)
+        return {"ok": False, "error": box["error"], "wall_s": wall}
+    _destroy(tdist)
+    return {"ok": True, "error": "", "wall_s": wall, **box["result"]}
+
+
+def _destroy(tdist: Any) -> None:
+    try:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: list[str], min_busbw_gbps: float, timeout_s: float,
+          progress: dict[Any, int] | None = None) -> list:
+    """Results from every rank's view of the sweep (pure).
+
+    A rank that never reported is named with its node (that is where the fault is); the errors the
+    others saw then follow from it and are folded into one result about ``all``.
+    """
+    from .results import CheckResult
+
+    results = []
+    expected = f"busbw >= {min_busbw_gbps:g} GB/s" if min_busbw_gbps > 0 else "all ranks complete (busbw reported only)"
+    for r in sorted(missing):
+        node = rank_nodes[r] if r < len(rank_nodes) else "?"
+        results.append(CheckResult(
+            "allreduce", node, False, f"rank {r} on {node} died or hung: no result from it while the other ranks finished", expected,
+            f"see rank {r}'s log on {node}; a dead rank in the preflight would have hung NCCL for the whole run: drain or exclude {node}",
+        ))
+    errors = {r: v["error"] for r, v in per_rank.items() if not v.get("ok")}
+    progress = {int(r): int(k) for r, k in (progress or {}).items()}
+    if errors and not missing and progress and len(set(progress.values())) > 1:
+        # everyone failed, but some ranks never entered the collective the others were waiting in
+        last = min(progress.values())
+        stalled = sorted(r for r, k in progress.items() if k == last)
+        reached = max(progress.values())
+        for r in stalled:
+            node = rank_nodes[r] if r < len(rank_nodes) else "?"
+            results.append(CheckResult(
+                "allreduce", node, False, f"rank {r} on {node} stalled at size #{last} while the others reached #{reached} (hung)", expected,
+                f"rank {r} hung: see its log on {node}; drain or exclude {node}",
+            ))
+        missing = stalled  # the other ranks' errors follow from the stalled ones
+    if errors:
+        if missing:
+            first = next(iter(sorted(errors.items())))
+            results.append(CheckResult("allreduce", "all", False, f"{len(errors)} other rank(s) failed as a consequence, e.g. rank {first[0]}: {first[1]}", expected, "fix the rank(s) named above"))
+        else:
+            for r, err in sorted(errors.items()):
+                node = rank_nodes[r] if r < len(rank_nodes) else "?"
+                results.append(CheckResult("allreduce", node, False, f"rank {r}: {err}", expected, "check NCCL_DEBUG=INFO output and the network between the nodes (NCCL_SOCKET_IFNAME, NCCL_IB_HCA)"))
+    if missing or errors:
+        return results
+    view = per_rank[0] if 0 in per_rank else next(iter(per_rank.values()))
+    sizes, busbw, algbw = view.get("sizes", []), view.get("busbw_gbps", []), view.get("algbw_gbps", [])
+    if not sizes:
+        return [CheckResult("allreduce", "all", False, "no sizes measured", expected, "")]
+    peak = max(range(len(sizes)), key=lambda i: busbw[i])
+    n = len(rank_nodes)
+    ok = min_busbw_gbps <= 0 or busbw[peak] >= min_busbw_gbps
+    observed = f"peak busbw {busbw[peak]:.2f} GB/s (algbw {algbw[peak]:.2f}) at {human_bytes(sizes[peak])}; {n} ranks, {view.get('backend')}"
+    hint = "" if ok else "the collective is slower than required: check NCCL_DEBUG=INFO for the transport used (IB/RoCE vs sockets), NCCL_IB_HCA, NCCL_SOCKET_IFNAME"
+    data = {"sizes": sizes, "algbw_gbps": algbw, "busbw_gbps": busbw, "backend": view.get("backend"), "world_size": n}
+    return [CheckResult("allreduce", "all", ok, observed, expected, hint, data)]

@@ -1,0 +1,102 @@
+"""The preflight report: a JSON file, a PNG of busbw against message size, and a rich table.
+
+``build_report`` is pure (results in, dict out); ``write_report`` and ``plot_busbw`` write files;
+``print_report`` prints. The JSON is what ``swiftslurm preflight --json`` hands to scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .results import CheckResult, Decision
+
+REPORT_DIR = "preflight"
+REPORT_JSON = "report.json"
+BUSBW_PNG = "busbw.png"
+
+
+def build_report(results: list[CheckResult], decision: Decision, meta: dict[str, Any]) -> dict[str, Any]:
+    sweep = next((r.data for r in results if r.check == "allreduce" and r.data.get("sizes")), None)
+    return {
+        "version": 1,
+        **meta,
+        "ok": all(r.ok for r in results),
+        "failed": sum(not r.ok for r in results),
+        "decision": decision.to_json(),
+        "results": [r.to_json() for r in results],
+        "busbw": sweep,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_report(output_dir: str | Path, report: dict[str, Any]) -> Path:
+    """``<output_dir>/preflight/report.json`` (atomic) and ``busbw.png`` when an all-reduce ran."""
+    folder = Path(output_dir) / REPORT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / REPORT_JSON
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(report, fh, indent=2)
+    os.replace(tmp, path)
+    if report.get("busbw"):
+        label = f"job {report.get('job_id', '?')}: {report['busbw'].get('world_size', '?')} ranks, {report['busbw'].get('backend', '')}"
+        plot_busbw([(label, report["busbw"]["sizes"], report["busbw"]["busbw_gbps"])], folder / BUSBW_PNG)
+    return path
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def plot_busbw(runs: list[tuple[str, list[int], list[float]]], path: str | Path) -> Path:
+    """One line per run: busbw (GB/s) against message size (log2 axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, sizes, busbw in runs:
+        ax.plot(sizes, busbw, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title("all-reduce bus bandwidth (nccl-tests convention)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def results_table(results: list[dict[str, Any]], title: str = "preflight") -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, highlight=False)
+    for col, style in (("check", "bold"), ("node", ""), ("", ""), ("observed", ""), ("expected", "dim"), ("hint", "yellow")):
+        table.add_column(col, style=style or None, overflow="fold")
+    for r in results:
+        mark = "[green]ok[/]" if r["ok"] else "[bold red]FAIL[/]"
+        cells = (r["check"], r["node"], r["observed"], r.get("expected", ""), r.get("hint", "") if not r["ok"] else "")
+        check, node, observed, expected, hint = (escape(str(c)) for c in cells)
+        table.add_row(check, node, mark, observed, expected, hint)
+    return table
+
+
+def print_report(console: Any, report: dict[str, Any], title: str | None = None) -> None:
+    from rich.markup import escape
+
+    console.print(results_table(report["results"], title or f"preflight: {', '.join(report.get('nodes', []))}"))
+    d = report.get("decision", {})
+    colour = "green" if report.get("ok") else "red"
+    console.print(f"[{colour}]{'all checks passed' if report.get('ok') else str(report.get('failed')) + ' check(s) failed'}[/]"
+                  f" - decision: {escape(d.get('action', '?'))}: {escape(d.get('reason', ''))}", highlight=False)
+    if report.get("wall_s") is not None:
+        console.print(f"preflight wall time {report['wall_s']:.1f} s", highlight=False)

@@ -1,0 +1,168 @@
+"""Running the checks on every rank of a job and gathering their results on rank 0.
+
+One process per Slurm task calls ``run_checks``. Node-level checks (ports, iperf3, nvme, gpu, disk,
+sharedfs) run on local rank 0 of each node, in parallel threads; the all-reduce runs on every rank.
+Phases are separated by store barriers with deadlines:
+
+  connect -> [ready] -> network + local checks -> [network-done] -> post node results
+  -> all-reduce sweep -> post rank result -> rank 0 gathers (missing ranks are named)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import allreduce, iperf, local, ports
+from .coord import CoordinationError, Coordinator, preflight_ports
+from .results import CheckResult
+
+FAULT_ENV = "SWIFTSLURM_PREFLIGHT_FAULT"
+FAULT_KINDS = ("no-listener", "kill-allreduce", "hang-allreduce")
+GATHER_GRACE_S = 8
+
+
+def parse_faults(text: str) -> set[tuple[str, str]]:
+    """Test hook ``SWIFTSLURM_PREFLIGHT_FAULT="no-listener@node2,kill-allreduce@rank1"`` (pure)."""
+    out = set()
+    for item in (text or "").split(","):
+        kind, _, where = item.strip().partition("@")
+        if kind in FAULT_KINDS and where:
+            out.add((kind, where))
+    return out
+
+
+@dataclass
+class Outcome:
+    """What one rank ends with: the coordinator (for the decision broadcast) and, on rank 0, all results."""
+
+    coord: Coordinator | None
+    results: list[CheckResult]
+    meta: dict[str, Any]
+
+
+def _node_checks_local(pool: ThreadPoolExecutor, checks: list[str], node: str, spec: Any, output_dir: str) -> list:
+    futures = []
+    pf = spec.preflight
+    if "nvme" in checks:
+        futures.append(pool.submit(local.check_nvme, node, pf.nvme_path, pf.min_nvme_iops))
+    if "gpu" in checks:
+        futures.append(pool.submit(local.check_gpu, node, spec.slurm.gpus_per_node))
+    if "disk" in checks:
+        futures.append(pool.submit(local.check_disk, node, output_dir, pf.min_disk_free_gb))
+    return futures
+
+
+def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None) -> Outcome:
+    env = os.environ if env is None else env
+    faults = parse_faults(env.get(FAULT_ENV, ""))
+    pf = spec.preflight
+    timeout_s = float(pf.timeout_s)
+    nodes = list(dist.nodes)
+    node, rank, world = dist.node, dist.rank, dist.world_size
+    leader = dist.local_rank == 0
+    port = preflight_ports(dist.master_port)
+    meta: dict[str, Any] = {"nodes": nodes, "world_size": world, "checks": checks, "ports": port}
+
+    try:
+        coord = Coordinator.connect(dist.master_addr, port["coord"], rank, world, timeout_s, prefix=f"preflight-{dist.job_id}")
+    except CoordinationError as exc:
+        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join", "is MASTER_ADDR reachable from this node? is the port free?")], meta)
+    coord.put(f"rank-node/{rank}", node)
+
+    sharedfs_file = Path(output_dir) / "preflight" / f".sharedfs-{dist.job_id}"
+    if rank == 0 and "sharedfs" in checks:
+        nonce = secrets.token_hex(8)
+        sharedfs_file.parent.mkdir(parents=True, exist_ok=True)
+        sharedfs_file.write_text(nonce)
+        coord.put("sharedfs/nonce", nonce)
+
+    mine: list[CheckResult] = []
+    listener = server = None
+    pool = ThreadPoolExecutor(max_workers=4)
+    local_futures: list = []
+    if leader:
+        if "ports" in checks and ("no-listener", node) not in faults:
+            listener, bad = ports.open_listener(node, port["test"])
+            mine += [bad] if bad else []
+        if "iperf3" in checks:
+            server, bad = iperf.start_server(node, port["iperf3"])
+            mine += [bad] if bad else []
+        local_futures = _node_checks_local(pool, checks, node, spec, output_dir)
+
+    missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
+    try:
+        if leader:
+            net = []
+            if "ports" in checks:
+                net.append(pool.submit(ports.check_ports, node, nodes, port["test"], nodes[0]))
+            if "iperf3" in checks:
+                net.append(pool.submit(lambda: [iperf.measure(node, iperf.ring_target(node, nodes), port["iperf3"], pf.min_iperf3_gbps)]))
+            if "sharedfs" in checks:
+                nonce = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
+                mine += local.read_nonce(node, sharedfs_file, nonce) if nonce else [
+                    CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log")]
+            for f in net + local_futures:
+                mine += f.result()
+        coord.barrier("network-done", time.monotonic() + timeout_s)
+    finally:
+        if listener:
+            listener.close()
+        iperf.stop_server(server)
+        pool.shutdown(wait=False)
+    if leader:
+        coord.put(f"node-results/{node}", [r.to_json() for r in mine])
+
+    if "allreduce" in checks:
+        backend = "nccl" if spec.slurm.gpus_per_node > 0 and _cuda() else "gloo"
+        fault = "kill" if ("kill-allreduce", f"rank{rank}") in faults else "hang" if ("hang-allreduce", f"rank{rank}") in faults else ""
+        view = allreduce.run_allreduce(rank, world, backend, _prefixed(coord, "allreduce"), timeout_s, dist.local_rank, fault,
+                                       on_progress=lambda k: coord.put(f"ar-progress/{rank}", k))
+        coord.put(f"allreduce/{rank}", view)
+
+    if rank != 0:
+        return Outcome(coord, [], meta)
+    return Outcome(coord, _gather(coord, checks, nodes, world, missing_ready, timeout_s, sharedfs_file, pf.min_allreduce_busbw_gbps), meta)
+
+
+def _gather(coord: Coordinator, checks: list[str], nodes: list[str], world: int, missing_ready: list[int],
+            timeout_s: float, sharedfs_file: Path, min_busbw: float) -> list[CheckResult]:
+    deadline = time.monotonic() + GATHER_GRACE_S
+    rank_nodes_found, _ = coord.gather("rank-node", list(range(world)), time.monotonic())
+    rank_nodes = [rank_nodes_found.get(r, "?") for r in range(world)]
+    by_node, missing_nodes = coord.gather("node-results", nodes, deadline)
+    results: list[CheckResult] = []
+    for n in nodes:
+        results += [CheckResult.from_json(d) for d in by_node.get(n, [])]
+    for n in missing_nodes:
+        results.append(CheckResult("preflight", n, False, f"{n} did not report its node checks within the timeout", "every node reports",
+                                   f"the preflight process on {n} died or hung: see its log"))
+    if "allreduce" in checks:
+        views, missing = coord.gather("allreduce", list(range(world)), deadline)
+        progress, _ = coord.gather("ar-progress", list(range(world)), time.monotonic())
+        results += allreduce.judge({int(k): v for k, v in views.items()}, missing, rank_nodes, min_busbw, timeout_s, progress)
+    try:
+        sharedfs_file.unlink()
+    except OSError:
+        pass
+    return results
+
+
+def _prefixed(coord: Coordinator, prefix: str) -> Any:
+    import torch.distributed as tdist
+
+    return tdist.PrefixStore(prefix, coord.store)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
