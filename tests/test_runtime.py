@@ -176,6 +176,73 @@ def test_decide_requeue(recorded, restarts, limit, requeue, count):
         assert "max_requeues" in d.message
 
 
+
+TRAIN_SPEC = """
+[job]
+name = "rt-train"
+output_dir = "{out}"
+[slurm]
+tasks_per_node = 1
+max_requeues = 2
+[train]
+model = "tiny-llama"
+dataset = ["{data}"]
+train_type = "full"
+deepspeed = "zero2"
+gradient_checkpointing = false
+per_device_train_batch_size = 2
+max_steps = 500
+max_length = 128
+save_steps = 1000
+logging_steps = 1
+report_to = ["none"]
+[checkpoint]
+keep = 2
+forced_save_fractions = []
+[preflight]
+checks = []
+"""
+
+
+@pytest.mark.slow
+def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tmp_path):
+    """USR2 during built-in training: the trainer saves a verified checkpoint at the next step and
+    stops; the run records the walltime stop and exits 0; a rerun resumes from that checkpoint."""
+    from swiftslurm import checkpoint as ck
+
+    out = tmp_path / "out"
+    plan = make_plan_file(tmp_path, TRAIN_SPEC.format(out=out, data=ROOT / "examples" / "data" / "alpaca_demo.jsonl"))
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():  # training has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[0][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR2)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, text
+    records = read_requeues(str(out))
+    assert len(records) == 1 and records[0]["requeued"] is False, records  # the local run cannot requeue
+    step = records[0]["global_step"]
+    assert 1 <= step < 500
+    newest = ck.newest_verified(out)
+    assert newest is not None and newest.name == f"checkpoint-{step}"
+    # requeue = rerun: the next start reports the checkpoint as its resume point
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(out / "logs", 5)
+        deadline = time.monotonic() + 120
+        seen = ""
+        while f"checkpoint-{step}" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert f"checkpoint-{step}" in seen, seen[-3000:]
+
+
 # ---------------------------------------------------------------- on the real cluster
 
 HOLD_ALLREDUCE = """
