@@ -404,7 +404,9 @@ def submission_for_job(job_id: str) -> Submission:
     if not base.isdigit():
         raise SwiftSlurmError("not a job id nor an output dir", job_id, "pass a Slurm job id such as 123, or the job.output_dir of a submitted spec")
     records = slurm.job_records([base])
-    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key) or [job_id]
+    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
+    if not ids:
+        raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
     return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
 
 
