@@ -282,3 +282,17 @@ def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
         f.seek(len(big) - 5)
         f.write(bytes([big[-5] ^ 0x80]))
     assert ck.verify(ck.final_dir(tmp_path, 1)).problems == ["big.pt: xxh3_128 checksum mismatch (content changed)"]
+
+
+def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from swiftslurm import verify_cmd
+
+    make_checkpoint(tmp_path, 1)
+    monkeypatch.setattr(verify_cmd, "PROGRESS_MIN_BYTES", 1000)  # the test checkpoint counts as large
+    buf = io.StringIO()
+    assert verify_cmd.verify_command(Console(file=buf, force_terminal=True, width=160), tmp_path) == 0
+    assert "verifying checkpoint-1" in buf.getvalue() and "verified" in buf.getvalue()
