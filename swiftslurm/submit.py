@@ -13,7 +13,6 @@ import io
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -150,6 +149,8 @@ class Submission:
 
     def _local_statuses(self) -> list[TaskStatus]:
         live = {str(j.job_id): j for j in (self._jobs or [])}
+        if not self.cancelled and self.output_dir:  # `swiftslurm cancel DIR` from another process
+            self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
             state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled)
@@ -334,16 +335,38 @@ def _executor(kind: str, plan: Plan, folder: Path):
             "the local executor runs one node", f"slurm.nodes = {s.nodes}", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
         )
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues)
+    # No `setup` lines here: with them submitit starts the controller through `sh -c`, and the pid it
+    # reports is the shell's, which a cancel cannot stop. [env] goes in through _local_env instead.
     params: dict[str, Any] = {
         "tasks_per_node": s.ranks_per_node,
         "timeout_min": max(1, math.ceil(s.time_limit_s / 60)),
         "signal_delay_s": s.signal_grace_s,
-        "setup": env_setup_lines(plan),
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     ex.update_parameters(**params)
     return ex
+
+
+@contextlib.contextmanager
+def _local_env(kind: str, env: dict[str, str]):
+    """The local executor's export step: its controller copies os.environ when it starts.
+
+    [env] is set for the submission call only, then the previous values come back.
+    """
+    if kind != "local" or not env:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def new_folder(output_dir: str) -> Path:
@@ -366,7 +389,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
     n = len(plan.tasks)
     stderr = io.StringIO()
     try:
-        with contextlib.redirect_stderr(stderr):  # submitit echoes sbatch's stderr; we say it once, below
+        with contextlib.redirect_stderr(stderr), _local_env(kind, plan.env):  # submitit echoes sbatch's stderr; we say it once
             if plan.is_array:
                 jobs = ex.map_array(run_rank, [plan.plan_path] * n, list(range(n)), [mode] * n)
             else:
@@ -389,27 +412,3 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
     )
     _update_record(sub)
     return sub
-
-
-def find_submission(target: str) -> Submission | None:
-    """An output dir with a record -> its latest submission; a job id -> None (query Slurm directly)."""
-    if Path(target).is_dir():
-        return load_submission(target)
-    return None
-
-
-def submission_for_job(job_id: str) -> Submission:
-    """A bare Slurm job id (``123`` or ``123_4``) as a Submission with no output dirs."""
-    base = job_id.split("_")[0]
-    if not base.isdigit():
-        raise SwiftSlurmError("not a job id nor an output dir", job_id, "pass a Slurm job id such as 123, or the job.output_dir of a submitted spec")
-    records = slurm.job_records([base])
-    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
-    if not ids:
-        raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
-    return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
-
-
-def _job_sort_key(job_id: str) -> tuple[int, int]:
-    base, _, idx = job_id.partition("_")
-    return (int(base) if base.isdigit() else 0, int(idx) if idx.isdigit() else -1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from rich.console import Console
 from rich.live import Live
@@ -13,7 +13,8 @@ from rich.table import Table
 
 from . import slurm
 from .plan import Plan
-from .submit import Submission, TaskStatus, find_submission, resolve_executor, submission_for_job, submit_plan
+from .errors import SwiftSlurmError
+from .submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
 MAX_ROWS = 40  # a 1000-task array is summarised, not printed line by line
@@ -97,7 +98,27 @@ def submit_command(console: Console, plan: Plan, executor: str, wait: bool) -> i
 
 
 def _target(target: str) -> Submission:
-    return find_submission(target) or submission_for_job(target)
+    """An output dir -> its latest recorded submission; a Slurm job id -> its tasks (no output dirs)."""
+    if Path(target).is_dir():
+        return load_submission(target)
+    return _submission_for_job(target)
+
+
+def _submission_for_job(job_id: str) -> Submission:
+    """A bare Slurm job id (``123`` or ``123_4``) as a Submission with no output dirs."""
+    base = job_id.split("_")[0]
+    if not base.isdigit():
+        raise SwiftSlurmError("not a job id nor an output dir", job_id, "pass a Slurm job id such as 123, or the job.output_dir of a submitted spec")
+    records = slurm.job_records([base])
+    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
+    if not ids:
+        raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
+    return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
+
+
+def _job_sort_key(job_id: str) -> tuple[int, int]:
+    base, _, idx = job_id.partition("_")
+    return (int(base) if base.isdigit() else 0, int(idx) if idx.isdigit() else -1)
 
 
 def status_command(console: Console, target: str, as_json: bool) -> int:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -102,6 +101,23 @@ def test_local_failure_is_reported_and_exits_1(tmp_path):
     assert "FAILED" in proc.stdout
     status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
     assert [t["state"] for t in status["tasks"]] == ["FAILED"]
+
+
+def test_local_cancel_stops_the_ranks_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    sleeper = ["python", "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
+    plan = plan_from(spec_text("out", "", command=sleeper, env='[env]\nSWIFTSLURM_PROBE_A = "x y"'), tmp_path)
+    sub = submit_plan(plan, executor="local")
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    child = int(pid_file.read_text())
+    load_submission(str(tmp_path / "out")).cancel()  # from the record, as `swiftslurm cancel DIR` does
+    assert sub.wait(timeout_s=30, poll_s=0.2) == {"0": "CANCELLED"}
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists(), "the user's command outlived the cancel"
 
 
 # ---------------------------------------------------------------- on the local Slurm cluster
