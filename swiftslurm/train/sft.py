@@ -8,6 +8,7 @@ metrics.jsonl under ``output_dir``. Without CUDA it runs on the CPU: DS_ACCELERA
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from typing import Any, Callable
 from ..errors import SwiftSlurmError
 
 log = logging.getLogger("swiftslurm.train")
+SUMMARY_FILE = "train-summary.json"
 
 
 @dataclass
@@ -189,8 +191,25 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         wall_s=wall_s,
     )
     if rank == 0:
-        print(summary(result, output_dir, losses[0] if losses else None), flush=True)
+        text = summary(result, output_dir, losses[0] if losses else None)
+        print(text, flush=True)
+        import json
+
+        body = {**dataclasses.asdict(result), "first_loss": losses[0] if losses else None, "text": text}
+        tmp = Path(output_dir) / f".{SUMMARY_FILE}.tmp"
+        tmp.write_text(json.dumps(body, indent=2))
+        os.replace(tmp, Path(output_dir) / SUMMARY_FILE)
     return result
+
+
+def read_summary(output_dir: str) -> str | None:
+    """The end-of-training summary rank 0 wrote (for `submit --wait` to print), or None."""
+    import json
+
+    try:
+        return json.loads((Path(output_dir) / SUMMARY_FILE).read_text())["text"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> str:
