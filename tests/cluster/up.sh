@@ -50,21 +50,26 @@ install_missing() {
     ((${#missing[@]})) || return 0
     INSTALLED=1
     say "installing ${missing[*]}"
-    # Keep the packages' init scripts from starting system-wide daemons.
+    # Keep the packages' init scripts from starting system-wide daemons (munge, mariadb,
+    # slurm*): ours run from the base dir.  Docker images already have this file.
     local own_policy=0
     if [[ ! -e /usr/sbin/policy-rc.d ]]; then
         printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
         chmod 755 /usr/sbin/policy-rc.d
         own_policy=1
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
     local rc=0
-    {
-        apt-get update -q &&
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-                -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-                "${missing[@]}"
-    } </dev/null >"$LOG/apt.log" 2>&1 || rc=$?
-    ((own_policy)) && rm -f /usr/sbin/policy-rc.d
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q </dev/null >"$LOG/apt.log" 2>&1 ||
+        say "apt-get update failed (see $LOG/apt.log); trying the install anyway"
+    apt-get install -y -q --no-install-recommends \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        "${missing[@]}" </dev/null >>"$LOG/apt.log" 2>&1 || rc=$?
+    if ((own_policy)); then
+        rm -f /usr/sbin/policy-rc.d
+        trap - EXIT
+    fi
     if ((rc)); then
         show_logs "$LOG/apt.log"
         die "apt-get install ${missing[*]} failed (exit $rc; log: $LOG/apt.log)"
@@ -232,7 +237,7 @@ main() {
     start_munged
     start_mariadb
     wait_for 10 munged "$MUNGE_DIR/munged.log" -- munge_works
-    wait_for 60 MariaDB "$LOG/mariadbd.log" -- db_answers
+    wait_for 30 MariaDB "$LOG/mariadbd.log" -- db_answers
 
     MYSQL_UNIX_PORT=$DB_SOCKET slurmdbd </dev/null >>"$LOG/slurmdbd.out" 2>&1 9>&- ||
         { show_logs "$LOG/slurmdbd.log" "$LOG/slurmdbd.out"; die "slurmdbd failed to start"; }
@@ -274,4 +279,4 @@ main() {
     say "logs in $LOG; stop with tests/cluster/down.sh [--purge]"
 }
 
-main "$@"
+[[ ${BASH_SOURCE[0]} != "$0" ]] || main "$@" # sourcing only defines the functions
