@@ -52,6 +52,6 @@ def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # built on the CPU: leave every GPU untouched
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
