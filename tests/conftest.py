@@ -27,6 +27,7 @@ FINAL_STATES = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
+    config.addinivalue_line("markers", "slow: takes tens of seconds or more")
 
 
 def _natural(name: str) -> tuple:
