@@ -176,6 +176,14 @@ def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
     per_node = expand_tasks_per_node(tpn) if tpn else (world_size // max(len(nodes), 1),) * len(nodes)
     local_world_size = per_node[node_rank] if node_rank < len(per_node) else 1
     local_rank = _int(env, "SLURM_LOCALID", 0)
+    if not env.get("SLURM_STEP_ID") and world_size > 1:
+        # the batch script (or an salloc shell) itself: one process standing in for the whole job
+        raise RuntimeEnvError(
+            f"`swiftslurm run` was started outside a job step, as one process for a job of {world_size} tasks",
+            "SLURM_STEP_ID is unset (the batch script runs it directly)",
+            "start it with `srun python -m swiftslurm run --plan PLAN` (one Slurm task per rank); "
+            "`swiftslurm render SPEC -o FILE` writes such a script",
+        )
     job_id = env["SLURM_JOB_ID"].strip()
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     array_task_id = _int(env, "SLURM_ARRAY_TASK_ID") if array_task else None

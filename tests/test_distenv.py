@@ -96,6 +96,7 @@ def slurm_env(**over: str) -> dict[str, str]:
     """An srun task's environment: 2 nodes x 2 tasks, this is rank 3 on node2 (as captured from srun)."""
     env = {
         "SLURM_JOB_ID": "4711",
+        "SLURM_STEP_ID": "0",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_STEP_NODELIST": "node[1-2]",
         "SLURM_JOB_NUM_NODES": "2",
@@ -145,6 +146,16 @@ def test_explicit_master_port_and_addr_win():
 def test_uneven_tasks_per_node():
     d = derive(slurm_env(SLURM_STEP_TASKS_PER_NODE="3,1", SLURM_PROCID="3", SLURM_LOCALID="0"))
     assert d.local_world_size == 1
+
+
+def test_batch_script_without_srun_is_refused():
+    # captured from a batch script of `sbatch -N2 --ntasks-per-node=2` (no SLURM_STEP_* there)
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node[2-3]", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)",
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    with pytest.raises(RuntimeEnvError) as err:
+        derive(env)
+    assert "srun" in err.value.hint
+    assert derive({**env, "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "node2"}).world_size == 1
 
 
 def test_bad_procid_is_a_clear_error():
