@@ -42,6 +42,22 @@ def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
     return log
 
 
+def enable_stack_dumps(dist: DistEnv, output_dir: str) -> None:
+    """SIGUSR1 dumps this rank's Python stacks into its log (rank 0: stderr), so
+    `scancel --signal=USR1 JOB` shows where every rank of a hung job stands."""
+    import faulthandler
+    import signal
+
+    if dist.rank == 0:
+        target = sys.stderr
+    else:
+        target = open(rank_log_path(output_dir, dist.rank), "a")  # kept open: faulthandler writes to its fd
+    try:
+        faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
+    except (ValueError, RuntimeError, OSError):  # not a real file (captured stderr): no dumps
+        pass
+
+
 def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -> list[tuple[str, str]]:
     """What the banner shows, as (label, value) rows (pure)."""
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")

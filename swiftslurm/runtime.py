@@ -60,6 +60,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     out_dir = task.output_dir
     Path(out_dir, "logs").mkdir(parents=True, exist_ok=True)
     log = banner.setup_logging(dist, out_dir)
+    banner.enable_stack_dumps(dist, out_dir)
     log.info("%s", dist.summary())
 
     resume = None if spec.train.command else _resume_point(out_dir, log)

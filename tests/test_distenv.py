@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swiftslurm import distenv
@@ -55,6 +55,35 @@ def test_hostlist_matches_live_scontrol():
     mismatches = {f: (slurm.show_hostnames(f), list(expand_nodelist(f))) for f in FORMS}
     mismatches = {f: v for f, v in mismatches.items() if v[0] != v[1]}
     assert not mismatches
+
+
+@st.composite
+def hostlists(draw) -> str:
+    """Random Slurm hostlists: 1-3 groups, each a plain host or prefix[ranges] with zero padding."""
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        prefix = draw(st.from_regex(r"[a-z][a-z0-9-]{0,5}", fullmatch=True))
+        if draw(st.booleans()):
+            groups.append(prefix)
+            continue
+        width = draw(st.integers(1, 4))
+        parts = []
+        for _ in range(draw(st.integers(1, 3))):
+            lo = draw(st.integers(0, 10**width - 1))
+            hi = draw(st.integers(lo, min(lo + 4, 10**width - 1)))
+            parts.append(f"{lo:0{width}d}" + (f"-{hi:0{width}d}" if hi > lo else ""))
+        groups.append(f"{prefix}[{','.join(parts)}]")
+    return ",".join(groups)
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol")
+@settings(max_examples=60, deadline=None)
+@given(hostlists())
+def test_random_hostlists_match_live_scontrol(form):
+    from swiftslurm import slurm
+
+    assert list(expand_nodelist(form)) == slurm.show_hostnames(form)
 
 
 MALFORMED = ["", "   ", "node[1-", "node[1-2", "node1]", "node[3-1]", "node[10-8]", "node[a-b]", "node[]", "no de1", "n[1-2]]"]

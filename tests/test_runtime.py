@@ -111,6 +111,23 @@ def test_plan_from_env_var_and_missing_plan(tmp_path):
     assert (tmp_path / "env-0.json").exists()
     proc = run_cli("--plan", str(tmp_path / "nope.json"))
     assert proc.returncode == 1 and "plan file does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("--plan", str(plan), "--task", "3")
+    assert proc.returncode == 1 and "the plan has no task 3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_usr1_dumps_the_rank_stack(tmp_path):
+    plan = make_plan_file(tmp_path, command_spec(tmp_path, SIGNALLED, str(tmp_path)))
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(tmp_path / "ready", 30)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "Current thread" in err and "run_command" in err, err[-2000:]
+    assert proc.returncode == 7  # still alive after the dump; the TERM ended the command
 
 
 def test_spec_env_may_not_set_rank(tmp_path):
