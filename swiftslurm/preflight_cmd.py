@@ -1,0 +1,89 @@
+"""`swiftslurm preflight SPEC`: a diagnostic job with the allocation the spec asks for, no training.
+
+Submits the plan in mode "preflight" (every rank runs the checks, rank 0 writes
+``<task dir>/preflight/report.json`` and ``busbw.png``), follows it with a live table, then prints
+each task's report. Exit 0 when every check passed, 4 (PreflightFailed) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from .errors import PreflightFailed
+from .plan import Plan
+from .preflight.report import REPORT_DIR, REPORT_JSON, print_report, read_report
+
+QUEUE_GRACE_S = 600  # how long the job may wait in the queue on top of its own time limit
+
+
+def _report_path(task_dir: str) -> Path:
+    return Path(task_dir) / REPORT_DIR / REPORT_JSON
+
+
+def summary(reports: list[dict[str, Any] | None], states: dict[str, str], job_ids: list[str], executor: str, wall_s: float) -> dict[str, Any]:
+    """The --json document: every task's report (None where the job wrote none) and the verdict (pure)."""
+    return {
+        "ok": all(r is not None and r.get("ok") for r in reports),
+        "executor": executor,
+        "job_ids": job_ids,
+        "states": states,
+        "wall_s": round(wall_s, 1),
+        "tasks": reports,
+    }
+
+
+def preflight_command(console: Console, plan: Plan, executor: str, json_file: Path | None) -> int:
+    from .submit import submit_plan
+    from .submit_cmd import status_table
+
+    t0 = time.monotonic()
+    for task in plan.tasks:  # never mistake an older run's report for this one's
+        _report_path(task.output_dir).unlink(missing_ok=True)
+    sub = submit_plan(plan, executor=executor, mode="preflight")
+    s = plan.spec.slurm
+    console.print(
+        f"preflight job {', '.join(sub.job_ids)} via {sub.executor}: {len(plan.tasks)} task(s) x {s.nodes} node(s) x "
+        f"{s.ranks_per_node} rank(s); checks: {', '.join(plan.spec.preflight.checks) or 'all'}",
+        highlight=False,
+    )
+    title = f"preflight job {', '.join(sub.slurm_job_ids) if sub.executor == 'slurm' else sub.executor}"
+    try:
+        with Live(status_table([], "waiting for the preflight job"), console=console, refresh_per_second=2, transient=True) as live:
+            states = sub.wait(timeout_s=s.time_limit_s + QUEUE_GRACE_S, on_update=lambda rows: live.update(status_table(rows, title)))
+    except KeyboardInterrupt:
+        sub.cancel()
+        console.print("interrupted: preflight job cancelled")
+        raise
+    reports: list[dict[str, Any] | None] = []
+    for task in plan.tasks:
+        path = _report_path(task.output_dir)
+        report = read_report(path) if path.is_file() else None
+        reports.append(report)
+        if report is not None:
+            label = f"task {task.index}: " if plan.is_array else ""
+            print_report(console, report, title=f"{label}preflight on {', '.join(report.get('nodes', []))} ({path.parent})")
+    wall = time.monotonic() - t0
+    doc = summary(reports, states, sub.job_ids, sub.executor, wall)
+    if json_file is not None:
+        json_file.write_text(json.dumps(doc, indent=2))
+        console.print(f"report JSON: {json_file}", highlight=False)
+    console.print(f"preflight total wall time {wall:.1f} s (submit to report)", highlight=False)
+    missing = [t.index for t, r in zip(plan.tasks, reports) if r is None]
+    if missing:
+        raise PreflightFailed(
+            f"the preflight job wrote no report for task(s) {', '.join(map(str, missing))}",
+            "job state: " + ", ".join(f"task {k} {v}" for k, v in states.items()),
+            f"see the job logs under {sub.folder} and <task dir>/logs/",
+        )
+    if not doc["ok"]:
+        failed = sum(r["failed"] for r in reports if r)
+        console.print(f"[bold red]preflight failed:[/] {failed} check(s); the rows marked FAIL name the node and the fix", highlight=False)
+        return PreflightFailed.exit_code
+    console.print("[green]preflight passed[/]")
+    return 0
