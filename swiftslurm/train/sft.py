@@ -33,6 +33,7 @@ class TrainResult:
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
     wall_s: float = 0.0
+    optimizer: str = ""
 
 
 class ModelUnavailable(SwiftSlurmError):
@@ -86,6 +87,11 @@ def _apply_lora(model, train):
     config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+    section = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return section.get("device") in ("cpu", "nvme")
 
 
 def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool):
@@ -165,7 +171,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=Collator(tok.pad_token_id),
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
-        flops_per_token=flops_per_token(total_params, trainable),
+        flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
     try:
         trainer.train(resume_from_checkpoint=resume_from)
@@ -189,6 +195,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         tensorboard_dir=str(runs) if runs.exists() else None,
         metrics_file=str(metrics_path) if rank == 0 else None,
         wall_s=wall_s,
+        optimizer=trainer.optimizer_name,
     )
     if rank == 0:
         text = summary(result, output_dir, losses[0] if losses else None)
@@ -221,7 +228,7 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     lines = [
         f"swiftslurm: training {how} at step {result.global_step} in {result.wall_s:.1f} s",
         f"  loss: first {fmt(first_loss)} -> final {fmt(result.final_loss)}",
-        f"  throughput: {fmt(result.tokens_per_s, '.1f')} tokens/s (all ranks)",
+        f"  throughput: {fmt(result.tokens_per_s, '.1f')} tokens/s (all ranks); optimizer {result.optimizer or '?'}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]

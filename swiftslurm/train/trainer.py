@@ -41,13 +41,44 @@ def _all_reduce(values: list[float], op, device) -> list[float]:
 class SFTTrainer(Trainer):
     """Trainer + swiftslurm's save protocol and measurements. ``job`` carries spec facts for the meta."""
 
-    def __init__(self, *args, meter: StepMeter, job: dict[str, Any], flops_per_token: float | None = None, **kwargs):
+    def __init__(self, *args, meter: StepMeter, job: dict[str, Any], flops_per_token: float | None = None,
+                 cpu_adam: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.cpu_adam = cpu_adam
         self.meter = meter
         self.job = job
         self.flops_per_token = flops_per_token
+        self.optimizer_name = ""
         self.save_seconds: list[float] = []
         self.committed: list[str] = []
+
+    def create_optimizer(self, model=None):
+        """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
+        built for; torch's AdamW stepping on offloaded CPU tensors is several times slower. Falls back to the
+        default optimizer, with a warning, when the op cannot be built on this node (no compiler or ninja)."""
+        if not self.cpu_adam or self.optimizer is not None:
+            optimizer = super().create_optimizer(model)
+            self.optimizer_name = type(optimizer).__name__
+            return optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = [
+            {"params": [p for n, p in opt_model.named_parameters() if n in decay and p.requires_grad],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in opt_model.named_parameters() if n not in decay and p.requires_grad],
+             "weight_decay": 0.0},
+        ]
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            self.optimizer = DeepSpeedCPUAdam(groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                              eps=self.args.adam_epsilon, adamw_mode=True)
+        except Exception as exc:  # the op is compiled on first use; a node without a toolchain cannot
+            log.warning("DeepSpeedCPUAdam unavailable (%s); using torch AdamW with the offloaded optimizer", exc)
+            self.cpu_adam = False
+            return self.create_optimizer(model)
+        self.optimizer_name = type(self.optimizer).__name__
+        return self.optimizer
 
     # ---- measurements
     def get_batch_samples(self, epoch_iterator, num_batches, device):
