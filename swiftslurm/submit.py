@@ -108,6 +108,7 @@ class Submission:
     submitted_at: float = field(default_factory=time.time)
     source: str = ""
     cancelled: bool = False
+    ranks_per_task: int = 1  # local: a task is COMPLETED only when this many ranks reported success
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
 
     def to_json(self) -> dict[str, Any]:
@@ -153,7 +154,7 @@ class Submission:
             self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
-            state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled)
+            state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_per_task)
             elapsed = _hms(time.time() - self.submitted_at) if state == "RUNNING" else ""
             rows.append(TaskStatus(index, jid, state, "localhost", 0, elapsed, task_dir))
         return rows
@@ -187,7 +188,8 @@ class Submission:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(jid), signal.SIGTERM)  # the submitit controller forwards it to the ranks
         self.cancelled = True
-        _update_record(self)
+        if self.output_dir:
+            _update_record(self)
 
 
 def _hms(seconds: float) -> str:
@@ -195,15 +197,13 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool) -> str:
+def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool, ranks: int) -> str:
     """A local job from submitit's files: every rank's result pickle says success -> COMPLETED."""
     results = sorted(folder.glob(f"{job_id}_*_result.pkl"))
     if job is not None:
         running = job._process is not None and job._process.poll() is None
-        ranks = len(job._tasks) if hasattr(job, "_tasks") else 1
     else:
         running = _pid_alive(int(job_id)) if job_id.isdigit() else False
-        ranks = None
     if running:
         return "RUNNING"
     if not results:
@@ -217,7 +217,7 @@ def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool) -> str:
                 outcomes.append(pickle.load(fh)[0])
         except Exception:  # a torn or foreign pickle: not a success
             outcomes.append("error")
-    if ranks is not None and len(outcomes) < ranks:
+    if len(outcomes) < ranks:
         return "CANCELLED" if cancelled else "FAILED"
     return "COMPLETED" if all(o == "success" for o in outcomes) else ("CANCELLED" if cancelled else "FAILED")
 
@@ -408,6 +408,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
         folder=str(folder),
         mode=mode,
         source=plan.source,
+        ranks_per_task=plan.spec.slurm.nodes * plan.spec.slurm.ranks_per_node,
         _jobs=jobs,
     )
     _update_record(sub)

@@ -59,7 +59,7 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
         table.add_column(col, justify="right" if col in ("task", "restarts") else "left")
     if with_checkpoint:
         table.add_column("latest verified checkpoint")
-    shown = rows if len(rows) <= MAX_ROWS else [r for r in rows if not slurm.is_final(r.state) or r.state != "COMPLETED"][:MAX_ROWS]
+    shown = rows if len(rows) <= MAX_ROWS else [r for r in rows if r.state != "COMPLETED"][:MAX_ROWS]
     for r in shown:
         style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
         cells = [str(r.task), r.job_id, f"[{style}]{r.state}[/]" if style else r.state, r.nodes or "-", str(r.restarts), r.elapsed or "-"]

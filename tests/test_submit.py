@@ -244,14 +244,26 @@ def test_refused_submission_exits_3_with_slurms_reason(tmp_path):
     assert proc.returncode == 3 and "invalid partition" in proc.stderr.lower() and "Traceback" not in proc.stderr
 
 
+def _until(sub: Submission, pred, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = sub.statuses()
+        if pred(rows[0]) or time.monotonic() > deadline:
+            return rows[0]
+        time.sleep(0.5)
+
+
 @pytest.mark.slurm
-def test_cancel_from_output_dir(tmp_path):
-    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["sleep", "120"]))
+def test_status_counts_a_requeue_then_cancel_from_output_dir(tmp_path):
+    (tmp_path / "s.toml").write_text(spec_text("out", str(tmp_path / "r"), command=["sleep", "120"]))
     assert cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path).returncode == 0
     sub = load_submission(str(tmp_path / "out"))
-    deadline = time.monotonic() + 30
-    while sub.states()["0"] != "RUNNING" and time.monotonic() < deadline:
-        time.sleep(0.5)
+    assert _until(sub, lambda r: r.state == "RUNNING", 60).state == "RUNNING"
+    slurm.requeue(sub.job_ids[0])
+    row = _until(sub, lambda r: r.state == "RUNNING" and r.restarts == 1, 90)
+    assert (row.state, row.restarts) == ("RUNNING", 1)
+    status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
+    assert status["tasks"][0]["restarts"] == 1 and status["tasks"][0]["nodes"]
     proc = cli("cancel", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert sub.wait(timeout_s=60, poll_s=0.5) == {"0": "CANCELLED"}
