@@ -3,7 +3,8 @@
 Few, combined runs (each costs ~20-40 s on 2 cores, most of it imports):
   demo     the quickstart spec (zero2, full FT, 50 steps): loss halves, checkpoints verify, every
            TensorBoard metric is there with plausible values, metrics.jsonl, the rank-0 summary
-  stop     same spec, rank 0 alone sees a walltime stop at step 7: every rank saves and stops
+  stop     same spec, rank 0 alone sees a walltime stop at step 7: every rank saves and stops; a slowed
+           commit outlasts signal_grace_s = 10 and the trainer warns
   resume   from that checkpoint to step 10: losses of steps 8-10 equal the demo run's
   zero3    full FT: consolidated 16-bit weights load with from_pretrained, same logits as the shards
   offload  zero2_offload + LoRA: trains, saves an adapter that loads with peft
@@ -146,7 +147,10 @@ def test_demo_tensorboard_has_every_metric_with_plausible_values(demo):
 def stopped(demo):
     _, _, tmp = demo
     spec, out = quickstart_spec(tmp, "stop", logging_steps=1)
-    return run(spec, out, stop_at_step=7), spec, out
+    data = tomllib.loads(Path(spec).read_text())
+    data["slurm"]["signal_grace_s"] = 10  # and a commit slowed by 3 x 4 s: the save outlasts the grace period
+    Path(spec).write_text(to_toml(data))
+    return run(spec, out, stop_at_step=7, extra_env={"SWIFTSLURM_CKPT_TEST_DELAY_S": "4"}), spec, out
 
 
 def test_walltime_stop_saves_on_every_rank_and_stops(stopped):
@@ -155,6 +159,9 @@ def test_walltime_stop_saves_on_every_rank_and_stops(stopped):
     assert [r["stopped_for_requeue"] for r in results] == [True, True]  # rank 1 learned it by all-reduce
     assert ck.verify(out / "checkpoint-7").ok
     assert "stopped for requeue" in results[0]["stdout"]
+    assert "slurm.signal_grace_s = 10 s is shorter than one step + one save" in results[0]["stdout"]
+    saves = results[0]["save_seconds"]
+    assert len(saves) == 1 and saves[0] >= 12
 
 
 def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
