@@ -94,7 +94,7 @@ def _offload_device(zero: dict[str, Any], key: str) -> str | None:
     return device if device in OFFLOAD_DEVICES else None
 
 
-def validate(config: dict[str, Any], bf16: bool, source: str = "deepspeed") -> list[Problem]:
+def validate(config: dict[str, Any], bf16: bool) -> list[Problem]:
     """Every refused combination in a merged config, as Problems located by ``deepspeed.*`` paths."""
     problems: list[Problem] = []
     zero = config.get("zero_optimization", {})
@@ -108,7 +108,7 @@ def validate(config: dict[str, Any], bf16: bool, source: str = "deepspeed") -> l
     param_dev = _offload_device(zero, "offload_param")
     if param_dev and stage != 3:
         problems.append(Problem("deepspeed.zero_optimization.offload_param",
-                                f"parameter offload needs ZeRO stage 3 (parameters are only partitioned in stage 3)",
+                                "parameter offload needs ZeRO stage 3 (parameters are only partitioned in stage 3)",
                                 f"stage {stage}", "use the zero3_offload preset or drop offload_param"))
     if opt_dev and stage == 0:
         problems.append(Problem("deepspeed.zero_optimization.offload_optimizer",
@@ -146,7 +146,7 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
           source: str = "deepspeed") -> tuple[dict[str, Any], list[str]]:
     """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings)."""
     merged = deep_merge(base, overrides)
-    problems = validate(merged, bf16=bool(spec_train.bf16), source=source)
+    problems = validate(merged, bf16=bool(spec_train.bf16))
     if problems:
         raise SpecError(source, problems)
     warnings: list[str] = []
