@@ -74,10 +74,25 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
     return table
 
 
+def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
+    """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
+    try:
+        from .train.sft import read_summary
+    except ImportError:
+        return
+    for index, task_dir in enumerate(sub.task_dirs[:limit]):
+        text = read_summary(task_dir) if task_dir else None
+        if text:
+            console.print((f"task {index}: " if len(sub.task_dirs) > 1 else "") + text, highlight=False, markup=False)
+
+
 def follow(console: Console, sub: Submission, timeout_s: float | None = None) -> int:
     """A live table until every task ends; 0 only if all COMPLETED, else 1."""
     with Live(status_table([], "waiting for the job"), console=console, refresh_per_second=2, transient=False) as live:
         states = sub.wait(timeout_s=timeout_s, on_update=lambda rows: live.update(status_table(rows, f"job {', '.join(sub.slurm_job_ids) if sub.executor == 'slurm' else sub.executor}")))
+    if not console.is_terminal:
+        console.line()  # a non-terminal Live ends its last frame without a newline
+    _print_train_summaries(console, sub)
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
         console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + ", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10]), highlight=False)
