@@ -309,3 +309,36 @@ def test_report_json_png_table(tmp_path):
     print_report(console, data)
     text = console.export_text()
     assert "FAIL" in text and "fix it" in text and "wall time 3.2 s" in text
+
+
+# ------------------------------------------------------------------ the gate, one process (fast)
+
+
+@pytest.mark.parametrize("on_failure, proceed, action", [("abort", False, "abort"), ("warn", True, "warn"), ("exclude", False, "abort")])
+def test_gate_on_failure(tmp_path, on_failure, proceed, action, capsys):
+    from swiftslurm.distenv import derive
+    from swiftslurm.preflight import gate
+    from swiftslurm.spec import parse_spec
+
+    spec = parse_spec(
+        f'[job]\noutput_dir = "{tmp_path}"\n[train]\ncommand = ["true"]\n'
+        f'[preflight]\nchecks = ["disk", "sharedfs"]\nmin_disk_free_gb = 1e9\non_failure = "{on_failure}"\n'
+    )
+    dist = derive({"MASTER_PORT": str(free_port())}, pid=os.getpid())
+    assert gate(dist, spec, str(tmp_path), mode="train") is proceed
+    report = json.loads((tmp_path / "preflight" / "report.json").read_text())  # kept, whatever the decision
+    assert report["decision"]["action"] == action and report["failed"] == 1
+    assert [r["check"] for r in report["results"] if r["ok"]] == ["sharedfs"]
+    if on_failure == "exclude":  # excluding the only node would leave nothing to run on: say so instead
+        assert "not node-specific; not requeueing" in report["decision"]["reason"]
+    if on_failure == "warn":
+        assert "WARNING" in capsys.readouterr().err
+
+
+def test_gate_without_checks_is_a_no_op(tmp_path):
+    from swiftslurm.preflight import checks_for, gate
+    from swiftslurm.spec import parse_spec
+
+    spec = parse_spec('[train]\ncommand = ["true"]\n[preflight]\nchecks = []\n')
+    assert gate(None, spec, str(tmp_path), mode="train") is True and not (tmp_path / "preflight").exists()
+    assert "allreduce" in checks_for(spec, "preflight")  # a diagnostic run with [] runs every check

@@ -1,5 +1,6 @@
 """The preflight under real Slurm (tests/cluster/up.sh: node1..node4 on 127.0.0.1-4): srun starts one
 rank per node, real nc/iperf3/fio/gloo; and on_failure = "exclude" requeues the job without the bad node.
+All checks passing on 4 Slurm nodes is test_preflight_cmd.py::test_slurm_four_nodes (through the CLI).
 """
 
 from __future__ import annotations
@@ -50,20 +51,6 @@ def srun(spec: Path, out: Path, n: int, env_extra: str = "", timeout_s: int = 15
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
-
-
-def test_srun_four_nodes_all_pass(tmp_path):
-    spec, out = write_spec(tmp_path, 4)
-    code, log, wall = srun(spec, out, 4)
-    assert code == 0, log[-3000:]
-    report = json.loads((out / "preflight" / "report.json").read_text())
-    assert report["ok"] and report["nodes"] == ["node1", "node2", "node3", "node4"] or sorted(report["nodes"]) == report["nodes"]
-    assert len(report["nodes"]) == 4 and report["executor"] == "slurm"
-    iperf = [r for r in report["results"] if r["check"] == "iperf3"]
-    assert len(iperf) == 4 and all(r["data"]["gbps"] > 0.1 for r in iperf)
-    assert (out / "preflight" / "busbw.png").stat().st_size > 1000
-    assert re.search(r"preflight wall time \d+\.\d s", log)
-    assert wall < 60, f"preflight on 4 nodes took {wall:.0f} s"
 
 
 @pytest.mark.slow

@@ -156,11 +156,12 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
                 f"rank {r} hung: see its log on {node}; drain or exclude {node}",
             ))
         missing = stalled  # the other ranks' errors follow from the stalled ones
-    if errors:
-        if missing:
-            first = next(iter(sorted(errors.items())))
-            results.append(CheckResult("allreduce", "all", False, f"{len(errors)} other rank(s) failed as a consequence, e.g. rank {first[0]}: {first[1]}", expected, "fix the rank(s) named above"))
-        else:
+    if errors or missing:
+        others = {r: e for r, e in errors.items() if r not in missing}
+        if missing and others:
+            first = next(iter(sorted(others.items())))
+            results.append(CheckResult("allreduce", "all", False, f"{len(others)} other rank(s) failed as a consequence, e.g. rank {first[0]}: {first[1]}", expected, "fix the rank(s) named above"))
+        elif not missing:
             for r, err in sorted(errors.items()):
                 node = rank_nodes[r] if r < len(rank_nodes) else "?"
                 results.append(CheckResult("allreduce", node, False, f"rank {r}: {err}", expected, "check NCCL_DEBUG=INFO output and the network between the nodes (NCCL_SOCKET_IFNAME, NCCL_IB_HCA)"))
