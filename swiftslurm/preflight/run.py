@@ -67,7 +67,15 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
     node, rank, world = dist.node, dist.rank, dist.world_size
     leader = dist.local_rank == 0
     port = preflight_ports(dist.master_port)
-    meta: dict[str, Any] = {"nodes": nodes, "world_size": world, "checks": checks, "ports": port}
+    phases: dict[str, float] = {}
+    meta: dict[str, Any] = {"nodes": nodes, "world_size": world, "checks": checks, "ports": port, "phase_s": phases}
+    t_phase = time.monotonic()
+
+    def phase(name: str) -> None:  # rank 0's time per phase, in the report: where a slow preflight spent it
+        nonlocal t_phase
+        phases[name] = round(time.monotonic() - t_phase, 2)
+        t_phase = time.monotonic()
+
 
     try:
         coord = Coordinator.connect(dist.master_addr, port["coord"], rank, world, timeout_s, prefix=f"preflight-{dist.job_id}")
@@ -96,6 +104,7 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
         local_futures = _node_checks_local(pool, checks, node, spec, output_dir)
 
     missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
+    phase("connect")
     try:
         if leader:
             net = []
@@ -110,6 +119,7 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
             for f in net + local_futures:
                 mine += f.result()
         coord.barrier("network-done", time.monotonic() + timeout_s)
+        phase("node_checks")
     finally:
         if listener:
             listener.close()
@@ -124,10 +134,13 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
         view = allreduce.run_allreduce(rank, world, backend, _prefixed(coord, "allreduce"), timeout_s, dist.local_rank, fault,
                                        on_progress=lambda k: coord.put(f"ar-progress/{rank}", k))
         coord.put(f"allreduce/{rank}", view)
+        phase("allreduce")
 
     if rank != 0:
         return Outcome(coord, [], meta)
-    return Outcome(coord, _gather(coord, checks, nodes, world, missing_ready, timeout_s, sharedfs_file, pf.min_allreduce_busbw_gbps), meta)
+    results = _gather(coord, checks, nodes, world, missing_ready, timeout_s, sharedfs_file, pf.min_allreduce_busbw_gbps)
+    phase("gather")
+    return Outcome(coord, results, meta)
 
 
 def _gather(coord: Coordinator, checks: list[str], nodes: list[str], world: int, missing_ready: list[int],
