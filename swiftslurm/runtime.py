@@ -166,6 +166,12 @@ def _train(dist, spec, ds_config, out_dir: str, resume: str | None, the_env: dic
     os.environ.clear()
     os.environ.update(the_env)  # the one export step, for the in-process trainer
     result = sft.train(spec, dist, ds_config, out_dir, resume, signals.stop_requested)
+    # Training is over: a walltime USR2 arriving now (e.g. during interpreter teardown, when CPython has
+    # already restored the default handler, which kills) must not fail the job. SIG_IGN survives teardown.
+    try:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no handler was installed either
+        pass
     if getattr(result, "stopped_for_requeue", False):
         if dist.rank == 0:
             after_walltime_stop(dist, spec, out_dir, log, step=getattr(result, "global_step", None))
