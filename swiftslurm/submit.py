@@ -166,13 +166,14 @@ class Submission:
         """Poll until every task is in a final state (or ``timeout_s`` passed): task index -> state.
 
         On timeout the states are returned as they are (some not final); the job keeps running.
+        A Slurm task that neither sacct nor squeue has listed for UNSEEN_GRACE_S ends the wait as UNKNOWN.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             rows = self.statuses()
             if on_update is not None:
                 on_update(rows)
-            if all(slurm.is_final(r.state) for r in rows):
+            if all(slurm.is_final(r.state) or r.state == "UNKNOWN" for r in rows):  # UNKNOWN: Slurm lost it
                 return {str(r.task): r.state for r in rows}
             if deadline is not None and time.monotonic() >= deadline:
                 return {str(r.task): r.state for r in rows}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path, PurePosixPath
 
@@ -17,6 +18,7 @@ from .errors import SwiftSlurmError
 from .submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
 MAX_ROWS = 40  # a 1000-task array is summarised, not printed line by line
 
 
@@ -86,6 +88,30 @@ def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) ->
             console.print((f"task {index}: " if len(sub.task_dirs) > 1 else "") + text, highlight=False, markup=False)
 
 
+def last_error_line(sub: Submission, index: int) -> str | None:
+    """The last line rank 0 of a task wrote to stderr (submitit's log), srun's own lines skipped."""
+    if not sub.folder or index >= len(sub.job_ids):
+        return None
+    path = Path(sub.folder) / f"{sub.job_ids[index]}_0_log.err"
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 8192))
+            lines = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    lines = [ln.removeprefix("[rank0]: ").strip() for ln in lines]
+    lines = [ln for ln in lines if ln and not ln.startswith(("srun:", "submitit ", "slurmstepd:")) and not _LOG_LINE.match(ln)]
+    if not lines:
+        return None
+    last = lines[-1]
+    if last.startswith(("swiftslurm.submit.TaskFailed", "TaskFailed")) and "Traceback (most recent call last):" in lines:
+        # the user's command failed: its own last words come before submitit's traceback
+        start = len(lines) - 1 - lines[::-1].index("Traceback (most recent call last):")
+        if start > 0:
+            return f"{lines[start - 1][:240]} ({last.split(': ', 1)[-1]})"
+    return last[:300]
+
+
 def follow(console: Console, sub: Submission, timeout_s: float | None = None) -> int:
     """A live table until every task ends; 0 only if all COMPLETED, else 1."""
     with Live(status_table([], "waiting for the job"), console=console, refresh_per_second=2, transient=False) as live:
@@ -96,6 +122,10 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None) ->
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
         console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + ", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10]), highlight=False)
+        for t in list(bad)[:3]:
+            why = last_error_line(sub, int(t))
+            if why:
+                console.print(f"  task {t}: {why}", highlight=False, markup=False)
         console.print(f"logs: {sub.folder}", highlight=False)
         return 1
     console.print(f"[green]all {len(states)} task(s) COMPLETED[/]")

@@ -101,10 +101,11 @@ def test_local_sweep_two_ranks_each(tmp_path):
 
 
 def test_local_failure_is_reported_and_exits_1(tmp_path):
-    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["python", "-c", "raise SystemExit(3)"]))
+    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["python", "-c", "raise SystemExit('boom: disk full')"]))
     proc = cli("submit", "s.toml", "--executor", "local", "--wait", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED" in proc.stdout
+    assert "task 0: boom: disk full" in proc.stdout  # the command's last words, from rank 0's log
     status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
     assert [t["state"] for t in status["tasks"]] == ["FAILED"]
 
