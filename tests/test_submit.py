@@ -159,7 +159,9 @@ def test_sweep_is_one_sbatch_array_cli(tmp_path):
 
 @pytest.mark.slurm
 def test_two_nodes_two_tasks_ranks(tmp_path):
-    plan = plan_from(spec_text("out", str(tmp_path / "ranks"), nodes=2, tasks=2), tmp_path)
+    probe = f"$(touch {tmp_path}/pwned) 'x' `y`\nz"
+    env = f"[env]\nSWIFTSLURM_PROBE_B = {json.dumps(probe)}"
+    plan = plan_from(spec_text("out", str(tmp_path / "ranks"), nodes=2, tasks=2, env=env), tmp_path)
     sub = submit_plan(plan, executor="slurm")
     assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}
     got = ranks(tmp_path / "ranks")
@@ -177,6 +179,8 @@ def test_two_nodes_two_tasks_ranks(tmp_path):
     assert master in (first, _addr_of(first))
     rank0 = next(r for r in got if r["RANK"] == "0")
     assert rank0["SLURMD_NODENAME"] == first
+    assert {r["SWIFTSLURM_PROBE_B"] for r in got} == {probe}  # [env] via submitit setup lines, on both nodes
+    assert not (tmp_path / "pwned").exists()
 
 
 def _addr_of(host: str) -> str:
