@@ -8,6 +8,10 @@ assumes the answer (docs/training.md says how each is measured):
 - data wait: time inside ``next(dataloader)`` for the step's micro-batches.
 - comm wait: time inside DeepSpeed's collectives (``deepspeed.comm.all_reduce``, ``reduce_scatter_*``,
   ``all_gather_*``, ``broadcast``, ``barrier``, ...), wrapped by ``CommTimer``; nested calls count once.
+  On the CPU (gloo, synchronous) that is wall time around the call. On GPUs NCCL calls return as soon
+  as the kernel is queued, so wall time would only measure the launch: there each collective is
+  bracketed by CUDA events on the stream it was issued on, and the events are read (one
+  synchronize) only at logging steps, so the measurement adds no sync to the step.
 - tokens / samples: non-padding tokens (attention_mask) and rows of the batches actually fetched,
   summed over ranks with one all-reduce per logging step.
 - memory: CPU RSS (VmRSS) always; GPU allocated / peak from the CUDA caching allocator on GPUs.
@@ -34,27 +38,53 @@ COMM_FUNCTIONS = (
 class CommTimer:
     """Seconds spent inside DeepSpeed's collectives on this rank (a hook on ``deepspeed.comm``)."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
+    def __init__(self, cuda: bool | None = None) -> None:
+        self.seconds = 0.0  # CPU: wall seconds inside collectives
         self.calls = 0
         self._depth = 0
         self._originals: dict[str, Any] = {}
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        self.cuda = cuda
+        self.in_step = False  # GPU: only collectives issued inside a training step are timed
+        self._events: list[tuple[Any, Any]] = []
 
     def _wrap(self, fn):
         def timed(*args, **kwargs):
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
+            events = None
+            if self.cuda and self.in_step:
+                import torch
+
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                if events is not None:
+                    events[1].record()
+                    self._events.append(events)
+                else:
+                    self.seconds += time.perf_counter() - start
                 self.calls += 1
                 self._depth -= 1
 
         timed.__wrapped__ = fn
         return timed
+
+    def drain_gpu_seconds(self) -> float:
+        """GPU seconds of the collectives timed since the last call (synchronizes on their end events)."""
+        total = 0.0
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        self._events.clear()
+        return total
 
     def install(self) -> "CommTimer":
         import deepspeed.comm as dscomm
@@ -119,6 +149,8 @@ class StepMeter:
         if self._step_start is None:
             self._step_start = time.perf_counter()
             self._comm_start = self.comm.seconds if self.comm else 0.0
+            if self.comm:
+                self.comm.in_step = True
 
     def add_batch(self, batch: dict[str, Any], fetch_s: float) -> None:
         self.data_s += fetch_s
@@ -133,6 +165,7 @@ class StepMeter:
         self.last_step_s = time.perf_counter() - self._step_start
         self.step_s += self.last_step_s
         if self.comm:
+            self.comm.in_step = False
             self.comm_s += self.comm.seconds - self._comm_start
         self.steps += 1
         self._step_start = None
@@ -143,6 +176,8 @@ class StepMeter:
         import torch
 
         out: dict[str, float] = {}
+        if self.comm is not None and self.comm.cuda:
+            self.comm_s += self.comm.drain_gpu_seconds()
         if self.steps and self.step_s > 0:
             out["step_time_s"] = self.step_s / self.steps
             out["tokens_per_s"] = world_tokens / self.step_s
