@@ -79,6 +79,7 @@ def failures(report):
     return {(r["check"], r["node"]): r for r in report["results"] if not r["ok"]}
 
 
+@pytest.mark.slow
 def test_four_nodes_all_pass(tmp_path):
     codes, report, logs, wall = launch(tmp_path)
     assert codes == [0, 0, 0, 0], logs[0]
@@ -89,7 +90,7 @@ def test_four_nodes_all_pass(tmp_path):
     assert len(report["busbw"]["sizes"]) >= 4 and report["busbw"]["world_size"] == 4
     assert (tmp_path / "out" / "preflight" / "busbw.png").stat().st_size > 1000
     assert "all checks passed" in logs[0] and "preflight wall time" in logs[0]
-    assert wall < 60
+    assert wall < 120  # loaded CI; the under-a-minute figure is test_preflight_cmd.py::test_slurm_four_nodes
 
 
 @pytest.mark.slow
