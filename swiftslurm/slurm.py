@@ -92,7 +92,8 @@ def expand_job_ids(job_id: str) -> list[str]:
     return out
 
 
-SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
+# JobName last: a name may hold '|' (other users' jobs), so it takes the rest of the line.
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End", "JobName")
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class JobRecord:
     nodes: str = ""  # Slurm hostlist, "None assigned" -> ""
     elapsed: str = ""
     restarts: int = 0  # earlier runs of this job id (requeues)
+    name: str = ""  # job name: after a cluster reset job ids restart at 1, so an id alone is not enough
 
 
 def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, JobRecord]:
@@ -118,7 +120,7 @@ def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, 
     for line in text.splitlines():
         if not line.strip():
             continue
-        cells = line.split("|")
+        cells = line.split("|", len(fields) - 1) if fields[-1] == "JobName" else line.split("|")
         if len(cells) < len(fields):
             continue
         for jid in expand_job_ids(cells[col["JobID"]]):
@@ -134,22 +136,24 @@ def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, 
             nodes="" if nodes.startswith("None") else nodes,
             elapsed=last[col["Elapsed"]] if "Elapsed" in col else "",
             restarts=len(rows) - 1,
+            name=last[col["JobName"]] if "JobName" in col else "",
         )
     return out
 
 
-SQUEUE_FORMAT = "%i|%T|%N|%M|%r"
+SQUEUE_FORMAT = "%i|%T|%N|%M|%r|%j"
 
 
 def parse_squeue(text: str) -> dict[str, JobRecord]:
-    """``squeue -h -r -o '%i|%T|%N|%M|%r'`` output -> record per job id (pending arrays expanded)."""
+    """``squeue -h -r -o '%i|%T|%N|%M|%r|%j'`` output -> record per job id (pending arrays expanded)."""
     out: dict[str, JobRecord] = {}
     for line in text.splitlines():
-        cells = line.split("|")
+        cells = line.split("|", 5)
         if len(cells) < 4:
             continue
+        name = cells[5] if len(cells) > 5 else ""
         for jid in expand_job_ids(cells[0].strip()):
-            out[jid] = JobRecord(jid, normalize_state(cells[1]), "", cells[2].strip(), cells[3].strip())
+            out[jid] = JobRecord(jid, normalize_state(cells[1]), "", cells[2].strip(), cells[3].strip(), name=name)
     return out
 
 
@@ -161,7 +165,7 @@ def merge_records(sacct: dict[str, JobRecord], squeue: dict[str, JobRecord]) -> 
         if acc is None:
             out[jid] = live
         elif not is_final(acc.state) or acc.restarts:
-            out[jid] = JobRecord(jid, live.state, acc.exit_code, live.nodes or acc.nodes, live.elapsed or acc.elapsed, acc.restarts)
+            out[jid] = JobRecord(jid, live.state, acc.exit_code, live.nodes or acc.nodes, live.elapsed or acc.elapsed, acc.restarts, acc.name or live.name)
     return out
 
 

@@ -109,6 +109,7 @@ class Submission:
     source: str = ""
     cancelled: bool = False
     ranks_per_task: int = 1  # local: a task is COMPLETED only when this many ranks reported success
+    job_name: str = ""  # Slurm: a record under our id with another name is a later job (cluster reset)
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
 
     def to_json(self) -> dict[str, Any]:
@@ -137,11 +138,16 @@ class Submission:
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:
-        records = slurm.job_records(self.slurm_job_ids)
+        return self._rows_from(slurm.job_records(self.slurm_job_ids))
+
+    def _rows_from(self, records: dict[str, slurm.JobRecord]) -> list[TaskStatus]:
+        """Task rows from sacct/squeue records (pure but for the clock)."""
         unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
             rec = records.get(jid)
+            if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
+                rec = None  # the id now belongs to another job: Slurm forgot ours
             if rec is None:
                 rows.append(TaskStatus(index, jid, unseen, output_dir=task_dir))
             else:
@@ -410,6 +416,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
         mode=mode,
         source=plan.source,
         ranks_per_task=plan.spec.slurm.nodes * plan.spec.slurm.ranks_per_node,
+        job_name=plan.spec.job.name,
         _jobs=jobs,
     )
     _update_record(sub)
