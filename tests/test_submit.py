@@ -278,6 +278,7 @@ def test_status_counts_a_requeue_then_cancel_from_output_dir(tmp_path):
 ON_USR2 = (
     "import os, signal, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); got = []; "
     "signal.signal(signal.SIGUSR2, lambda *a: got.append(1)); t = time.time(); "
+    "open(os.path.join(d, 'ready-' + os.environ['RANK']), 'w').close(); "
     "exec('while not got and time.time() - t < 80: time.sleep(0.2)'); "
     "open(os.path.join(d, 'usr2-' + os.environ['RANK']), 'w').write(str(bool(got)))"
 )
@@ -306,5 +307,26 @@ def test_walltime_usr2_reaches_every_rank(tmp_path):
     via_render = Submission("slurm", [slurm.sbatch(str(tmp_path / "job.sh"))], plan.output_dir, [plan.output_dir], "")
     for sub, out in ((via_submitit, "a"), (via_render, "b")):
         assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}, out
-        got = {p.name: p.read_text() for p in (tmp_path / out / "got").iterdir()}
+        got = {p.name: p.read_text() for p in (tmp_path / out / "got").glob("usr2-*")}
         assert got == {"usr2-0": "True", "usr2-1": "True"}, out
+
+
+@pytest.mark.slurm
+def test_rendered_trap_forwards_a_batch_usr2_to_the_ranks(tmp_path):
+    """`scancel --batch --signal=USR2` reaches only the batch shell: its trap must pass it to srun's ranks."""
+    spec = _usr2_spec(tmp_path, "out", nodes=1, tasks=2).replace('time = "00:01:50"', 'time = "00:05:00"')
+    plan = plan_from(spec, tmp_path)
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    job = slurm.sbatch(str(tmp_path / "job.sh"))
+    got = tmp_path / "out" / "got"
+    deadline = time.monotonic() + 90
+    while len(list(got.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert len(list(got.glob("ready-*"))) == 2, "the ranks never started"
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True)
+    sub = Submission("slurm", [job], plan.output_dir, [plan.output_dir], "")
+    assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}
+    assert {p.name: p.read_text() for p in got.glob("usr2-*")} == {"usr2-0": "True", "usr2-1": "True"}
+    assert "forwarding to the srun step" in next((tmp_path / "out").glob("slurm-*.out")).read_text()
