@@ -1,0 +1,55 @@
+"""A Qwen2.5-0.5B-shaped Llama (random init, no download) saved as a local model dir, plus SFT data.
+
+The tokenizer is swiftslurm's byte-level test tokenizer (no download); every record is long enough
+that each sample is truncated to exactly --seq tokens, so every step sees the same token count.
+Usage: python make_assets.py OUT_DIR [--tiny]   (--tiny: a small model for a CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=2048)
+    a = ap.parse_args()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swiftslurm.train.tinymodel import build_tokenizer
+
+    out = Path(a.out)
+    model_dir = out / ("tiny" if a.tiny else "qwen05b")
+    tok = build_tokenizer()
+    if a.tiny:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    else:  # Qwen2.5-0.5B: 494M parameters
+        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+    config = LlamaConfig(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    n = sum(p.numel() for p in model.parameters())
+    rng = random.Random(0)
+    letters = string.ascii_lowercase + "     "
+    data = out / "sft.jsonl"
+    with open(data, "w") as fh:
+        for _ in range(a.samples):
+            prompt = "".join(rng.choice(letters) for _ in range(a.seq // 4))
+            answer = "".join(rng.choice(letters) for _ in range(a.seq))
+            fh.write(json.dumps({"instruction": prompt, "input": "", "output": answer}) + "\n")
+    print(json.dumps({"model_dir": str(model_dir), "params": n, "data": str(data)}))
+
+
+if __name__ == "__main__":
+    main()
