@@ -165,7 +165,15 @@ def _train(dist, spec, ds_config, out_dir: str, resume: str | None, the_env: dic
         raise RuntimeEnvError("the trainer is not installed", str(exc), "reinstall swiftslurm, or set train.command to run your own script") from None
     os.environ.clear()
     os.environ.update(the_env)  # the one export step, for the in-process trainer
-    result = sft.train(spec, dist, ds_config, out_dir, resume, signals.stop_requested)
+    # Slurm sends the walltime USR2 to every process of the step, children included: a `ninja` building a
+    # DeepSpeed op at that moment died of it and failed the job. Block USR2 while training (children inherit
+    # the mask, so they are immune) and read it from the pending set at each step boundary instead.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
+    def should_stop() -> bool:
+        return signals.stop_requested() or signal.SIGUSR2 in signal.sigpending()
+
+    result = sft.train(spec, dist, ds_config, out_dir, resume, should_stop)
     # Training is over: a walltime USR2 arriving now (e.g. during interpreter teardown, when CPython has
     # already restored the default handler, which kills) must not fail the job. SIG_IGN survives teardown.
     try:

@@ -97,8 +97,13 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
     mid_save = 0
     t0 = time.monotonic()
     for trial in range(TRIALS):
+        starts = len(read_log(out)[1]) if (out / "writer.log").exists() else 0
         proc = subprocess.Popen([sys.executable, str(script), str(out), str(KEEP), "0.01"], env=env)
-        time.sleep(rng.uniform(0.25, 1.0))
+        deadline = time.monotonic() + 30
+        while not (out / "writer.log").exists() or len(read_log(out)[1]) == starts:  # wait for its resume line
+            assert proc.poll() is None and time.monotonic() < deadline, f"trial {trial}: the writer did not start"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.8))  # kill at a random moment of its work (python startup excluded)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         assert proc.returncode == -signal.SIGKILL, f"trial {trial}: the writer exited on its own ({proc.returncode})"
@@ -109,7 +114,7 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
         expected_resume = check_after_kill(out, commits)
     elapsed = time.monotonic() - t0
     commits, _ = read_log(out)
-    print(f"{TRIALS} kills in {elapsed:.1f} s; {mid_save} landed mid-save; {len(commits)} commits; resumed at {expected_resume}")
+    print(f"{TRIALS} kills in {elapsed:.1f} s; {mid_save} landed with a save in progress; {len(commits)} commits; resumed at {expected_resume}")
     assert mid_save >= TRIALS // 4, f"only {mid_save} of {TRIALS} kills hit a save in progress: the test lost its point"
     assert len(commits) >= TRIALS, "the writer barely committed anything; kills came too early"
 
