@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup system-deps cluster-up cluster-down clean bench
+.PHONY: demo test setup system-deps ds-ops cluster-up cluster-down clean bench
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,11 @@ cluster-up:
 cluster-down:
 	bash tests/cluster/down.sh
 
-test: setup
+# DeepSpeed's CPU comm op is JIT-built on first use: build it once, before tests that kill ranks run
+ds-ops: $(VENV)/.installed
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" >/dev/null
+
+test: setup ds-ops
 	bash tests/cluster/up.sh
 	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS) tests; rc=$$?; bash tests/cluster/down.sh; exit $$rc
 

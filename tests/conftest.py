@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from functools import lru_cache
 
@@ -26,6 +27,13 @@ FINAL_STATES = frozenset(
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One ninja for DeepSpeed's JIT op builds (the CPU shm comm op): the venv's first on PATH, for the
+    # tests and the Slurm jobs they submit (sbatch exports the environment). A system ninja of another
+    # version rewrites the build log in its own format, so each switch rebuilds the op, and a rank that
+    # loads it during a rebuild reads a half-written .so ("file too short").
+    bindir = os.path.dirname(sys.executable)
+    if not os.environ.get("PATH", "").startswith(bindir + os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
     config.addinivalue_line("markers", "slow: takes tens of seconds or more")
 

@@ -190,6 +190,39 @@ def train(work: Path, out: Path, name: str, steps: int = 30) -> None:
             shutil.copy(run_dir / f, out / f"{name}_{f}")
 
 
+def repeat(work: Path, out: Path, name: str, reps: int = 2, steps: int = 30) -> None:
+    """Alternate bare / swiftslurm / swiftslurm without TensorBoard, `reps` times, to separate drift
+    between runs from what swiftslurm adds (and what per-step TensorBoard writes cost)."""
+    gpus, ds, lora = RUNS[name]
+    assets_ = json.loads((work / "assets.json").read_text())
+    spec = write_spec(work, name, gpus=gpus, ds=ds, lora=lora, steps=steps)
+    spec_notb = work / "specs" / f"{name}_notb.toml"
+    spec_notb.write_text(spec.read_text().replace(f"runs/{name}", f"runs/{name}_notb").replace("[checkpoint]", 'report_to = ["none"]\n[checkpoint]'))
+    plan = json.loads(subprocess.run(["swiftslurm", "plan", str(spec), "--json"], capture_output=True, text=True, check=True).stdout)
+    ds_json = work / f"{name}.ds.json"
+    ds_json.write_text(json.dumps(plan["deepspeed"][0]))
+    medians: dict[str, list[float]] = {"bare": [], "swiftslurm": [], "swiftslurm_no_tensorboard": []}
+    spreads: dict[str, list[float]] = {k: [] for k in medians}
+    for i in range(reps):
+        bare_dir = work / "bare" / f"{name}_r{i}"
+        shutil.rmtree(bare_dir, ignore_errors=True)
+        sh(["torchrun", "--standalone", f"--nproc_per_node={gpus}", str(HERE / "bare_trainer.py"), "--model", assets_["model_dir"],
+            "--data", assets_["data"], "--ds", str(ds_json), "--steps", str(steps), "--out", str(bare_dir)] + (["--lora"] if lora else []),
+           out / f"{name}_r{i}_bare.log")
+        runs = {"bare": read_jsonl(bare_dir / "steps.jsonl")}
+        for key, sp, d in (("swiftslurm", spec, name), ("swiftslurm_no_tensorboard", spec_notb, f"{name}_notb")):
+            shutil.rmtree(work / "runs" / d, ignore_errors=True)
+            sh(["swiftslurm", "submit", str(sp), "--executor", "local", "--wait"], out / f"{name}_r{i}_{key}.log")
+            runs[key] = read_jsonl(work / "runs" / d / "metrics.jsonl")
+        for key, rows in runs.items():
+            st = step_stats(rows, last=steps)
+            if st:
+                medians[key].append(st["step_ms_median"])
+                spreads[key].append(st["spread_ms"])
+    record(out, {"what": "repeat", "run": name, "step_ms_median": medians, "spread_ms": spreads,
+                 "ratio_vs_bare": {k: round(statistics.median(medians["bare"]) / statistics.median(v), 3) for k, v in medians.items() if v and medians["bare"]}})
+
+
 def _rank_pids() -> list[int]:
     """The local executor's rank processes (submitit runs each as `python -m submitit.core._submit`)."""
     pids = []
@@ -278,7 +311,7 @@ def report(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["assets", "allreduce", "train", "interrupt", "report", "all"])
+    ap.add_argument("part", choices=["assets", "allreduce", "train", "repeat", "interrupt", "report", "all"])
     ap.add_argument("names", nargs="*")
     ap.add_argument("--work", default="/tmp/bench")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
@@ -295,6 +328,9 @@ def main() -> None:
         for name in a.names or list(RUNS):
             # z2full2 runs 40 steps: it is also the uninterrupted reference of `interrupt`
             train(work, out, name, max(a.steps, 40) if name == "z2full2" else a.steps)
+    if a.part == "repeat":
+        for name in a.names or ["z2full1"]:
+            repeat(work, out, name, steps=a.steps)
     if a.part in ("interrupt", "all"):
         interrupt(work, out)
     if a.part in ("report", "all"):
