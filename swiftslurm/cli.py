@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +32,15 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 _state = {"debug": False}
 
-Executor = typer.Option("auto", "--executor", "-e", help="auto (Slurm if sbatch is on PATH, else local), slurm, or local.")
+class ExecutorName(str, Enum):
+    auto = "auto"
+    slurm = "slurm"
+    local = "local"
+
+
+Executor = typer.Option(
+    ExecutorName.auto, "--executor", "-e", help="auto (Slurm if sbatch is on PATH, else local), slurm, or local."
+)
 
 
 def _version(value: bool) -> None:
@@ -159,13 +168,12 @@ def render(
     script = render_sbatch(the_plan)
     if out is None:
         sys.stdout.write(script)
-    else:
-        out.write_text(script)
-        err_console.print(f"wrote {out}; the plan it reads goes to {the_plan.plan_path} when you run `swiftslurm render` with -o", highlight=False)
+        return 0
     from .plan import write_plan
 
-    if out is not None:
-        write_plan(the_plan, script)
+    write_plan(the_plan, script)
+    out.write_text(script)
+    err_console.print(f"wrote {out} (run it with: sbatch {out}); it reads the plan written to {the_plan.plan_path}", highlight=False)
     return 0
 
 
@@ -173,13 +181,13 @@ def render(
 @guarded
 def submit(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
-    executor: str = Executor,
+    executor: ExecutorName = Executor,
     wait: bool = typer.Option(False, "--wait", "-w", help="Follow the job with a live table; exit 1 if any task failed."),
 ) -> int:
     """Submit the job (one job, or one sbatch array for a sweep); print job id(s) and where outputs go."""
     from .submit_cmd import submit_command
 
-    return submit_command(console, load_plan(spec_path), executor=executor, wait=wait)
+    return submit_command(console, load_plan(spec_path), executor=executor.value, wait=wait)
 
 
 @app.command()
@@ -207,13 +215,13 @@ def cancel(target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR")) -> in
 @guarded
 def preflight(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
-    executor: str = Executor,
+    executor: ExecutorName = Executor,
     json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
 ) -> int:
     """A preflight-only diagnostic job on the nodes the spec asks for (no training). Exit 4 if a check failed."""
     from .preflight_cmd import preflight_command
 
-    return preflight_command(console, load_plan(spec_path), executor=executor, json_file=json_file)
+    return preflight_command(console, load_plan(spec_path), executor=executor.value, json_file=json_file)
 
 
 @app.command()

@@ -16,21 +16,12 @@ import jinja2
 from .errors import Problem, SpecError
 from .plan import Plan
 from .quoting import one_line, shell_quote
+from .spec import OWNED_SBATCH_OPTIONS
 
 TEMPLATE = "sbatch.sh.j2"
 
 # Options a spec field (or swiftslurm itself) sets: extra_sbatch may not set them a second way.
-_FIELD_OF_OPTION = {
-    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
-    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
-    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
-    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
-    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
-    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
-    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
-    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
-    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
-}
+_FIELD_OF_OPTION = OWNED_SBATCH_OPTIONS
 
 
 def _problem(path: str, what: str, found: str, hint: str) -> SpecError:

@@ -32,6 +32,18 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 _EXTRA_SBATCH_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[^\n\r\x00]*)?$")
+# sbatch options swiftslurm sets from other keys: extra_sbatch may not set them (option -> where to set it)
+OWNED_SBATCH_OPTIONS = {
+    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
+    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
+    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
+    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
+    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
+    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
+    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
+    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
+    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
+}
 
 
 def time_limit_s(value: str) -> int:
@@ -122,6 +134,9 @@ class SlurmTable(_Table):
         for opt in v:
             if not _EXTRA_SBATCH_RE.fullmatch(opt):
                 raise ValueError(f"each entry as '--key=value' or '--flag' on one line, not {opt!r}")
+            key = opt[2:].partition("=")[0]
+            if key in OWNED_SBATCH_OPTIONS:
+                raise ValueError(f"--{key} is set by swiftslurm, not through extra_sbatch ({opt!r}). HINT: use {OWNED_SBATCH_OPTIONS[key]}")
         return v
 
     @property

@@ -119,9 +119,9 @@ def json_str(v: str) -> str:
 
 @pytest.mark.parametrize("opt,field", [("--array=0-3", "[sweep]"), ("--job-name=x", "job.name"), ("--signal=B:USR2@9", "signal_grace_s"), ("--wrap=id", "swiftslurm")])
 def test_extra_sbatch_cannot_override_what_swiftslurm_sets(tmp_path, opt, field):
-    plan = plan_of(tmp_path, slurm_extra=f"extra_sbatch = [{json_str(opt)}]")
+    """Refused when the spec is validated (so `swiftslurm validate` already says it), not only at render."""
     with pytest.raises(SpecError) as err:
-        render_sbatch(plan)
+        plan_of(tmp_path, slurm_extra=f"extra_sbatch = [{json_str(opt)}]")
     assert "slurm.extra_sbatch" in err.value.found and field in err.value.found
 
 

@@ -58,6 +58,7 @@ BROKEN = [
     ("bad-mem", GOOD + "[slurm]\nmem = 'lots'\n", "slurm.mem"),
     ("extra-sbatch-shell", GOOD + "[slurm]\nextra_sbatch = [\"--comment=a\\nb\"]\n", "slurm.extra_sbatch"),
     ("extra-sbatch-not-option", GOOD + "[slurm]\nextra_sbatch = ['rm -rf /']\n", "slurm.extra_sbatch"),
+    ("extra-sbatch-owned", GOOD + "[slurm]\nextra_sbatch = ['--time=5']\n", "slurm.time"),
     ("partition-injection", GOOD + "[slurm]\npartition = \"gpu; touch /tmp/pwned\"\n", "slurm.partition"),
     ("bad-job-name", GOOD.replace('name = "t"', "name = \"a'; echo pwned\""), "job.name"),
     ("keep-1", GOOD + "[checkpoint]\nkeep = 1\n", "checkpoint.keep"),
@@ -245,3 +246,9 @@ def test_readme_spec_reference_matches_the_model():
     start = readme.index("<!-- spec-reference")
     body = readme[readme.index("\n", start) + 1 : readme.index("<!-- /spec-reference -->")].rstrip("\n")
     assert body == reference_markdown(), "README spec reference is stale: run python -m swiftslurm.spec_doc"
+
+
+def test_unknown_executor_is_a_usage_error(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    r = CliRunner().invoke(app, ["submit", "examples/quickstart.toml", "--executor", "nope"])
+    assert r.exit_code == 2 and "'nope' is not one of" in r.output
