@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 from .plan import Plan
 
@@ -17,18 +18,21 @@ def print_plan(console: Console, plan: Plan, sbatch: str) -> None:
     s = spec.slurm
     console.print(
         Panel.fit(
+            Text.from_markup(
             f"[bold]{spec.job.name}[/]  from {plan.source}\n"
             f"{s.nodes} node(s) x {s.ranks_per_node} rank(s) = world size {spec.world_size}"
             f"{f', {s.gpus_per_node} GPU(s)/node' if s.gpus_per_node else ' (CPU)'}, time {s.time}, "
             f"USR2 {s.signal_grace_s} s before the limit, up to {s.max_requeues} requeues\n"
             f"plan file: {plan.plan_path}",
+            overflow="fold"),
             title="swiftslurm plan",
-        )
+        ),
+        soft_wrap=False,  # wrap inside the panel, never crop a path
     )
     table = Table(title=f"{len(plan.tasks)} task(s)" + (" (one sbatch array)" if plan.is_array else ""))
     table.add_column("task", justify="right")
     table.add_column("overrides")
-    table.add_column("output dir")
+    table.add_column("output dir", overflow="fold")
     table.add_column("train")
     for t in plan.tasks:
         tr = t.spec.train

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from . import slurm
 from .plan import Plan
@@ -46,7 +47,8 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         f"checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
         f"follow:      swiftslurm status {_q(plan.output_dir)}   (or submit with --wait)",
     ]
-    return Panel.fit("\n".join(lines), title="swiftslurm submit")
+    # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them
+    return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
 
 
 def _q(path: str) -> str:
@@ -136,7 +138,7 @@ def submit_command(console: Console, plan: Plan, executor: str, wait: bool) -> i
     kind = resolve_executor(executor)
     _says_auto(console, executor, kind)
     sub = submit_plan(plan, executor=kind)
-    console.print(_summary(sub, plan))
+    console.print(_summary(sub, plan), soft_wrap=False)  # wrap inside the panel, never crop a path
     if not wait:
         return 0
     return follow(console, sub)
