@@ -16,7 +16,7 @@ import jinja2
 from .errors import Problem, SpecError
 from .plan import Plan
 from .quoting import one_line, shell_quote
-from .spec import OWNED_SBATCH_OPTIONS
+from .spec_model import OWNED_SBATCH_OPTIONS
 
 TEMPLATE = "sbatch.sh.j2"
 

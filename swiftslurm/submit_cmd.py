@@ -44,7 +44,7 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         f"{n} task(s), each {s.nodes} node(s) x {s.ranks_per_node} rank(s) (world size {plan.spec.world_size}), time {s.time}",
         f"task dirs:   {where}  (resolved spec: spec.json)",
         f"logs:        {sub.folder}  and <task dir>/logs/",
-        f"checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
+        "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
         f"follow:      swiftslurm status {_q(plan.output_dir)}   (or submit with --wait)",
     ]
     # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them

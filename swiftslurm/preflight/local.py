@@ -5,7 +5,6 @@ Each returns results for one node; a missing tool or path is a failed result wit
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil

@@ -1,0 +1,294 @@
+"""The job spec as typed, frozen models: one pydantic model per TOML table (SPEC.md is the contract).
+
+Field types, ranges and cross-field rules live here, next to the fields, each with a domain reason.
+Pure: nothing here reads files or the environment. Loading, sweeps and problem reports: ``spec.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_SPEC_BYTES = 1_000_000
+TINY_MODELS = ("tiny-llama",)
+CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_MEM_RE = re.compile(r"^\d+[KMGT]?$")
+_EXTRA_SBATCH_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[^\n\r\x00]*)?$")
+# sbatch options swiftslurm sets from other keys: extra_sbatch may not set them (option -> where to set it)
+OWNED_SBATCH_OPTIONS = {
+    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
+    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
+    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
+    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
+    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
+    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
+    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
+    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
+    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
+}
+
+
+def time_limit_s(value: str) -> int:
+    """Seconds in an sbatch ``--time`` value. Raises ValueError for anything sbatch would refuse."""
+    m = _TIME_RE.match(value.strip())
+    if not m:
+        raise ValueError(value)
+    days, a, b, c = m.groups()
+    a, b, c = int(a), (int(b) if b is not None else None), (int(c) if c is not None else None)
+    if days is not None:  # D-HH[:MM[:SS]]
+        return int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if b is None:  # minutes
+        return a * 60
+    if c is None:  # MM:SS
+        return a * 60 + b
+    return a * 3600 + b * 60 + c
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class JobTable(_Table):
+    name: str = "swiftslurm"
+    output_dir: str = "output/swiftslurm"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v) or len(v) > 128:
+            raise ValueError("a Slurm job name of letters, digits, '.', '_' and '-' (at most 128)")
+        return v
+
+    @field_validator("output_dir")
+    @classmethod
+    def _out(cls, v: str) -> str:
+        if not v.strip() or "\n" in v or "\x00" in v:
+            raise ValueError("a non-empty path on one line")
+        return v
+
+
+class SlurmTable(_Table):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    nodelist: str | None = None
+    reservation: str | None = None
+    nodes: int = Field(1, ge=1, le=4096)
+    gpus_per_node: int = Field(0, ge=0, le=64)
+    tasks_per_node: int | None = Field(None, ge=1, le=256)
+    cpus_per_task: int = Field(1, ge=1, le=1024)
+    mem: str | None = None
+    time: str = "01:00:00"
+    signal_grace_s: int = Field(120, ge=10, le=3600)
+    max_requeues: int = Field(20, ge=0, le=1000)
+    array_parallelism: int | None = Field(None, ge=1)
+    extra_sbatch: list[str] = Field(default_factory=list)
+
+    @field_validator("partition", "account", "qos", "constraint", "exclude", "nodelist", "reservation")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z0-9._,\[\]\-:&|*!()]+$", v):
+            raise ValueError("a Slurm name without spaces or shell characters")
+        return v
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v: str | None) -> str | None:
+        if v is not None and not _MEM_RE.match(v):
+            raise ValueError("sbatch --mem syntax such as '0', '64G' or '500M'")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        try:
+            if time_limit_s(v) <= 0:
+                raise ValueError(v)
+        except ValueError:
+            raise ValueError("sbatch --time syntax such as '30', '01:00:00' or '1-12:00:00'") from None
+        return v
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not _EXTRA_SBATCH_RE.fullmatch(opt):
+                raise ValueError(f"each entry as '--key=value' or '--flag' on one line, not {opt!r}")
+            key = opt[2:].partition("=")[0]
+            if key in OWNED_SBATCH_OPTIONS:
+                raise ValueError(f"--{key} is set by swiftslurm, not through extra_sbatch ({opt!r}). HINT: use {OWNED_SBATCH_OPTIONS[key]}")
+        return v
+
+    @property
+    def ranks_per_node(self) -> int:
+        """One rank per GPU unless tasks_per_node says otherwise."""
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        return self.gpus_per_node or 1
+
+    @property
+    def time_limit_s(self) -> int:
+        return time_limit_s(self.time)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "SlurmTable":
+        if self.gpus_per_node and self.tasks_per_node is not None and self.tasks_per_node != self.gpus_per_node:
+            raise ValueError(
+                f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node ({self.gpus_per_node}): "
+                "swiftslurm runs one rank per GPU. HINT: drop tasks_per_node or set it to gpus_per_node"
+            )
+        if self.signal_grace_s >= self.time_limit_s:
+            raise ValueError(
+                f"signal_grace_s ({self.signal_grace_s}) must be shorter than the time limit "
+                f"({self.time} = {self.time_limit_s} s), or the job is signalled before it starts"
+            )
+        return self
+
+
+class TrainTable(_Table):
+    model: str | None = None
+    dataset: list[str] = Field(default_factory=list)
+    train_type: Literal["lora", "full"] = "lora"
+    deepspeed: str = "zero2"
+    bf16: bool = False
+    fp16: bool = False
+    gradient_checkpointing: bool = True
+    per_device_train_batch_size: int = Field(1, ge=1, le=4096)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
+    learning_rate: float = Field(1e-4, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    max_steps: int | None = Field(None, ge=1)
+    num_train_epochs: float | None = Field(None, gt=0)
+    max_length: int = Field(2048, ge=8, le=1_048_576)
+    save_steps: int = Field(100, ge=1)
+    logging_steps: int = Field(10, ge=1)
+    seed: int = Field(42, ge=0, lt=2**32)
+    lora_rank: int = Field(8, ge=1, le=4096)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    lora_target_modules: Union[str, list[str]] = "all-linear"
+    report_to: list[Literal["tensorboard", "none"]] = Field(default_factory=lambda: ["tensorboard"])
+    command: list[str] = Field(default_factory=list)
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _one_dataset(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("dataset", "command")
+    @classmethod
+    def _nonempty_items(cls, v: list[str]) -> list[str]:
+        for item in v:
+            if not item or "\x00" in item:
+                raise ValueError("non-empty strings")
+        return v
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _ds(cls, v: str) -> str:
+        from . import dsconfig
+
+        if v.endswith(".json") or "/" in v:
+            return v  # a user file: its existence and content are checked by check_files()
+        presets = dsconfig.preset_names()
+        if v not in presets:
+            close = difflib.get_close_matches(v, presets, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"a preset ({', '.join(presets)}) or a path to a .json file.{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "TrainTable":
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 are both true; choose one (bf16 on Ampere or newer GPUs)")
+        if self.max_steps is not None and self.num_train_epochs is not None:
+            raise ValueError("set max_steps or num_train_epochs, not both")
+        if not self.command:
+            if not self.model:
+                raise ValueError("train.model is required unless train.command runs your own script")
+            if not self.dataset:
+                raise ValueError("train.dataset is required unless train.command runs your own script")
+        return self
+
+    @property
+    def epochs(self) -> float:
+        return self.num_train_epochs if self.num_train_epochs is not None else 1.0
+
+
+class CheckpointTable(_Table):
+    keep: int = Field(3, ge=2, le=1000)
+    forced_save_fractions: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
+    checksum: Literal["xxh3", "md5", "sha256"] = "xxh3"
+
+    @field_validator("forced_save_fractions")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        for f in v:
+            if not 0 < f < 1:
+                raise ValueError(f"fractions strictly between 0 and 1, not {f}")
+        return sorted(set(v))
+
+
+class PreflightTable(_Table):
+    checks: list[Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]] = Field(
+        default_factory=lambda: ["ports", "allreduce", "iperf3", "nvme"]
+    )
+    min_allreduce_busbw_gbps: float = Field(0.0, ge=0)
+    min_iperf3_gbps: float = Field(20.0, ge=0)
+    min_nvme_iops: int = Field(50000, ge=0)
+    min_disk_free_gb: float = Field(1.0, ge=0)
+    nvme_path: str = "/tmp"
+    on_failure: Literal["abort", "warn", "exclude"] = "abort"
+    timeout_s: int = Field(60, ge=5, le=3600)
+
+
+class JobSpec(_Table):
+    job: JobTable = Field(default_factory=JobTable)
+    slurm: SlurmTable = Field(default_factory=SlurmTable)
+    train: TrainTable = Field(default_factory=TrainTable)
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    checkpoint: CheckpointTable = Field(default_factory=CheckpointTable)
+    preflight: PreflightTable = Field(default_factory=PreflightTable)
+    env: dict[str, str] = Field(default_factory=dict)
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for key, val in v.items():
+            if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
+                raise ValueError(f"environment variable names like NCCL_DEBUG, not {key!r}")
+            if isinstance(val, bool) or not isinstance(val, (str, int, float)):
+                raise ValueError(f"env.{key}: a string value such as \"1\", found {type(val).__name__} {val!r}")
+            val = str(val)
+            if "\x00" in val:
+                raise ValueError(f"env.{key}: no NUL bytes")
+            out[key] = val
+        return out
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in v.items():
+            if not values:
+                raise ValueError(f"sweep.{key}: at least one value")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.slurm.nodes * self.slurm.ranks_per_node
