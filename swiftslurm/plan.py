@@ -129,17 +129,11 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
 
 def write_plan(plan: Plan, sbatch: str | None = None) -> Path:
     """Write the plan JSON where every node reads it (``output_dir/swiftslurm-plan.json``), atomically."""
-    import os
-    import tempfile
+    from .fsutil import atomic_write_text
 
     path = Path(plan.plan_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(plan.to_json(sbatch), fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(plan.to_json(sbatch), indent=2))
     return path
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import banner, distenv, signals
 from .errors import PreflightFailed, RuntimeEnvError
+from .fsutil import atomic_write_text
 
 REQUEUES_FILE = "requeues.json"
 POLL_S = 0.2
@@ -224,15 +225,6 @@ def read_requeues(out_dir: str) -> list[dict[str, Any]]:
     return records if isinstance(records, list) else []
 
 
-def _write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(value, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> RequeueDecision:
     """Rank 0: record the stop in requeues.json and requeue the job (or say why not)."""
     records = read_requeues(out_dir)
@@ -247,7 +239,7 @@ def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> Requ
             "message": decision.message,
         }
     )
-    _write_json_atomic(Path(out_dir, REQUEUES_FILE), records)
+    atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records, indent=2))
     log.warning("%s", decision.message)
     if decision.requeue and dist.executor == "slurm":
         from . import slurm

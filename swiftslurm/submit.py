@@ -23,6 +23,7 @@ from . import slurm
 from .errors import SubmissionError, SwiftSlurmError, ToolMissing
 from .plan import Plan, write_plan
 from .quoting import shell_quote
+from .fsutil import atomic_write_text
 
 SUBMISSION_FILE = "submission.json"
 TASK_SPEC_FILE = "spec.json"
@@ -250,10 +251,7 @@ def _records_path(output_dir: str) -> Path:
 
 
 def _write_records(output_dir: str, records: list[dict[str, Any]]) -> None:
-    path = _records_path(output_dir)
-    tmp = path.with_name(f".{SUBMISSION_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps({"submissions": records}, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(_records_path(output_dir), json.dumps({"submissions": records}, indent=2) + "\n")
 
 
 def load_records(output_dir: str) -> list[dict[str, Any]]:

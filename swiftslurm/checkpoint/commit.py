@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from ..fsutil import atomic_write_text, fsync_path
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
 
 STAGING_PREFIX = ".staging-"
@@ -51,26 +52,6 @@ def prepare_staging(output_dir: Path | str, step: int) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
-
-
-def fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old content or the new, never a mix: write, fsync, rename, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent, directory=True)
 
 
 def _test_delay() -> None:

@@ -7,13 +7,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from .results import CheckResult, Decision
+from ..fsutil import atomic_write_text
 
 REPORT_DIR = "preflight"
 REPORT_JSON = "report.json"
@@ -39,10 +38,7 @@ def write_report(output_dir: str | Path, report: dict[str, Any]) -> Path:
     folder = Path(output_dir) / REPORT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / REPORT_JSON
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(report, fh, indent=2)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(report, indent=2))
     if report.get("busbw"):
         label = f"job {report.get('job_id', '?')}: {report['busbw'].get('world_size', '?')} ranks, {report['busbw'].get('backend', '')}"
         plot_busbw([(label, report["busbw"]["sizes"], report["busbw"]["busbw_gbps"])], folder / BUSBW_PNG)

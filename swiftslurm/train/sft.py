@@ -203,9 +203,9 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         import json
 
         body = {**dataclasses.asdict(result), "first_loss": losses[0] if losses else None, "text": text}
-        tmp = Path(output_dir) / f".{SUMMARY_FILE}.tmp"
-        tmp.write_text(json.dumps(body, indent=2))
-        os.replace(tmp, Path(output_dir) / SUMMARY_FILE)
+        from ..fsutil import atomic_write_text
+
+        atomic_write_text(Path(output_dir) / SUMMARY_FILE, json.dumps(body, indent=2))
     return result
 
 
