@@ -50,7 +50,7 @@ def in_process(spec: Path, base: Path) -> float:
     """submit_plan() alone, on a plan already validated (no interpreter start, no imports)."""
     import os
 
-    from swiftslurm.cli import load_plan
+    from swiftslurm.cli.app import load_plan
     from swiftslurm.submit import submit_plan
 
     cwd = os.getcwd()

@@ -84,7 +84,7 @@ def swiftslurm_run(spec, ds: dict, out: str, dist) -> float:
 def worker(args) -> None:
     import torch.distributed as tdist
 
-    from swiftslurm.distenv import DistEnv
+    from swiftslurm.slurm.distenv import DistEnv
     from swiftslurm.dsconfig import build_for_spec
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -6,7 +6,15 @@ Every error says what is wrong, what was found, and what to do (the hint).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """"did you mean 'x'?" for the closest of ``choices`` to ``word``, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else ""
 
 
 class SwiftSlurmError(Exception):

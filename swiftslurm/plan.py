@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .spec import JobSpec, _sweep_overrides, apply_overrides, validate_spec
+from .spec.load import JobSpec, _sweep_overrides, apply_overrides, validate_spec
 
 PLAN_FILE = "swiftslurm-plan.json"
 

@@ -3,7 +3,7 @@
 ``submit_plan(plan)`` only sends what ``make_plan`` built: it writes the plan and each task's
 resolved spec, submits through submitit, and records the submission in
 ``plan.output_dir/submission.json`` so ``status``/``cancel`` work from the output dir alone.
-State queries go through ``slurm.py`` (Slurm) or submitit's result files (local).
+State queries go through ``slurm/`` (Slurm) or submitit's result files (local).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class TaskFailed(RuntimeError):
 
 def run_rank(plan_path: str, task_index: int, mode: str = "train") -> int:
     """The submitit callable: ``runtime.run_task`` on one rank; a non-zero exit fails the step."""
-    from .runtime import run_task
+    from .node.runtime import run_task
 
     code = run_task(plan_path, task_index, mode)
     if code != 0:
@@ -301,7 +301,7 @@ def env_setup_lines(plan: Plan) -> list[str]:
 
 def slurm_parameters(plan: Plan) -> dict[str, Any]:
     """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan)``."""
-    from .render import sbatch_directives
+    from .slurm.render import sbatch_directives
 
     s = plan.spec.slurm
     native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account", "nodelist": "nodelist"}
@@ -384,7 +384,7 @@ def new_folder(output_dir: str) -> Path:
 
 def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
     """Write the plan and each task's spec, submit every task (one sbatch array for a sweep), record it."""
-    from .render import render_sbatch
+    from .slurm.render import render_sbatch
 
     kind = resolve_executor(executor)
     write_plan(plan, render_sbatch(plan))

@@ -289,7 +289,7 @@ def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    from swiftslurm import verify_cmd
+    from swiftslurm.cli import verify_cmd
 
     make_checkpoint(tmp_path, 1)
     monkeypatch.setattr(verify_cmd, "PROGRESS_MIN_BYTES", 1000)  # the test checkpoint counts as large

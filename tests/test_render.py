@@ -8,7 +8,7 @@ import pytest
 
 from swiftslurm.errors import SpecError
 from swiftslurm.plan import make_plan
-from swiftslurm.render import render_sbatch, sbatch_directives
+from swiftslurm.slurm.render import render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
 from swiftslurm.submit import slurm_parameters
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm.plan import make_plan, write_plan
-from swiftslurm.runtime import decide_requeue, read_requeues
+from swiftslurm.node.runtime import decide_requeue, read_requeues
 from swiftslurm.spec import parse_spec
 
 PY = sys.executable
@@ -165,7 +165,7 @@ def test_signals_reach_the_command(tmp_path, sig, code):
 
 def test_submitit_local_executor_two_ranks_allreduce(tmp_path):
     submitit = pytest.importorskip("submitit")
-    from swiftslurm.runtime import run_task
+    from swiftslurm.node.runtime import run_task
 
     plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2"))
     executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from swiftslurm.cli import app
+from swiftslurm.cli.app import app
 from swiftslurm.errors import SpecError
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import load_raw, load_spec, parse_spec, time_limit_s, validate_spec
@@ -240,12 +240,12 @@ def test_random_text_only_raises_spec_errors(text):
 
 
 def test_readme_spec_reference_matches_the_model():
-    from swiftslurm.spec_doc import reference_markdown
+    from swiftslurm.spec.doc import reference_markdown
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("<!-- spec-reference")
     body = readme[readme.index("\n", start) + 1 : readme.index("<!-- /spec-reference -->")].rstrip("\n")
-    assert body == reference_markdown(), "README spec reference is stale: run python -m swiftslurm.spec_doc"
+    assert body == reference_markdown(), "README spec reference is stale: run python -m swiftslurm.spec.doc"
 
 
 def test_unknown_executor_is_a_usage_error(monkeypatch):

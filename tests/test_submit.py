@@ -13,7 +13,7 @@ import pytest
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
 from swiftslurm.plan import make_plan, write_plan
-from swiftslurm.render import render_sbatch
+from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
 from swiftslurm.submit import Submission, load_submission, resolve_executor, submit_plan
 

@@ -10,7 +10,8 @@
 See docs/checkpoints.md.
 """
 
-from .commit import atomic_write_text, commit, final_dir, prepare_staging, staging_dir, step_of
+from .commit import atomic_write_text, commit, prepare_staging
+from .names import final_dir, staging_dir, step_of
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .verify import VerifyResult, verify

@@ -14,35 +14,18 @@ it leaves a complete, verifiable checkpoint. ``latest`` is a convenience: resume
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from pathlib import Path
 
 from ..fsutil import atomic_write_text, fsync_path
+from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
+from .names import DELETING_PREFIX, LATEST_NAME, staging_dir, step_of
 
-STAGING_PREFIX = ".staging-"
-DELETING_PREFIX = ".deleting-"
-CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-LATEST_NAME = "latest"
 
 # Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
 DELAY_ENV = "SWIFTSLURM_CKPT_TEST_DELAY_S"
-
-
-def staging_dir(output_dir: Path | str, step: int) -> Path:
-    return Path(output_dir) / f"{STAGING_PREFIX}checkpoint-{int(step)}"
-
-
-def final_dir(output_dir: Path | str, step: int) -> Path:
-    return Path(output_dir) / f"checkpoint-{int(step)}"
-
-
-def step_of(path: Path | str) -> int | None:
-    """The step in a ``checkpoint-<step>`` directory name, else None."""
-    m = CKPT_RE.match(Path(path).name)
-    return int(m.group(1)) if m else None
 
 
 def prepare_staging(output_dir: Path | str, step: int) -> Path:
@@ -101,8 +84,6 @@ def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, has
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     _point_latest(final)
-    from .verify import remember_verified
-
     remember_verified(final)
     return manifest
 

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .commit import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
+from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
 from .verify import verify, verify_cached
 
 

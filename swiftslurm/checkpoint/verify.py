@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .commit import step_of
+from .cache import forget, is_remembered, remember_verified
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, hash_files, read_manifest, walk_files
+from .names import step_of
 
 # progress(done_bytes, total_bytes): called from worker threads, under a lock, as bytes are hashed.
 VerifyProgress = Callable[[int, int], None]
@@ -91,34 +92,14 @@ def verify(path: Path | str, progress: VerifyProgress | None = None, workers: in
 # checkpoint fully verified (or committed) by THIS process is trusted again while no file under it
 # changed size, mtime or inode. Resume (newest_verified) never uses the cache: it always re-hashes.
 
-_fingerprints: dict[str, tuple] = {}
-
-
-def _fingerprint(path: Path) -> tuple:
-    out = []
-    for rel in walk_files(path):
-        st = (path / rel).stat()
-        out.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(out)
-
-
-def remember_verified(path: Path | str) -> None:
-    path = Path(path)
-    _fingerprints[str(path.resolve())] = _fingerprint(path)
-
 
 def verify_cached(path: Path | str) -> bool:
     """True if ``path`` verifies; skips hashing when this process verified it and nothing changed since."""
-    path = Path(path)
-    key = str(path.resolve())
-    try:
-        if key in _fingerprints and _fingerprints[key] == _fingerprint(path):
-            return True
-    except OSError:
-        pass
+    if is_remembered(path):
+        return True
     result = verify(path)
     if result.ok:
         remember_verified(path)
     else:
-        _fingerprints.pop(key, None)
+        forget(path)
     return result.ok

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .. import distenv
+from ..slurm import distenv
 from ..errors import PreflightFailed, SwiftSlurmError
 from ..spec import load_spec
 from .gate import gate

@@ -56,7 +56,7 @@ def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None,
 
 
 def _worker(spec_path: str, out: str, resume: str | None, stop_at_step: int | None) -> int:
-    from ..distenv import DistEnv
+    from ..slurm.distenv import DistEnv
     from ..dsconfig import build_for_spec
     from ..spec import load_spec
     from .sft import train

@@ -1,6 +1,6 @@
 """The built-in SFT trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
 
-Called in-process on every rank by ``swiftslurm.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
+Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
 ``dsconfig.build_for_spec``), peft LoRA or full fine-tuning, verified checkpoints, TensorBoard and
 metrics.jsonl under ``output_dir``. Without CUDA it runs on the CPU: DS_ACCELERATOR=cpu, gloo.

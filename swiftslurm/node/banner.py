@@ -12,7 +12,7 @@ from pathlib import Path
 
 import hostlist
 
-from .distenv import DistEnv
+from ..slurm.distenv import DistEnv
 
 LOGGER = "swiftslurm.runtime"
 

@@ -6,7 +6,7 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 
 from __future__ import annotations
 
-import difflib
+from ..errors import did_you_mean
 import re
 from typing import Any, Literal, Union
 
@@ -198,14 +198,14 @@ class TrainTable(_Table):
     @field_validator("deepspeed")
     @classmethod
     def _ds(cls, v: str) -> str:
-        from . import dsconfig
+        from .. import dsconfig
 
         if v.endswith(".json") or "/" in v:
             return v  # a user file: its existence and content are checked by check_files()
         presets = dsconfig.preset_names()
         if v not in presets:
-            close = difflib.get_close_matches(v, presets, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            close = did_you_mean(v, presets)
+            hint = f" {close[0].upper()}{close[1:]}" if close else ""
             raise ValueError(f"a preset ({', '.join(presets)}) or a path to a .json file.{hint}")
         return v
 

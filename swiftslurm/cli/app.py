@@ -16,8 +16,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from . import __version__
-from .errors import SwiftSlurmError
+from .. import __version__
+from ..errors import SwiftSlurmError
 
 app = typer.Typer(
     name="swiftslurm",
@@ -58,7 +58,7 @@ def _main(
 
 
 def print_error(exc: SwiftSlurmError) -> None:
-    from .errors import SpecError
+    from ..errors import SpecError
 
     if isinstance(exc, SpecError):
         err_console.print(f"[bold red]error:[/] {exc.what}", highlight=False)
@@ -95,7 +95,7 @@ def guarded(fn):
 
 
 def _load(spec_path: Path):
-    from .spec import check_files, load_raw, load_spec
+    from ..spec import check_files, load_raw, load_spec
 
     spec = load_spec(spec_path)
     check_files(spec, source=str(spec_path))
@@ -104,7 +104,7 @@ def _load(spec_path: Path):
 
 def load_plan(spec_path: Path):
     """Validate and plan a spec file (the shared first step of plan/render/submit/preflight)."""
-    from .plan import make_plan
+    from ..plan import make_plan
 
     spec, raw = _load(spec_path)
     return make_plan(spec, raw, base_dir=os.getcwd(), source=str(spec_path))
@@ -114,7 +114,7 @@ def load_plan(spec_path: Path):
 @guarded
 def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec TOML files.")) -> int:
     """Parse and check job specs; print every problem. Exit 0 valid, 2 invalid."""
-    from .errors import SpecError
+    from ..errors import SpecError
 
     worst = 0
     for spec_path in specs:
@@ -142,7 +142,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts)."),
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, DeepSpeed config per task, sbatch script, environment."""
-    from .render import render_sbatch
+    from ..slurm.render import render_sbatch
 
     the_plan = load_plan(spec_path)
     sbatch = render_sbatch(the_plan)
@@ -162,14 +162,14 @@ def render(
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the script here instead of stdout."),
 ) -> int:
     """Write a standalone sbatch script that plain `sbatch FILE` runs (no Python submitter)."""
-    from .render import render_sbatch
+    from ..slurm.render import render_sbatch
 
     the_plan = load_plan(spec_path)
     script = render_sbatch(the_plan)
     if out is None:
         sys.stdout.write(script)
         return 0
-    from .plan import write_plan
+    from ..plan import write_plan
 
     write_plan(the_plan, script)
     out.write_text(script)
@@ -240,7 +240,7 @@ def run(
     task: Optional[int] = typer.Option(None, "--task", help="Array task index (default: $SLURM_ARRAY_TASK_ID or 0)."),
 ) -> int:
     """The on-node entry point that srun starts on every rank (users rarely call it)."""
-    from .runtime import run_from_cli
+    from ..node.runtime import run_from_cli
 
     return run_from_cli(plan_file, task)
 

@@ -13,10 +13,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import slurm
-from .plan import Plan
-from .errors import SwiftSlurmError
-from .submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
+from .. import slurm
+from ..plan import Plan
+from ..errors import SwiftSlurmError
+from ..submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
@@ -52,7 +52,7 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
 
 
 def _q(path: str) -> str:
-    from .quoting import shell_quote
+    from ..quoting import shell_quote
 
     return shell_quote(path)
 
@@ -81,7 +81,7 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
 def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
     """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
     try:
-        from .train.sft import read_summary
+        from ..train.sft import read_summary
     except ImportError:
         return
     for index, task_dir in enumerate(sub.task_dirs[:limit]):

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import banner, distenv, signals
-from .errors import PreflightFailed, RuntimeEnvError
-from .fsutil import atomic_write_text
+from . import banner, signals
+from ..slurm import distenv
+from ..errors import PreflightFailed, RuntimeEnvError
+from ..fsutil import atomic_write_text
 
 REQUEUES_FILE = "requeues.json"
 POLL_S = 0.2
@@ -92,7 +93,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
 
 
 def _read_task(plan_path: str, index: int):
-    from .plan import read_plan_task
+    from ..plan import read_plan_task
 
     try:
         data, task, ds_config = read_plan_task(plan_path, index)
@@ -107,7 +108,7 @@ def _read_task(plan_path: str, index: int):
 
 def _resume_point(out_dir: str, log) -> str | None:
     try:
-        from .checkpoint import newest_verified
+        from ..checkpoint import newest_verified
     except ImportError:
         log.info("checkpoint module not installed: starting fresh")
         return None
@@ -117,7 +118,7 @@ def _resume_point(out_dir: str, log) -> str | None:
 
 def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
     try:
-        from .preflight import gate
+        from ..preflight import gate
     except ImportError:
         log.info("preflight module not installed: skipping preflight checks")
         return True
@@ -161,7 +162,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
 
 def _train(dist, spec, ds_config, out_dir: str, resume: str | None, the_env: dict[str, str], log) -> int:
     try:
-        from .train import sft
+        from ..train import sft
     except ImportError as exc:
         raise RuntimeEnvError("the trainer is not installed", str(exc), "reinstall swiftslurm, or set train.command to run your own script") from None
     os.environ.clear()
@@ -242,8 +243,8 @@ def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> Requ
     atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records, indent=2))
     log.warning("%s", decision.message)
     if decision.requeue and dist.executor == "slurm":
-        from . import slurm
-        from .errors import SwiftSlurmError
+        from .. import slurm
+        from ..errors import SwiftSlurmError
 
         try:
             slurm.requeue(dist.requeue_id)

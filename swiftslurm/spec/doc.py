@@ -1,6 +1,6 @@
 """The spec reference in the README, generated from the model so docs and code cannot drift.
 
-`python -m swiftslurm.spec_doc` prints the Markdown; a test checks the README holds exactly it.
+`python -m swiftslurm.spec.doc` prints the Markdown; a test checks the README holds exactly it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .spec import JobSpec
+from .load import JobSpec
 
 DESCRIPTIONS: dict[str, str] = {
     "job.name": "Slurm job name; letters, digits, `.`, `_`, `-`",

@@ -10,7 +10,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .plan import Plan
+from ..plan import Plan
 
 
 def print_plan(console: Console, plan: Plan, sbatch: str) -> None:

@@ -1,4 +1,4 @@
-"""The job spec: TOML text to a typed, frozen ``JobSpec`` (models in ``spec_model.py``).
+"""The job spec: TOML text to a typed, frozen ``JobSpec`` (models in ``model.py``).
 
 Pure: ``parse_spec(text)`` and ``validate_spec(data)`` touch nothing outside their arguments.
 ``load_spec(path)`` reads the file; ``check_files(spec)`` is the one step that looks at the disk.
@@ -8,7 +8,6 @@ path, what was found and what to do.
 
 from __future__ import annotations
 
-import difflib
 import re
 import sys
 from pathlib import Path
@@ -16,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import Problem, SpecError
-from .spec_model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
+from ..errors import Problem, SpecError, did_you_mean
+from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
     CHECKS,
     MAX_SPEC_BYTES,
     OWNED_SBATCH_OPTIONS,
@@ -44,11 +43,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 # ---------------------------------------------------------------- loading
-
-
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else ""
 
 
 def _model_at(path: tuple) -> type[BaseModel] | None:
@@ -83,7 +77,7 @@ def _problems_from(err: ValidationError, prefix: str = "") -> list[Problem]:
         if kind == "extra_forbidden":
             parent = _model_at(loc[:-1])
             valid = sorted(parent.model_fields) if parent else []
-            hint = _did_you_mean(str(loc[-1]), valid)
+            hint = did_you_mean(str(loc[-1]), valid)
             hint = (hint + " " if hint else "") + (f"valid keys: {', '.join(valid)}" if valid else "")
             problems.append(Problem(path, "unknown key", hint=hint))
             continue
@@ -203,7 +197,7 @@ def _sweep_problems(data: dict[str, Any], skip_values: bool) -> list[Problem]:
         model = _model_at((table,)) if table in SWEEPABLE_TABLES else None
         if model is None or field not in model.model_fields:
             valid = sorted(TrainTable.model_fields) if model is None or table == "train" else sorted(model.model_fields)
-            hint = _did_you_mean(field, valid) or f"sweep keys name a [train] key or 'table.key' ({', '.join(SWEEPABLE_TABLES)})"
+            hint = did_you_mean(field, valid) or f"sweep keys name a [train] key or 'table.key' ({', '.join(SWEEPABLE_TABLES)})"
             problems.append(Problem(f"sweep.{key}", "sweeps over a key that does not exist", hint=hint))
         elif isinstance(values, list) and values:
             good[key] = values
@@ -258,7 +252,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -> None:
     """The disk-facing checks: datasets and a user DeepSpeed JSON exist and are readable."""
-    from . import dsconfig
+    from .. import dsconfig
 
     base = base or Path.cwd()
     problems: list[Problem] = []

@@ -13,10 +13,10 @@ from pathlib import PurePosixPath
 
 import jinja2
 
-from .errors import Problem, SpecError
-from .plan import Plan
-from .quoting import one_line, shell_quote
-from .spec_model import OWNED_SBATCH_OPTIONS
+from ..errors import Problem, SpecError
+from ..plan import Plan
+from ..quoting import one_line, shell_quote
+from ..spec.model import OWNED_SBATCH_OPTIONS
 
 TEMPLATE = "sbatch.sh.j2"
 
@@ -105,7 +105,7 @@ def render_sbatch(plan: Plan, python: str | None = None) -> str:
     ``python`` is the interpreter the nodes run (default: this one, so the same installed swiftslurm).
     The plan file (``plan.plan_path``) must exist when the job starts: ``swiftslurm render -o`` writes it.
     """
-    from . import __version__
+    from .. import __version__
 
     opts = sbatch_directives(plan)
     opts.append(("output", log_pattern(plan)))

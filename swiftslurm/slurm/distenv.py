@@ -15,7 +15,7 @@ from typing import Mapping
 
 import hostlist
 
-from .errors import RuntimeEnvError
+from ..errors import RuntimeEnvError
 
 PORT_BASE = 20000
 PORT_SPAN = 40000  # master ports live in [20000, 59999]: above most services, below the ephemeral range

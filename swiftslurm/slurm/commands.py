@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from .errors import SubmissionError, SwiftSlurmError, ToolMissing
+from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
 
 SLURM_TIMEOUT_S = 60
 

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import checkpoint as ck
-from .errors import CheckpointDamaged, SwiftSlurmError
+from .. import checkpoint as ck
+from ..errors import CheckpointDamaged, SwiftSlurmError
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints at least this large
 

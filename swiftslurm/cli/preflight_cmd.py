@@ -15,9 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from .errors import PreflightFailed
-from .plan import Plan
-from .preflight.report import REPORT_DIR, REPORT_JSON, print_report, read_report
+from ..errors import PreflightFailed
+from ..plan import Plan
+from ..preflight.report import REPORT_DIR, REPORT_JSON, print_report, read_report
 
 QUEUE_GRACE_S = 600  # how long the job may wait in the queue on top of its own time limit
 
@@ -39,7 +39,7 @@ def summary(reports: list[dict[str, Any] | None], states: dict[str, str], job_id
 
 
 def preflight_command(console: Console, plan: Plan, executor: str, json_file: Path | None) -> int:
-    from .submit import submit_plan
+    from ..submit import submit_plan
     from .submit_cmd import status_table
 
     t0 = time.monotonic()

@@ -1,0 +1,34 @@
+"""The job spec: TOML -> a typed, frozen ``JobSpec`` (``model``), loading, problem reports and sweeps (``load``),
+and the README's generated reference (``doc``).
+
+May import only the base modules (``errors``, ``dsconfig``); everything downstream imports it.
+``from swiftslurm.spec import JobSpec, load_spec`` is the public path.
+"""
+
+from .load import (
+    CHECKS,
+    MAX_SPEC_BYTES,
+    OWNED_SBATCH_OPTIONS,
+    TINY_MODELS,
+    CheckpointTable,
+    JobSpec,
+    JobTable,
+    PreflightTable,
+    SlurmTable,
+    TrainTable,
+    apply_overrides,
+    check_files,
+    load_raw,
+    load_spec,
+    parse_spec,
+    parse_toml,
+    sweep_key_path,
+    time_limit_s,
+    validate_spec,
+)
+
+__all__ = [
+    "CHECKS", "MAX_SPEC_BYTES", "OWNED_SBATCH_OPTIONS", "TINY_MODELS", "CheckpointTable", "JobSpec", "JobTable",
+    "PreflightTable", "SlurmTable", "TrainTable", "time_limit_s", "apply_overrides", "check_files", "load_raw",
+    "load_spec", "parse_spec", "parse_toml", "sweep_key_path", "validate_spec",
+]

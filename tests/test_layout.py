@@ -1,0 +1,123 @@
+"""The package's folders follow the data: imports point down the layers, never up, never sideways.
+
+Read from the tree: cli -> submit -> node -> preflight / train -> checkpoint / slurm -> plan -> spec -> base.
+Every import inside swiftslurm (top-level and inside functions) is checked, so a lazy import cannot
+sneak a cycle back in.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import swiftslurm
+
+PKG = Path(swiftslurm.__file__).parent
+
+# unit -> layer; a unit may import its own modules and units of a strictly lower layer.
+LAYERS = {
+    "__init__": 0, "errors": 0, "fsutil": 0, "quoting": 0,
+    "dsconfig": 1,
+    "spec": 2,
+    "plan": 3,
+    "slurm": 4, "checkpoint": 4,
+    "preflight": 5, "train": 5,
+    "node": 6,
+    "submit": 7,
+    "cli": 8,
+    "__main__": 9,
+}
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    assert parts[0] == "swiftslurm", module
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    mod = module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("swiftslurm"):
+                continue
+            if node.module is None or target in ("swiftslurm",):
+                out += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("swiftslurm")]
+    return out
+
+
+def test_every_unit_has_a_layer_and_every_folder_says_its_role():
+    for path in PKG.iterdir():
+        if path.name.startswith((".", "_")) and path.name not in ("__init__.py", "__main__.py"):
+            continue
+        if path.is_dir() and (path / "__init__.py").exists():
+            assert path.name in LAYERS, f"folder {path.name}/ has no layer in tests/test_layout.py"
+            doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text()))
+            assert doc and len(doc.splitlines()[0]) > 20, f"{path.name}/__init__.py needs a docstring saying its role"
+        elif path.suffix == ".py":
+            assert path.stem in LAYERS, f"top-level module {path.name} has no layer in tests/test_layout.py"
+
+
+def test_top_level_stays_small():
+    modules = [p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert len(modules) <= 8, f"{len(modules)} top-level modules: {sorted(modules)}; move some into a folder"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        src = unit_of(module_name(path))
+        for line, target in imports_of(path):
+            dst = unit_of(target)
+            if dst == src or (dst == "__init__" and target in ("swiftslurm", "swiftslurm.__version__")):
+                continue
+            if dst not in LAYERS:  # "from swiftslurm import slurm": the unit is the name imported
+                continue
+            if LAYERS[dst] >= LAYERS[src]:
+                wrong.append(f"{path.relative_to(PKG.parent)}:{line} ({src}, layer {LAYERS[src]}) imports {target} "
+                             f"({dst}, layer {LAYERS[dst]})")
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_no_cycles_inside_a_folder():
+    """Within one folder, module imports form a DAG (checkpoint/commit and verify once imported each other)."""
+    for folder in [p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()]:
+        graph: dict[str, set[str]] = {}
+        for path in folder.glob("*.py"):
+            if path.name == "__init__.py":
+                continue
+            mod = module_name(path)
+            graph[mod] = {t for _, t in imports_of(path) if t.startswith(module_name(folder) + ".") and t != mod}
+        seen: dict[str, int] = {}
+
+        def visit(node: str, stack: list[str]) -> None:
+            if seen.get(node) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(node):] + [node]))
+            if seen.get(node) == 2:
+                return
+            seen[node] = 1
+            for nxt in graph.get(node, ()):
+                visit(nxt, stack + [node])
+            seen[node] = 2
+
+        for mod in graph:
+            visit(mod, [])
