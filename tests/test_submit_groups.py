@@ -5,7 +5,6 @@ Slurm tests (marker slurm) run on the local cluster; the local-executor ones run
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from swiftslurm import slurm
-from swiftslurm.errors import PreflightFailed, RuntimeEnvError, SubmissionError
+from swiftslurm.errors import PreflightFailed, SubmissionError
 from swiftslurm.node import ownership
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
@@ -24,11 +23,11 @@ from swiftslurm.submit import Submission, load_records, load_submission, process
 
 WAIT_S = 180
 
-# Each rank records the allocation it runs in: DIR/<task>-<rank>.json
+# Each rank records the allocation it runs in: DIR/<array job>_<array task>-<rank>.json
 RECORD = (
     "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
     "keys = ['RANK', 'WORLD_SIZE', 'SLURM_JOB_NUM_NODES', 'SLURM_JOB_NODELIST', 'SLURM_ARRAY_JOB_ID', 'SLURM_ARRAY_TASK_ID', 'SLURM_JOB_ID']; "
-    "open(os.path.join(d, os.environ['SWIFTSLURM_TASK_DIR_NAME'] + '-' + os.environ['RANK'] + '.json'), 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
+    "open(os.path.join(d, os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID'] + '-' + os.environ['RANK'] + '.json'), 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
 )
 
 
@@ -75,18 +74,13 @@ def _running(sub: Submission) -> bool:
     return all(r.state == "RUNNING" for r in sub.statuses())
 
 
-# A command that records which task dir it runs in (the task's cwd is the spec's dir: pass the dir name)
-def _record_cmd(ranks: Path) -> list[str]:
-    return ["bash", "-c", f'SWIFTSLURM_TASK_DIR_NAME=$(basename "$PWD") exec python -c "$0" {ranks}', RECORD]
-
-
 # ---------------------------------------------------------------- item 1: one array per allocation
 
 
 @pytest.mark.slurm
 def test_nodes_sweep_gets_the_allocation_each_task_asked_for(tmp_path):
     ranks = tmp_path / "ranks"
-    cmd = ["python", "-c", RECORD.replace("os.environ['SWIFTSLURM_TASK_DIR_NAME']", "os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID']"), str(ranks)]
+    cmd = ["python", "-c", RECORD, str(ranks)]
     (tmp_path / "s.toml").write_text(spec_text("out", cmd, sweep='[sweep]\n"slurm.nodes" = [1, 2]\nseed = [1, 2]'))
     proc = cli("submit", "s.toml", "--executor", "slurm", "--wait", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
