@@ -7,6 +7,11 @@ DeepSpeed config of each, the environment exported on every node, and the sbatch
 Tasks are grouped by the allocation they ask Slurm for (their ``[slurm]`` table): a sweep over
 ``slurm.nodes`` or ``slurm.time`` gives several groups, each sent as its own sbatch array. Task
 indices (and task dirs ``output_dir/<index>``) stay global across groups.
+
+A site may cap job arrays (``MaxArraySize``: indices below it; ``max_array_tasks``: tasks per array).
+``Plan.arrays(limits)`` splits each group into parts that fit (pure: the caller passes the limits it
+read from the cluster); each part is one sbatch call, and a part's array index + ``offset`` is the
+global task index.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .spec.load import JobSpec, _sweep_overrides, apply_overrides, validate_spec
-from .spec.model import SlurmTable
+from .spec.model import SlurmTable, is_local_image
 
 PLAN_FILE = "swiftslurm-plan.json"
 
@@ -64,6 +69,64 @@ class Group:
         }
 
 
+@dataclass(frozen=True)
+class ArrayLimits:
+    """A site's caps on job arrays (``scontrol show config``); None = no cap known."""
+
+    max_array_size: int | None = None  # MaxArraySize: every array index must be below it
+    max_array_tasks: int | None = None  # SchedulerParameters max_array_tasks: tasks in one array
+
+    @property
+    def known(self) -> bool:
+        return self.max_array_size is not None or self.max_array_tasks is not None
+
+    def describe(self) -> str:
+        parts = [f"MaxArraySize={self.max_array_size}" if self.max_array_size is not None else "",
+                 f"max_array_tasks={self.max_array_tasks}" if self.max_array_tasks is not None else ""]
+        return ", ".join(p for p in parts if p) or "no cap"
+
+
+@dataclass(frozen=True)
+class ArrayPart:
+    """One sbatch call: some tasks of a group. Slurm array index = global task index - ``offset``."""
+
+    group: Group
+    part: int  # 0.. within the group
+    parts: int  # how many parts the group was split into
+    tasks: tuple[int, ...]  # global task indices, ascending
+    offset: int  # 0 unless the group was split
+
+    @property
+    def array_indices(self) -> tuple[int, ...]:
+        return tuple(t - self.offset for t in self.tasks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group.index, "part": self.part, "tasks": list(self.tasks), "task_offset": self.offset}
+
+
+def split_tasks(tasks: tuple[int, ...], limits: ArrayLimits) -> list[tuple[tuple[int, ...], int]]:
+    """``tasks`` as (tasks, offset) parts that fit ``limits`` (pure).
+
+    Unsplit (offset 0) when the global indices already fit; else greedy parts, each starting at its
+    first task (offset), holding tasks while ``task - offset < max_array_size`` and at most
+    ``max_array_tasks`` of them.
+    """
+    size, count = limits.max_array_size, limits.max_array_tasks
+    if (size is not None and size < 1) or (count is not None and count < 1):
+        raise ValueError(f"job arrays are disabled here ({limits.describe()})")
+    if (size is None or max(tasks) < size) and (count is None or len(tasks) <= count):
+        return [(tasks, 0)]
+    parts: list[tuple[tuple[int, ...], int]] = []
+    current: list[int] = []
+    for t in tasks:
+        if current and ((size is not None and t - current[0] >= size) or (count is not None and len(current) >= count)):
+            parts.append((tuple(current), current[0]))
+            current = []
+        current.append(t)
+    parts.append((tuple(current), current[0]))
+    return parts
+
+
 def group_tasks(tasks: list[Task]) -> list[Group]:
     """Tasks by distinct ``[slurm]`` table, in order of first appearance (pure).
 
@@ -97,20 +160,42 @@ class Plan:
         return bool(self.spec.sweep)
 
     @property
+    def container(self):
+        """The ``[container]`` table with paths resolved (not sweepable: every task has the same), or None."""
+        return self.tasks[0].spec.container if self.tasks else self.spec.container
+
+    def arrays(self, limits: ArrayLimits | None = None) -> list[ArrayPart]:
+        """Every sbatch call, in order: one per group, or several where ``limits`` cap arrays (pure).
+
+        A plan without a sweep is one job per group (no array), never split.
+        """
+        out: list[ArrayPart] = []
+        for g in self.groups:
+            parts = split_tasks(g.tasks, limits) if self.is_array and limits is not None else [(g.tasks, 0)]
+            out += [ArrayPart(g, i, len(parts), tasks, offset) for i, (tasks, offset) in enumerate(parts)]
+        return out
+
+    @property
     def plan_path(self) -> str:
         return str(PurePosixPath(self.output_dir) / PLAN_FILE)
 
-    def to_json(self, sbatch: str | list[str] | None = None) -> dict[str, Any]:
-        """The plan as JSON. ``sbatch``: the script (one group) or one script per group, in group order.
+    def to_json(self, sbatch: str | list[str] | None = None, limits: ArrayLimits | None = None) -> dict[str, Any]:
+        """The plan as JSON. ``sbatch``: the script (one array) or one script per ``arrays(limits)`` part.
 
-        ``sbatch`` at the top level is the script when there is one group, else null; each group
-        carries its own script under ``groups[i].sbatch``.
+        ``sbatch`` at the top level is the script when there is one, else null; each group carries
+        its script under ``groups[i].sbatch`` (null when split), and ``arrays`` lists every sbatch
+        call (group, part, tasks, task_offset, and its script).
         """
         groups = [g.to_json() for g in self.groups]
+        parts = self.arrays(limits)
         scripts = [sbatch] if isinstance(sbatch, str) else sbatch
+        arrays = [p.to_json() for p in parts]
         if scripts is not None:
-            for entry, script in zip(groups, scripts):
+            for entry, script in zip(arrays, scripts):
                 entry["sbatch"] = script
+            for entry in groups:
+                mine = [a for a in arrays if a["group"] == entry["index"]]
+                entry["sbatch"] = mine[0].get("sbatch") if len(mine) == 1 else None
         out: dict[str, Any] = {
             "source": self.source,
             "base_dir": self.base_dir,
@@ -123,6 +208,8 @@ class Plan:
             "spec": self.spec.model_dump(mode="json"),
             "tasks": [t.to_json() for t in self.tasks],
             "groups": groups,
+            "arrays": arrays,
+            "array_limits": None if limits is None else {"max_array_size": limits.max_array_size, "max_array_tasks": limits.max_array_tasks},
             "deepspeed": self.deepspeed,
             "env": self.env,
             "warnings": self.warnings,
@@ -145,7 +232,13 @@ def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
         updates["deepspeed"] = _absolute(train.deepspeed, base_dir)
     if train.model and train.model.startswith("."):
         updates["model"] = _absolute(train.model, base_dir)
-    return spec.model_copy(update={"train": train.model_copy(update=updates)})
+    out = spec.model_copy(update={"train": train.model_copy(update=updates)})
+    c = spec.container
+    if c is not None:  # a relative local image or mount source means the same file on every node
+        image = _absolute(c.image, base_dir) if is_local_image(c.image) else c.image
+        mounts = [m if m.startswith("/") else _absolute(m, base_dir) for m in c.mounts]
+        out = out.model_copy(update={"container": c.model_copy(update={"image": image, "mounts": mounts})})
+    return out
 
 
 def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "spec") -> Plan:
@@ -186,13 +279,13 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
     )
 
 
-def write_plan(plan: Plan, sbatch: str | list[str] | None = None) -> Path:
+def write_plan(plan: Plan, sbatch: str | list[str] | None = None, limits: ArrayLimits | None = None) -> Path:
     """Write the plan JSON where every node reads it (``output_dir/swiftslurm-plan.json``), atomically."""
     from .fsutil import atomic_write_text
 
     path = Path(plan.plan_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(plan.to_json(sbatch), indent=2))
+    atomic_write_text(path, json.dumps(plan.to_json(sbatch, limits), indent=2))
     return path
 
 

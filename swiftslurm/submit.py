@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from . import slurm
 from .errors import SubmissionError, SwiftSlurmError, ToolMissing
-from .plan import Group, Plan, write_plan
+from .plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
 from .quoting import shell_quote
 from .fsutil import atomic_write_text
 
@@ -113,7 +113,7 @@ class Submission:
     cancelled: bool = False
     ranks_per_task: int = 1  # local: a task is COMPLETED only when this many ranks reported success
     job_name: str = ""  # Slurm: a record under our id with another name is a later job (cluster reset)
-    # One entry per sbatch call (per allocation group; later per chunk of a big array):
+    # One entry per sbatch call (per allocation group, or per part of a group split under the site's array cap):
     # {"job_id": "123" (Slurm array/job id, "" locally), "tasks": [global task indices], "ranks_per_task": N}
     arrays: list[dict[str, Any]] = field(default_factory=list)
     # local: controller pid -> its start time (/proc/PID/stat field 22): a pid reused by another process is not ours
@@ -342,13 +342,9 @@ def _write_task_specs(plan: Plan) -> None:
         (out / TASK_SPEC_FILE).write_text(json.dumps(task.to_json(), indent=indent) + "\n")
 
 
-def env_setup_lines(plan: Plan) -> list[str]:
-    """``export NAME=VALUE`` for the [env] table, each value through the one quoting function."""
-    return [f"export {name}={shell_quote(value)}" for name, value in plan.env.items()]
-
-
 def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
     """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan, group)``."""
+    from .slurm.launch import launch_for, setup_lines
     from .slurm.render import one_group, sbatch_directives
 
     group = one_group(plan, group)
@@ -358,7 +354,7 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
     params: dict[str, Any] = {
         "time": max(1, math.ceil(s.time_limit_s / 60)),  # submitit's own timeout bookkeeping (minutes)
         "signal_delay_s": s.signal_grace_s,  # submitit writes --signal=USR2@N (every rank gets it, not B:)
-        "setup": env_setup_lines(plan),
+        "setup": setup_lines(plan, group),  # [env] exports, then slurm.setup verbatim, then container env
         "array_parallelism": s.array_parallelism or max(1, len(group.tasks)),
         "wckey": None,  # submitit's default "submitit" fails on clusters that enforce wckeys
     }
@@ -373,7 +369,26 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
         else:
             additional[key] = True if value is None else value  # mem, time (exact), reservation, requeue, open-mode, extra
     params["additional_parameters"] = additional
+    srun_args = list(launch_for(plan, group).srun_args)
+    if srun_args:
+        params["srun_args"] = srun_args  # pyxis: --container-image ... on the srun line
     return params
+
+
+def python_command(plan: Plan, group: Group, local: bool = False) -> str:
+    """submitit's ``python=``: ``[apptainer exec ... IMAGE] PYTHON``, shell-quoted.
+
+    Locally there is no batch script to hold ``slurm.setup`` (and container env) lines: they run in a
+    ``bash -c`` in front of each rank ([env] reaches the ranks through ``_local_env``).
+    """
+    from .slurm.launch import launch_for, passthrough_lines
+
+    command = launch_for(plan, group).command()
+    lines = [*group.slurm.setup, *passthrough_lines(plan)]
+    if local and lines:
+        script = "\n".join([*lines, 'exec "$@"'])
+        command = f"bash -c {shell_quote(script)} swiftslurm-setup {command}"
+    return command
 
 
 def _executor(kind: str, plan: Plan, folder: Path, group: Group):
@@ -381,14 +396,19 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
 
     s = group.slurm
     if kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues)
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group))
         ex.update_parameters(**slurm_parameters(plan, group))
         return ex
     if s.nodes > 1:
         raise SubmissionError(
             "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
         )
-    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues)
+    if plan.container is not None and plan.container.runtime == "pyxis":
+        raise SubmissionError(
+            "a pyxis container starts through srun, which the local executor does not use", f"container.runtime = 'pyxis' ({plan.container.image})",
+            "use --executor slurm on a cluster with pyxis, or runtime = \"apptainer\" to run the image here",
+        )
+    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group, local=True))
     # No `setup` lines here: with them submitit starts the controller through `sh -c`, and the pid it
     # reports is the shell's, which a cancel cannot stop. [env] goes in through _local_env instead.
     params: dict[str, Any] = {
@@ -509,16 +529,20 @@ def _submitting(output_dir: str):
 # ---------------------------------------------------------------- sending
 
 
-def _send_group(kind: str, plan: Plan, folder: Path, group: Group, mode: str) -> list[Any]:
-    """One submission call (one sbatch array, or one job without a sweep) for one group: its submitit jobs."""
+def _send_part(kind: str, plan: Plan, folder: Path, part: ArrayPart, mode: str) -> list[Any]:
+    """One submission call (one sbatch array, or one job without a sweep): its submitit jobs.
+
+    submitit numbers a part's array tasks 0..n-1 and passes each its global task index.
+    """
+    group = part.group
     ex = _executor(kind, plan, folder, group)
-    n = len(group.tasks)
+    n = len(part.tasks)
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), _local_env(kind, plan.env):  # submitit echoes sbatch's stderr; we say it once
             if plan.is_array:
-                return list(ex.map_array(run_rank, [plan.plan_path] * n, list(group.tasks), [mode] * n))
-            return [ex.submit(run_rank, plan.plan_path, group.tasks[0], mode)]
+                return list(ex.map_array(run_rank, [plan.plan_path] * n, list(part.tasks), [mode] * n))
+            return [ex.submit(run_rank, plan.plan_path, part.tasks[0], mode)]
     except SwiftSlurmError:
         raise
     except Exception as exc:  # submitit wraps sbatch's refusal (FailedJobError / FailedSubmissionError)
@@ -540,27 +564,58 @@ def _stop_sent(kind: str, sent: list[list[Any]]) -> None:
                         job.cancel()
 
 
+MAX_ARRAY_SIZE_ENV = "SWIFTSLURM_MAX_ARRAY_SIZE"
+
+
+def array_limits(kind: str, environ: dict[str, str] | None = None) -> ArrayLimits:
+    """The site's array caps, read once per submit: ``scontrol show config`` (Slurm only).
+
+    ``$SWIFTSLURM_MAX_ARRAY_SIZE`` overrides MaxArraySize (for tests, and for sites whose config cannot be read).
+    """
+    env = os.environ if environ is None else environ
+    limits = ArrayLimits()
+    if kind == "slurm":
+        with contextlib.suppress(SwiftSlurmError):  # unreadable config: send unsplit, sbatch says what it refuses
+            limits = slurm.array_limits()
+    raw = env.get(MAX_ARRAY_SIZE_ENV, "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+            raise SubmissionError(f"${MAX_ARRAY_SIZE_ENV} is not a positive whole number", repr(raw), f"unset it, or set it to the site's MaxArraySize (e.g. {MAX_ARRAY_SIZE_ENV}=1001)")
+        limits = ArrayLimits(int(raw), limits.max_array_tasks)
+    return limits
+
+
+def _parts(plan: Plan, limits: ArrayLimits) -> list[ArrayPart]:
+    try:
+        return plan.arrays(limits)
+    except ValueError as exc:
+        raise SubmissionError("this site does not run job arrays", str(exc), "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
+
+
 def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
-    """Refuse a dir an active job owns; write the plan and each task's spec; send one array per group; record it."""
+    """Refuse a dir an active job owns; write the plan and each task's spec; send one array per group
+    (several where the site caps arrays); record it."""
     from .slurm.render import render_all
 
     kind = resolve_executor(executor)
-    scripts = render_all(plan)
+    limits = array_limits(kind) if plan.is_array else ArrayLimits()
+    parts = _parts(plan, limits)
+    scripts = render_all(plan, limits=limits)
     with _submitting(plan.output_dir):
         refuse_if_owned(plan)
-        write_plan(plan, scripts)
+        write_plan(plan, scripts, limits)
         _write_task_specs(plan)
         folder = new_folder(plan.output_dir)
         sent: list[list[Any]] = []
-        for group in plan.groups:
+        for part in parts:
             try:
-                sent.append(_send_group(kind, plan, folder, group, mode))
+                sent.append(_send_part(kind, plan, folder, part, mode))
             except SwiftSlurmError:
                 _stop_sent(kind, sent)
                 raise
         job_ids = [""] * len(plan.tasks)
-        for group, jobs in zip(plan.groups, sent):
-            for index, job in zip(group.tasks, jobs):
+        for part, jobs in zip(parts, sent):
+            for index, job in zip(part.tasks, jobs):
                 job_ids[index] = str(job.job_id)
         jobs_flat = [j for jobs in sent for j in jobs]
         sub = Submission(
@@ -574,8 +629,9 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
             ranks_per_task=plan.spec.slurm.nodes * plan.spec.slurm.ranks_per_node,
             job_name=plan.spec.job.name,
             arrays=[
-                {"job_id": str(jobs[0].job_id).split("_")[0] if kind == "slurm" else "", "tasks": list(group.tasks), "ranks_per_task": group.world_size}
-                for group, jobs in zip(plan.groups, sent)
+                {"job_id": str(jobs[0].job_id).split("_")[0] if kind == "slurm" else "", "tasks": list(part.tasks),
+                 "ranks_per_task": part.group.world_size, "group": part.group.index}
+                for part, jobs in zip(parts, sent)
             ],
             pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},
             _jobs=jobs_flat,

@@ -43,6 +43,19 @@ Executor = typer.Option(
 )
 
 
+MaxArraySize = typer.Option(
+    None, "--max-array-size", min=1, envvar="SWIFTSLURM_MAX_ARRAY_SIZE",
+    help="The site's MaxArraySize (`scontrol show config`): show/write the sweep split into arrays that fit. "
+    "`submit` reads it from the cluster itself.",
+)
+
+
+def _limits(max_array_size: Optional[int]):
+    from ..plan import ArrayLimits
+
+    return ArrayLimits(max_array_size) if max_array_size is not None else None
+
+
 def _version(value: bool) -> None:
     if value:
         console.print(f"swiftslurm {__version__}")
@@ -140,18 +153,20 @@ def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec 
 def plan(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts)."),
+    max_array_size: Optional[int] = MaxArraySize,
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
     from ..slurm.render import render_all
 
     the_plan = load_plan(spec_path)
-    scripts = render_all(the_plan)
+    limits = _limits(max_array_size)
+    scripts = render_all(the_plan, limits=limits)
     if as_json:
-        sys.stdout.write(json.dumps(the_plan.to_json(scripts), indent=2) + "\n")
+        sys.stdout.write(json.dumps(the_plan.to_json(scripts, limits), indent=2) + "\n")
         return 0
     from .plan_view import print_plan
 
-    print_plan(console, the_plan, scripts)
+    print_plan(console, the_plan, scripts, limits)
     return 0
 
 
@@ -160,29 +175,42 @@ def plan(
 def render(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the script here instead of stdout."),
+    max_array_size: Optional[int] = MaxArraySize,
 ) -> int:
     """Write a standalone sbatch script that plain `sbatch FILE` runs (no Python submitter).
 
     A sweep over allocation keys (slurm.nodes, slurm.time, ...) needs one script per allocation: with
     -o FILE they are written as FILE's name plus .group<N> (job.sh -> job.group0.sh, job.group1.sh);
-    without -o such a spec is refused (one stdout cannot hold several scripts).
+    without -o such a spec is refused (one stdout cannot hold several scripts). With --max-array-size
+    a sweep too big for one array is split too (job.part0.sh, job.part1.sh, ...).
     """
-    from ..slurm.render import render_all, render_sbatch
+    from ..slurm.render import render_all, render_sbatch, script_names
 
     the_plan = load_plan(spec_path)
+    limits = _limits(max_array_size)
+    parts = the_plan.arrays(limits)
     if out is None:
-        sys.stdout.write(render_sbatch(the_plan))  # refuses a plan of several groups, naming them
+        if len(parts) > 1 and len(the_plan.groups) == 1:
+            from ..errors import OneScriptTooFew
+
+            raise OneScriptTooFew(
+                f"the sweep needs {len(parts)} sbatch arrays under the site's cap, which one script cannot hold",
+                f"{len(the_plan.tasks)} tasks, {limits.describe()}",
+                "`swiftslurm render SPEC --max-array-size N -o FILE` writes one script per array (job.part0.sh, job.part1.sh, ...)",
+            )
+        # one script; a plan of several groups is refused, naming them
+        sys.stdout.write(render_sbatch(the_plan, part=parts[0]) if len(parts) == 1 else render_sbatch(the_plan))
         return 0
     from ..plan import write_plan
 
-    scripts = render_all(the_plan)
-    paths = [out] if len(scripts) == 1 else [out.with_name(f"{out.stem}.group{i}{out.suffix}") for i in range(len(scripts))]
-    write_plan(the_plan, scripts)
+    scripts = render_all(the_plan, limits=limits)
+    paths = [out.with_name(n) for n in script_names(out.name, parts)]
+    write_plan(the_plan, scripts, limits)
     for path, script in zip(paths, scripts):
         path.write_text(script)
     if len(paths) > 1:
-        groups = ", ".join(f"{p} (tasks {_ranges(g.tasks)})" for p, g in zip(paths, the_plan.groups))
-        err_console.print(f"the sweep asks for {len(paths)} allocations: wrote one script each: {groups}; submit each with sbatch FILE; they read the plan written to {the_plan.plan_path}", highlight=False, markup=False)
+        each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts))
+        err_console.print(f"the sweep needs {len(paths)} sbatch arrays: wrote one script each: {each}; submit each with sbatch FILE; they read the plan written to {the_plan.plan_path}", highlight=False, markup=False)
     else:
         err_console.print(f"wrote {out} (run it with: sbatch {out}); it reads the plan written to {the_plan.plan_path}", highlight=False, markup=False)
     return 0

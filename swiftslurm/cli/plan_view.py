@@ -10,7 +10,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..plan import Plan
+from ..plan import ArrayLimits, Plan
 
 
 def groups_table(plan: Plan) -> Table:
@@ -27,7 +27,35 @@ def groups_table(plan: Plan) -> Table:
     return table
 
 
-def print_plan(console: Console, plan: Plan, sbatch: str | list[str]) -> None:
+def site_rows(plan: Plan, limits: ArrayLimits | None) -> list[tuple[str, str]]:
+    """The site environment a plan asks for, as (label, value) rows (pure): setup, python, container, array split."""
+    from ..slurm.launch import launch_for, mounts_of
+    from ..slurm.render import index_ranges
+
+    rows: list[tuple[str, str]] = []
+    group = plan.groups[0]
+    if group.slurm.setup:
+        rows.append(("setup lines", "\n".join(group.slurm.setup)))
+    rows.append(("python on the nodes", launch_for(plan, group).python + ("" if group.slurm.python else " (default)")))
+    c = plan.container
+    if c is not None:
+        rows.append(("container", f"{c.runtime} {c.image}" + (f", workdir {c.workdir}" if c.workdir else "") + (", writable" if c.writable else "")))
+        rows.append(("mounts", ", ".join(mounts_of(plan))))
+        if c.env:
+            rows.append(("env into the container", ", ".join(c.env)))
+    if plan.is_array:
+        parts = plan.arrays(limits)
+        if limits is None or not limits.known:
+            rows.append(("array split", "split at submit if the site caps arrays (MaxArraySize; `--max-array-size N` shows it)"))
+        elif len(parts) == len(plan.groups):
+            rows.append(("array split", f"none needed ({limits.describe()})"))
+        else:
+            rows.append(("array split", f"{len(parts)} arrays ({limits.describe()}): "
+                         + "; ".join(f"tasks {index_ranges(p.tasks)}" + (f" (index + {p.offset})" if p.offset else "") for p in parts)))
+    return rows
+
+
+def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: ArrayLimits | None = None) -> None:
     scripts = [sbatch] if isinstance(sbatch, str) else sbatch
     spec = plan.spec
     s = spec.slurm
@@ -62,9 +90,18 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str]) -> None:
         console.print(Syntax(json.dumps(plan.deepspeed[0], indent=2), "json"))
     if plan.env:
         console.print("[bold]environment on every node:[/] " + ", ".join(f"{k}={v}" for k, v in plan.env.items()), highlight=False)
+    site = Table(title="site environment", show_header=False, title_justify="left")
+    site.add_column(style="bold cyan")
+    site.add_column(overflow="fold")
+    for label, value in site_rows(plan, limits):
+        site.add_row(label, Text(value))  # user text: no markup
+    console.print(site)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    for group, script in zip(plan.groups, scripts):
-        which = f" of group {group.index} (tasks {', '.join(map(str, group.tasks[:16]))}{' ...' if len(group.tasks) > 16 else ''})" if several else ""
+    parts = plan.arrays(limits)
+    for part, script in zip(parts, scripts):
+        group = part.group
+        tasks = f"tasks {', '.join(map(str, part.tasks[:16]))}{' ...' if len(part.tasks) > 16 else ''}"
+        which = (f" of group {group.index}" if several else "") + (f" part {part.part} ({tasks})" if part.parts > 1 else (f" ({tasks})" if several else ""))
         console.print(f"[bold]sbatch script{which} (swiftslurm render):[/]")
         console.print(Syntax(script, "bash"))

@@ -7,8 +7,10 @@ Rank 0 logs to stderr (the Slurm output file) and prints the banner; every other
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import hostlist
 
@@ -58,8 +60,20 @@ def enable_stack_dumps(dist: DistEnv, output_dir: str) -> None:
         pass
 
 
-def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -> list[tuple[str, str]]:
-    """What the banner shows, as (label, value) rows (pure)."""
+def container_row(container, env: Mapping[str, str]) -> str:
+    """The container line of the banner (pure): runtime, image, its digest when pinned, and what the rank sees."""
+    image = container.image
+    _, at, digest = image.partition("@")
+    shown = f"{container.runtime} {image}"
+    shown += f" (digest {digest})" if at and digest.startswith("sha256:") else " (no digest pinned: IMAGE@sha256:... pins one)"
+    inside = env.get("APPTAINER_CONTAINER") or env.get("SINGULARITY_CONTAINER")
+    if inside:
+        shown += f"; this rank runs in {inside}"
+    return shown
+
+
+def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """What the banner shows, as (label, value) rows (pure; ``env`` is the rank's environment)."""
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
     return [
@@ -73,6 +87,8 @@ def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) ->
         ("deepspeed", "-" if spec.train.command else spec.train.deepspeed),
         ("resume from", resume),
         ("output", output_dir),
+        *([("container", container_row(spec.container, env or {}))] if getattr(spec, "container", None) is not None else []),
+        ("python", sys.executable),
     ]
 
 
@@ -87,6 +103,6 @@ def print_banner(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -
     table = Table(title="swiftslurm run", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column()
-    for label, value in banner_rows(dist, spec, output_dir, mode, resume):
+    for label, value in banner_rows(dist, spec, output_dir, mode, resume, os.environ):
         table.add_row(label, Text(value))  # values are user text: no markup
     Console(stderr=True, width=120).print(table, markup=False, highlight=False)

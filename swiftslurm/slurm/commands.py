@@ -11,6 +11,7 @@ import subprocess
 from dataclasses import dataclass
 
 from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
+from ..plan import ArrayLimits
 
 SLURM_TIMEOUT_S = 60
 
@@ -38,6 +39,34 @@ def have_slurm() -> bool:
 def show_hostnames(hostlist: str) -> list[str]:
     """``scontrol show hostnames`` (for cross-checks; swiftslurm itself expands with python-hostlist)."""
     return _run(["scontrol", "show", "hostnames", hostlist]).stdout.split()
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config`` output -> {name: value} (pure). Lines are ``Name  = value``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        name, eq, value = line.partition("=")
+        if eq and name.strip() and " " not in name.strip():
+            out[name.strip()] = value.strip()
+    return out
+
+
+def parse_array_limits(text: str) -> ArrayLimits:
+    """The array caps in ``scontrol show config`` output (pure): MaxArraySize, and SchedulerParameters'
+    ``max_array_tasks``. A missing or unreadable value is no cap."""
+    config = parse_config(text)
+    size = config.get("MaxArraySize", "")
+    tasks = None
+    for item in config.get("SchedulerParameters", "").split(","):
+        key, _, value = item.strip().partition("=")
+        if key == "max_array_tasks" and value.isdigit():
+            tasks = int(value)
+    return ArrayLimits(int(size) if size.isdigit() else None, tasks)
+
+
+def array_limits() -> ArrayLimits:
+    """The cluster's array caps (one ``scontrol show config`` call)."""
+    return parse_array_limits(_run(["scontrol", "show", "config"]).stdout)
 
 
 def requeue(job_id: str) -> None:

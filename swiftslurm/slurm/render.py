@@ -6,19 +6,20 @@ ask Slurm for the same thing. Every user value reaches the script through ``quot
 
 A plan whose sweep spans several allocations (``plan.groups``) has one script per group; its
 ``--array`` lists the group's global task indices (``--array=1,3%2``), so ``SLURM_ARRAY_TASK_ID``
-is the task index in every script.
+is the task index in every script. Where the site caps arrays (``plan.arrays(limits)`` splits a
+group), each part's script lists indices ``task - offset`` and exports
+``SWIFTSLURM_TASK=$((SLURM_ARRAY_TASK_ID + offset))``, the global task index the runtime reads.
 """
 
 from __future__ import annotations
 
-import sys
 from importlib import resources
 from pathlib import PurePosixPath
 
 import jinja2
 
 from ..errors import OneScriptTooFew, Problem, SpecError
-from ..plan import Group, Plan
+from ..plan import ArrayLimits, ArrayPart, Group, Plan
 from ..quoting import one_line, shell_quote
 from ..spec.model import OWNED_SBATCH_OPTIONS
 
@@ -73,14 +74,18 @@ def index_ranges(indices: tuple[int, ...] | list[int]) -> str:
     return ",".join(parts)
 
 
-def array_spec(plan: Plan, group: Group | None = None) -> str | None:
-    """``0-N%P`` for a sweep (one array task per combination, global indices), None for a single job."""
+def array_spec(plan: Plan, group: Group | None = None, part: ArrayPart | None = None) -> str | None:
+    """``0-N%P`` for a sweep (one array task per combination, global indices), None for a single job.
+
+    For one ``part`` of a split group: its indices less the part's offset (parallelism is per array).
+    """
     if not plan.is_array:
         return None
-    group = one_group(plan, group)
-    n = len(group.tasks)
+    group = part.group if part is not None else one_group(plan, group)
+    indices = part.array_indices if part is not None else group.tasks
+    n = len(indices)
     parallel = min(group.slurm.array_parallelism or n, n)
-    return f"{index_ranges(group.tasks)}%{parallel}"
+    return f"{index_ranges(indices)}%{parallel}"
 
 
 def sbatch_directives(plan: Plan, group: Group | None = None) -> list[tuple[str, str | None]]:
@@ -134,24 +139,41 @@ def _template() -> jinja2.Template:
     return env.from_string(text)
 
 
-def render_all(plan: Plan, python: str | None = None) -> list[str]:
-    """One script per group (allocation), in group order."""
-    return [render_sbatch(plan, python, group) for group in plan.groups]
+def render_all(plan: Plan, python: str | None = None, limits: ArrayLimits | None = None) -> list[str]:
+    """One script per sbatch call (``plan.arrays(limits)``: per group, or per part of a split group), in order."""
+    return [render_sbatch(plan, python, part=part) for part in plan.arrays(limits)]
 
 
-def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = None) -> str:
+def script_names(name: str, parts: list[ArrayPart]) -> list[str]:
+    """File names for the scripts of ``parts`` (pure): ``job.sh``; or ``job.group1.sh``, ``job.part0.sh``,
+    ``job.group1.part0.sh`` where there are several groups and/or split groups."""
+    if len(parts) == 1:
+        return [name]
+    stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
+    several_groups = len({p.group.index for p in parts}) > 1
+    out = []
+    for p in parts:
+        label = (f".group{p.group.index}" if several_groups else "") + (f".part{p.part}" if p.parts > 1 else "")
+        out.append(f"{stem}{label}{dot}{suffix}")
+    return out
+
+
+def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = None, part: ArrayPart | None = None) -> str:
     """A standalone script that plain ``sbatch FILE`` runs: directives, env, USR2 trap, ``srun ... swiftslurm run``.
 
-    ``python`` is the interpreter the nodes run (default: this one, so the same installed swiftslurm).
+    ``python`` is the interpreter the nodes run when ``slurm.python`` is unset (default: this one, so the
+    same installed swiftslurm; ``python3`` inside a container).
     The plan file (``plan.plan_path``) must exist when the job starts: ``swiftslurm render -o`` writes it.
     ``group``: which allocation; may be left out only when the plan has one (else a SpecError says so).
+    ``part``: one part of a group split under array caps (``plan.arrays(limits)``); implies its group.
     """
     from .. import __version__
+    from .launch import launch_for, passthrough_lines
 
-    group = one_group(plan, group)
+    group = part.group if part is not None else one_group(plan, group)
     opts = sbatch_directives(plan, group)
     opts.append(("output", log_pattern(plan)))
-    array = array_spec(plan, group)
+    array = array_spec(plan, group, part)
     if array:
         opts.append(("array", array))
     try:
@@ -160,12 +182,19 @@ def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = N
             one_line(key, "an [env] name")
     except ValueError as exc:
         raise _problem("slurm", "a value cannot go on an #SBATCH line", str(exc), "remove the line break") from None
+    launch = launch_for(plan, group, python)
+    c = plan.container
     return _template().render(
         version=__version__,
         source=plan.source.replace("\n", " ").replace("\r", " "),
         directives=directives,
         env=plan.env,
         plan_path=plan.plan_path,
-        python=python or sys.executable,
         is_array=plan.is_array,
+        setup=list(group.slurm.setup),
+        container=f"{c.runtime} {c.image}" if c is not None else "",
+        passthrough=passthrough_lines(plan),
+        srun_args=" ".join(shell_quote(a) for a in launch.srun_args),
+        launch=launch.command(),
+        task_offset=part.offset if part is not None else 0,
     )

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
-from .load import JobSpec
+from .load import JobSpec, table_model
 
 DESCRIPTIONS: dict[str, str] = {
     "job.name": "Slurm job name; letters, digits, `.`, `_`, `-`",
@@ -31,6 +29,8 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.max_requeues": "walltime requeues before the job gives up",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag` on one line; validated and quoted",
+    "slurm.setup": "shell lines run in the batch script before the ranks start (`module load cuda/12.4`, `source /shared/venv/bin/activate`): written verbatim, so they ARE shell; each entry one line, no NUL",
+    "slurm.python": "the interpreter the ranks run (swiftslurm and submitit installed in it); unset = the submitting one, or `python3` inside a container",
     "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",
     "train.dataset": "local JSONL/JSON files, alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
     "train.train_type": "`lora` or `full`",
@@ -67,6 +67,12 @@ DESCRIPTIONS: dict[str, str] = {
     "preflight.nvme_path": "where `fio` tests",
     "preflight.on_failure": "`abort` (no training), `warn`, or `exclude` (requeue without the failing nodes)",
     "preflight.timeout_s": "bound on each check (a hung rank is reported, never waited for)",
+    "container.runtime": "`pyxis` (`srun --container-image`, pyxis/enroot) or `apptainer` (`apptainer exec`)",
+    "container.image": "a registry image (`nvcr.io#nvidia/pytorch:24.05-py3`, `docker://...`; pin with `@sha256:`) or a local `.sif`/`.sqsh` file (checked by `validate`)",
+    "container.mounts": "`SRC:DST[:FLAGS]` host paths into the container (Apptainer flags: `ro`/`rw`); the output dir is mounted automatically",
+    "container.workdir": "working directory inside the container (pyxis `--container-workdir`, Apptainer `--pwd`)",
+    "container.writable": "a writable container filesystem (pyxis `--container-writable`, Apptainer `--writable-tmpfs`)",
+    "container.env": "host variables whose values override the image's (pyxis `--container-env`, Apptainer `APPTAINERENV_*`)",
 }
 
 TABLE_NOTES = {
@@ -91,15 +97,16 @@ def _fmt_default(value: Any) -> str:
 def reference_markdown() -> str:
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for table, field in JobSpec.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            for key, sub in ann.model_fields.items():
+        model = table_model(field.annotation)
+        if model is not None:
+            for key, sub in model.model_fields.items():
                 try:
                     default = sub.get_default(call_default_factory=True)
                 except Exception:
                     default = None
+                shown = "required" if sub.is_required() else _fmt_default(default)
                 desc = DESCRIPTIONS[f"{table}.{key}"]
-                lines.append(f"| `{table}.{key}` | `{_fmt_default(default)}` | {desc} |")
+                lines.append(f"| `{table}.{key}` | `{shown}` | {desc} |")
         else:
             lines.append(f"| `[{table}]` | empty | {TABLE_NOTES[table]} |")
     return "\n".join(lines)

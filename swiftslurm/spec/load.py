@@ -23,6 +23,7 @@ from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is th
     TINY_MODELS,
     CheckpointTable,
     JobSpec,
+    is_local_image,
     JobTable,
     PreflightTable,
     SlurmTable,
@@ -45,17 +46,26 @@ else:  # pragma: no cover - exercised on 3.10 only
 # ---------------------------------------------------------------- loading
 
 
+def table_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a table field: ``T`` for ``T`` or for an optional table ``T | None``; else None."""
+    import typing
+
+    candidates = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if len(candidates) == 1 and isinstance(candidates[0], type) and issubclass(candidates[0], BaseModel):
+        return candidates[0]
+    return None
+
+
 def _model_at(path: tuple) -> type[BaseModel] | None:
     model: type[BaseModel] = JobSpec
     for part in path:
         field = model.model_fields.get(str(part))
         if field is None:
             return None
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        sub = table_model(field.annotation)
+        if sub is None:
             return None
+        model = sub
     return model
 
 
@@ -107,7 +117,7 @@ def _default_of(loc: tuple) -> str:
     field = model.model_fields.get(str(loc[-1])) if model is not None and loc else None
     if field is None:
         return ""
-    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+    if table_model(field.annotation) is not None:
         return ""
     try:
         default = field.get_default(call_default_factory=True)
@@ -272,5 +282,10 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
             dsconfig.load_user_config(p)
         except SpecError as exc:
             problems += exc.problems
+    if spec.container is not None and is_local_image(spec.container.image):
+        p = Path(spec.container.image) if Path(spec.container.image).is_absolute() else base / spec.container.image
+        if not p.is_file():
+            problems.append(Problem("container.image", f"local {spec.container.runtime} image not found", str(p),
+                                    "build or copy the image there (every node reads it), or name a registry image"))
     if problems:
         raise SpecError(source, problems)

@@ -93,6 +93,8 @@ class SlurmTable(_Table):
     max_requeues: int = Field(20, ge=0, le=1000)
     array_parallelism: int | None = Field(None, ge=1)
     extra_sbatch: list[str] = Field(default_factory=list)
+    setup: list[str] = Field(default_factory=list)
+    python: str | None = None
 
     @field_validator("partition", "account", "qos", "constraint", "exclude", "nodelist", "reservation")
     @classmethod
@@ -127,6 +129,21 @@ class SlurmTable(_Table):
             key = opt[2:].partition("=")[0]
             if key in OWNED_SBATCH_OPTIONS:
                 raise ValueError(f"--{key} is set by swiftslurm, not through extra_sbatch ({opt!r}). HINT: use {OWNED_SBATCH_OPTIONS[key]}")
+        return v
+
+    @field_validator("setup")
+    @classmethod
+    def _setup(cls, v: list[str]) -> list[str]:
+        for line in v:
+            if any(c in line for c in "\n\r\x00"):
+                raise ValueError(f"each setup entry is one shell line (no line breaks or NUL), not {line!r}. HINT: split it into several entries")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or any(c in v for c in "\n\r\x00")):
+            raise ValueError("a path to a Python interpreter (or a command on PATH such as 'python3'), on one line")
         return v
 
     @property
@@ -254,6 +271,66 @@ class PreflightTable(_Table):
     timeout_s: int = Field(60, ge=5, le=3600)
 
 
+_MOUNT_RE = re.compile(r"^([^:,\n\r\x00]+):([^:,\n\r\x00]+)(?::([A-Za-z0-9_=+.-]+))?$")
+LOCAL_IMAGE_SUFFIXES = (".sif", ".sqsh")
+
+
+def is_local_image(image: str) -> bool:
+    """A container image that is a file on disk (``.sif``/``.sqsh``), not a registry reference."""
+    return "://" not in image and "#" not in image and image.endswith(LOCAL_IMAGE_SUFFIXES)
+
+
+class ContainerTable(_Table):
+    runtime: Literal["pyxis", "apptainer"]
+    image: str
+    mounts: list[str] = Field(default_factory=list)
+    workdir: str | None = None
+    writable: bool = False
+    env: list[str] = Field(default_factory=list)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not v.strip() or v != v.strip() or any(c in v for c in "\n\r\x00,"):
+            raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, without commas")
+        return v
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for m in v:
+            match = _MOUNT_RE.match(m)
+            if not match:
+                raise ValueError(f"each mount as 'SRC:DST' or 'SRC:DST:FLAGS' (no commas, no line breaks), not {m!r}")
+            if not match.group(2).startswith("/"):
+                raise ValueError(f"the mount destination is a path inside the container and must be absolute, not {match.group(2)!r} in {m!r}")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or any(c in v for c in "\n\r\x00")):
+            raise ValueError(f"an absolute path inside the container, on one line, not {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _ENV_NAME_RE.match(name):
+                raise ValueError(f"names of environment variables to pass into the container, like NCCL_DEBUG, not {name!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "ContainerTable":
+        if self.runtime == "apptainer":
+            for m in self.mounts:
+                flags = _MOUNT_RE.match(m).group(3)  # type: ignore[union-attr]
+                if flags not in (None, "ro", "rw"):
+                    raise ValueError(f"Apptainer bind options are 'ro' or 'rw', not {flags!r} in {m!r}")
+        return self
+
+
 class JobSpec(_Table):
     job: JobTable = Field(default_factory=JobTable)
     slurm: SlurmTable = Field(default_factory=SlurmTable)
@@ -263,6 +340,7 @@ class JobSpec(_Table):
     preflight: PreflightTable = Field(default_factory=PreflightTable)
     env: dict[str, str] = Field(default_factory=dict)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
+    container: ContainerTable | None = None
 
     @field_validator("env", mode="before")
     @classmethod
