@@ -282,6 +282,17 @@ def test_pyxis_refused_by_the_local_executor(tmp_path):
         submit_plan(plan, executor="local")
 
 
+def test_local_executor_runs_setup_lines_before_each_rank(tmp_path):
+    """No batch script locally: the setup lines run in a `bash -c` in front of each rank (the controller's pid stays ours)."""
+    seen = tmp_path / "seen"
+    setup = ["site_fn() { echo \"fn $1\"; }", "export -f site_fn", "export SITE_VAR=\"$(site_fn setup)\""]
+    cmd = ["bash", "-c", f'mkdir -p {seen}; site_fn "rank $RANK" > {seen}/rank-$RANK; echo "$SITE_VAR" >> {seen}/rank-$RANK']
+    (tmp_path / "s.toml").write_text(spec_text("out", cmd, f"setup = {json.dumps(setup)}", tasks=2))
+    proc = cli("submit", "s.toml", "--executor", "local", "--wait", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(seen / f"rank-{r}").read_text() for r in (0, 1)] == ["fn rank 0\nfn setup\n", "fn rank 1\nfn setup\n"]
+
+
 def test_banner_shows_container_and_digest():
     spec = validate_spec(parse_toml(spec_text("o", ["true"], tail=PYXIS)))
     assert "digest sha256:0123abcd" in container_row(spec.container, {})
