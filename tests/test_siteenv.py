@@ -21,10 +21,11 @@ import pytest
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
 from swiftslurm.node.banner import container_row
-from swiftslurm.plan import ArrayLimits, make_plan, split_tasks, write_plan
+from swiftslurm.plan import ArrayLimits, split_tasks
 from swiftslurm.slurm.render import render_all, render_sbatch, script_names
 from swiftslurm.spec import check_files, parse_toml, validate_spec
 from swiftslurm.submit import Submission, array_limits, load_submission, python_command, slurm_parameters
+from test_submit_groups import cli, plan_from, spec_text as groups_spec_text  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "render"
@@ -33,33 +34,9 @@ WAIT_S = 180
 
 
 def spec_text(out: str, command: list[str], slurm_extra: str = "", tail: str = "", nodes: int = 1, tasks: int = 1, name: str = "site") -> str:
-    return f"""
-[job]
-name = "{name}"
-output_dir = {json.dumps(out)}
-[slurm]
-partition = "debug"
-nodes = {nodes}
-tasks_per_node = {tasks}
-time = "00:05:00"
-signal_grace_s = 30
-{slurm_extra}
-[train]
-command = {json.dumps(command)}
-[preflight]
-checks = []
-{tail}
-"""
-
-
-def plan_from(text: str, base: Path | str):
-    raw = parse_toml(text)
-    return make_plan(validate_spec(raw), raw, base_dir=str(base), source="test.toml")
-
-
-def cli(*args, cwd, env=None, timeout=WAIT_S + 30):
-    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    """test_submit_groups' spec (partition debug, 5 min, no preflight) with ``tasks`` ranks per node and a tail of tables."""
+    text = groups_spec_text(out, command, sweep=tail, nodes=nodes, extra=slurm_extra, name=name)
+    return text.replace("tasks_per_node = 1\n", f"tasks_per_node = {tasks}\n", 1)
 
 
 def problems(text: str) -> str:
