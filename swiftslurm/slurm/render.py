@@ -8,13 +8,13 @@ ask Slurm for the same thing. Every user value reaches the script through ``quot
 from __future__ import annotations
 
 import sys
-from importlib import resources
 from pathlib import PurePosixPath
 
 import jinja2
 
 from ..errors import Problem, SpecError
 from ..plan import Plan
+from ..resources import resource_dir
 from ..quoting import one_line, shell_quote
 from ..spec.model import OWNED_SBATCH_OPTIONS
 
@@ -93,7 +93,7 @@ def _directive_line(key: str, value: str | None) -> str:
 
 
 def _template() -> jinja2.Template:
-    text = resources.files("swiftslurm.templates").joinpath(TEMPLATE).read_text()
+    text = resource_dir("templates").joinpath(TEMPLATE).read_text("utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = shell_quote
     return env.from_string(text)
