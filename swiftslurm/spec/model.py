@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..dsconfig import MAX_NESTING
 from ..errors import did_you_mean
+from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
 import re
 from typing import Any, Literal, Union
 
@@ -28,19 +29,6 @@ MAX_TIME_S = 365 * 86400
 # C0 control characters and DEL: never part of a path, a name or an sbatch value
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
-_EXTRA_SBATCH_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[^\n\r\x00]*)?$")
-# sbatch options swiftslurm sets from other keys: extra_sbatch may not set them (option -> where to set it)
-OWNED_SBATCH_OPTIONS = {
-    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
-    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
-    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
-    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
-    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
-    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
-    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
-    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
-    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
-}
 
 
 def _path(v: str) -> str:
@@ -150,13 +138,11 @@ class SlurmTable(_Table):
     @field_validator("extra_sbatch")
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
-        for opt in v:
-            if not _EXTRA_SBATCH_RE.fullmatch(opt):
-                raise ValueError(f"each entry as '--key=value' or '--flag' on one line, not {opt!r}")
-            key = opt[2:].partition("=")[0]
-            if key in OWNED_SBATCH_OPTIONS:
-                raise ValueError(f"--{key} is set by swiftslurm, not through extra_sbatch ({opt!r}). HINT: use {OWNED_SBATCH_OPTIONS[key]}")
-        return v
+        out = []
+        for opt in v:  # resolved the way sbatch resolves it, and kept under the option's full name
+            option, value = parse_extra(opt)
+            out.append(f"--{option}" if value is None else f"--{option}={value}")
+        return out
 
     @property
     def ranks_per_node(self) -> int:
@@ -176,6 +162,11 @@ class SlurmTable(_Table):
                 f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node ({self.gpus_per_node}): "
                 "swiftslurm runs one rank per GPU. HINT: drop tasks_per_node or set it to gpus_per_node"
             )
+        for opt in self.extra_sbatch:
+            option = opt[2:].partition("=")[0]
+            if self.mem is not None and option in MEM_CONFLICTS:
+                raise ValueError(f"extra_sbatch {opt!r} and slurm.mem = {self.mem!r} both set the memory (sbatch refuses both). "
+                                 "HINT: drop one of them")
         if self.signal_grace_s >= self.time_limit_s:
             raise ValueError(
                 f"signal_grace_s ({self.signal_grace_s}) must be shorter than the time limit "
