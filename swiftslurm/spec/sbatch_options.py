@@ -98,9 +98,17 @@ def resolve_long(name: str) -> tuple[str | None, list[str]]:
     return (matches[0] if len(matches) == 1 else None), matches
 
 
-def _owned(option: str, opt: str, spelled: str) -> str:
-    how = "" if spelled == f"--{option}" else f"{spelled} is sbatch's --{option}, "
-    return f"{opt!r}: {how}--{option} is set by swiftslurm, not through extra_sbatch. HINT: {OWNED_SBATCH_OPTIONS[option]}"
+def _owned(options: list[str], opt: str, spelled: str, candidates: list[str] | None = None) -> str:
+    """The refusal of an entry that is (or may be) an owned option, with what to do for each."""
+    candidates = candidates or options
+    if len(candidates) == 1 and spelled == f"--{options[0]}":
+        how = ""
+    elif len(candidates) == 1:
+        how = f"{spelled} is sbatch's --{options[0]}; "
+    else:
+        how = f"{spelled} abbreviates {', '.join('--' + o for o in candidates)}; "
+    hints = "; ".join(f"--{o}: {OWNED_SBATCH_OPTIONS[o]}" if len(options) > 1 else OWNED_SBATCH_OPTIONS[o] for o in options)
+    return f"{opt!r}: {how}set by swiftslurm, not through extra_sbatch. HINT: {hints}"
 
 
 def parse_extra(opt: str) -> tuple[str, str | None]:
@@ -118,8 +126,8 @@ def parse_extra(opt: str) -> tuple[str, str | None]:
         letter = opt[1:2]
         name = SHORT_OPTIONS.get(letter)
         if name in OWNED_SBATCH_OPTIONS:
-            raise ValueError(_owned(name, opt, f"-{letter}"))
-        long_form = f" (here: --{name}=...)" if name else ""
+            raise ValueError(_owned([name], opt, f"-{letter}"))
+        long_form = f" (here: --{name}{'' if SBATCH_OPTIONS[name][1] == NONE else '=...'})" if name else ""
         raise ValueError(f"{opt!r}: write sbatch options in their long form '--key=value'{long_form}")
     m = _ENTRY_RE.fullmatch(opt)
     if not m:
@@ -130,13 +138,12 @@ def parse_extra(opt: str) -> tuple[str, str | None]:
         close = did_you_mean(written, [*SBATCH_OPTIONS, *SBATCH_ALIASES])
         raise ValueError(f"{opt!r}: sbatch has no option --{written}" + (f"; {close}" if close else ""))
     if option is None:
-        owned = [c for c in candidates if c in OWNED_SBATCH_OPTIONS]
-        if owned:
-            raise ValueError(_owned(owned[0], opt, f"--{written}"))
+        if any(c in OWNED_SBATCH_OPTIONS for c in candidates):
+            raise ValueError(_owned([c for c in candidates if c in OWNED_SBATCH_OPTIONS], opt, f"--{written}", candidates))
         raise ValueError(f"{opt!r}: --{written} is ambiguous (sbatch refuses it): it abbreviates "
                          f"{', '.join('--' + c for c in candidates)}; write the option in full")
     if option in OWNED_SBATCH_OPTIONS:
-        raise ValueError(_owned(option, opt, f"--{written}"))
+        raise ValueError(_owned([option], opt, f"--{written}"))
     kind = SBATCH_OPTIONS[option][1]
     if kind == NONE and value is not None:
         raise ValueError(f"{opt!r}: --{option} is a flag and takes no value; write '--{option}'")
