@@ -30,7 +30,7 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
     "slurm.max_requeues": "walltime requeues before the job gives up",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
-    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag` on one line; validated and quoted",
+    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets refused in every spelling (docs/submitting.md)",
     "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",
     "train.dataset": "local JSONL/JSON files, alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
     "train.train_type": "`lora` or `full`",
