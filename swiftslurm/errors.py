@@ -75,6 +75,12 @@ class SpecError(SwiftSlurmError):
         )
 
 
+class OneScriptTooFew(SwiftSlurmError):
+    """A valid spec that one standalone sbatch script cannot express (a sweep over several allocations)."""
+
+    exit_code = 2
+
+
 class SubmissionError(SwiftSlurmError):
     """Slurm (or the local executor) refused the submission."""
 

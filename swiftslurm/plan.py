@@ -3,17 +3,23 @@
 A Plan holds the resolved spec of every array task (one per sweep combination), the merged
 DeepSpeed config of each, the environment exported on every node, and the sbatch script that
 ``swiftslurm render`` writes. ``swiftslurm plan`` prints exactly this.
+
+Tasks are grouped by the allocation they ask Slurm for (their ``[slurm]`` table): a sweep over
+``slurm.nodes`` or ``slurm.time`` gives several groups, each sent as its own sbatch array. Task
+indices (and task dirs ``output_dir/<index>``) stay global across groups.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import Problem, SpecError
 from .spec.load import JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
+from .spec.model import SlurmTable
 
 PLAN_FILE = "swiftslurm-plan.json"
 
@@ -35,6 +41,43 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Tasks that share one allocation: one sbatch array (one submission call) per group."""
+
+    index: int
+    tasks: tuple[int, ...]  # global task indices, ascending
+    slurm: SlurmTable  # the [slurm] table every task of the group resolved to
+
+    @property
+    def world_size(self) -> int:
+        return self.slurm.nodes * self.slurm.ranks_per_node
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.slurm
+        return {
+            "index": self.index,
+            "tasks": list(self.tasks),
+            "nodes": s.nodes,
+            "tasks_per_node": s.ranks_per_node,
+            "world_size": self.world_size,
+            "time": s.time,
+            "slurm": s.model_dump(mode="json"),
+        }
+
+
+def group_tasks(tasks: list[Task]) -> list[Group]:
+    """Tasks by distinct ``[slurm]`` table, in order of first appearance (pure).
+
+    Every slurm key may change what is sent (sbatch options, the signal, submitit's requeue count),
+    so two tasks share an array only when their whole table is equal.
+    """
+    by_key: dict[str, list[Task]] = {}
+    for task in tasks:
+        by_key.setdefault(json.dumps(task.spec.slurm.model_dump(mode="json"), sort_keys=True), []).append(task)
+    return [Group(i, tuple(t.index for t in members), members[0].spec.slurm) for i, members in enumerate(by_key.values())]
+
+
+@dataclass(frozen=True)
 class Plan:
     source: str
     spec: JobSpec
@@ -45,6 +88,11 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
+    @cached_property
+    def groups(self) -> list[Group]:
+        """One group per distinct allocation; a plan without an allocation sweep has exactly one."""
+        return group_tasks(self.tasks)
+
     @property
     def is_array(self) -> bool:
         return bool(self.spec.sweep)
@@ -53,7 +101,17 @@ class Plan:
     def plan_path(self) -> str:
         return str(PurePosixPath(self.output_dir) / PLAN_FILE)
 
-    def to_json(self, sbatch: str | None = None) -> dict[str, Any]:
+    def to_json(self, sbatch: str | list[str] | None = None) -> dict[str, Any]:
+        """The plan as JSON. ``sbatch``: the script (one group) or one script per group, in group order.
+
+        ``sbatch`` at the top level is the script when there is one group, else null; each group
+        carries its own script under ``groups[i].sbatch``.
+        """
+        groups = [g.to_json() for g in self.groups]
+        scripts = [sbatch] if isinstance(sbatch, str) else sbatch
+        if scripts is not None:
+            for entry, script in zip(groups, scripts):
+                entry["sbatch"] = script
         out: dict[str, Any] = {
             "source": self.source,
             "base_dir": self.base_dir,
@@ -65,12 +123,13 @@ class Plan:
             "world_size": self.spec.world_size,
             "spec": self.spec.model_dump(mode="json"),
             "tasks": [t.to_json() for t in self.tasks],
+            "groups": groups,
             "deepspeed": self.deepspeed,
             "env": self.env,
             "warnings": self.warnings,
         }
-        if sbatch is not None:
-            out["sbatch"] = sbatch
+        if scripts is not None:
+            out["sbatch"] = scripts[0] if len(scripts) == 1 else None
         return out
 
 
@@ -171,7 +230,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
     )
 
 
-def write_plan(plan: Plan, sbatch: str | None = None) -> Path:
+def write_plan(plan: Plan, sbatch: str | list[str] | None = None) -> Path:
     """Write the plan JSON where every node reads it (``output_dir/swiftslurm-plan.json``), atomically."""
     from .fsutil import atomic_write_text
 

@@ -1,9 +1,11 @@
-"""Send a plan: one submitit submission (a Slurm job, one sbatch array for a sweep, or local processes).
+"""Send a plan: submitit submissions (a Slurm job, one sbatch array per allocation group, or local processes).
 
-``submit_plan(plan)`` only sends what ``make_plan`` built: it writes the plan and each task's
-resolved spec, submits through submitit, and records the submission in
-``plan.output_dir/submission.json`` so ``status``/``cancel`` work from the output dir alone.
-State queries go through ``slurm/`` (Slurm) or submitit's result files (local).
+``submit_plan(plan)`` only sends what ``make_plan`` built: it refuses an output dir that an active
+job owns, writes the plan and each task's resolved spec, submits each group of ``plan.groups``
+through submitit (one sbatch call each), and records the submission in
+``plan.output_dir/submission.json`` (every array's job id and the global tasks it covers) so
+``status``/``cancel`` work from the output dir alone. State queries go through ``slurm/`` (Slurm)
+or, where Slurm has no answer, submitit's result files (what each rank left).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Callable
 
 from . import slurm
 from .errors import SubmissionError, SwiftSlurmError, ToolMissing
-from .plan import Plan, write_plan
+from .plan import Group, Plan, write_plan
 from .quoting import sbatch_escape, shell_quote
 from .fsutil import atomic_write_text
 
@@ -101,7 +103,7 @@ def _requeue_count(task_dir: str) -> int:
 @dataclass
 class Submission:
     executor: str  # "slurm" | "local"
-    job_ids: list[str]  # per task, in task order: "123", "123_4", or a local controller pid
+    job_ids: list[str]  # per task, in global task order: "123", "123_4", or a local controller pid
     output_dir: str
     task_dirs: list[str]
     folder: str  # submitit folder of this submission
@@ -111,6 +113,11 @@ class Submission:
     cancelled: bool = False
     ranks_per_task: int = 1  # local: a task is COMPLETED only when this many ranks reported success
     job_name: str = ""  # Slurm: a record under our id with another name is a later job (cluster reset)
+    # One entry per sbatch call (per allocation group; later per chunk of a big array):
+    # {"job_id": "123" (Slurm array/job id, "" locally), "tasks": [global task indices], "ranks_per_task": N}
+    arrays: list[dict[str, Any]] = field(default_factory=list)
+    # local: controller pid -> its start time (/proc/PID/stat field 22): a pid reused by another process is not ours
+    pid_starts: dict[str, int] = field(default_factory=dict)
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
 
     def to_json(self) -> dict[str, Any]:
@@ -125,8 +132,15 @@ class Submission:
 
     @property
     def slurm_job_ids(self) -> list[str]:
-        """What sacct/squeue/scancel take: the array job id once, or the single job ids."""
-        return sorted({j.split("_")[0] for j in self.job_ids})
+        """What sacct/squeue/scancel take: each array job id once, or the single job ids."""
+        return sorted({j.split("_")[0] for j in self.job_ids}, key=lambda j: (len(j), j))
+
+    def ranks_of(self, task: int) -> int:
+        """How many ranks task ``task`` runs (its group's allocation)."""
+        for array in self.arrays:
+            if task in array.get("tasks", ()):
+                return int(array.get("ranks_per_task", self.ranks_per_task))
+        return self.ranks_per_task
 
     # ---------------------------------------------------------------- status
 
@@ -139,29 +153,39 @@ class Submission:
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:
-        return self._rows_from(slurm.job_records(self.slurm_job_ids))
+        records = slurm.job_records(self.slurm_job_ids)
+        self._refresh_cancelled()
+        return self._rows_from(records)
+
+    def _refresh_cancelled(self) -> None:
+        """`swiftslurm cancel DIR` from another process marks the record: a killed rank's error means CANCELLED."""
+        if not self.cancelled and self.output_dir:
+            self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
 
     def _rows_from(self, records: dict[str, slurm.JobRecord]) -> list[TaskStatus]:
-        """Task rows from sacct/squeue records (pure but for the clock)."""
+        """Task rows from sacct/squeue records; where they have none, from the result files the ranks left."""
         unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
             rec = records.get(jid)
             if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
                 rec = None  # the id now belongs to another job: Slurm forgot ours
-            if rec is None:
-                rows.append(TaskStatus(index, jid, unseen, output_dir=task_dir))
+            if rec is None or rec.state == "UNKNOWN":
+                # sacct down or missing, and squeue no longer lists it: what the ranks left says how it ended
+                left = _result_state(Path(self.folder), jid, self.ranks_of(index)) if self.folder else None
+                if left == "FAILED" and self.cancelled:
+                    left = "CANCELLED"  # the ranks we cancelled left errors behind
+                rows.append(TaskStatus(index, jid, left or unseen, output_dir=task_dir))
             else:
                 rows.append(TaskStatus(index, jid, rec.state, rec.nodes, rec.restarts, rec.elapsed, task_dir))
         return rows
 
     def _local_statuses(self) -> list[TaskStatus]:
         live = {str(j.job_id): j for j in (self._jobs or [])}
-        if not self.cancelled and self.output_dir:  # `swiftslurm cancel DIR` from another process
-            self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
+        self._refresh_cancelled()
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
-            state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_per_task)
+            state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_of(index), self.pid_starts.get(jid))
             elapsed = _hms(time.time() - self.submitted_at) if state == "RUNNING" else ""
             rows.append(TaskStatus(index, jid, state, "localhost", 0, elapsed, task_dir))
         return rows
@@ -186,6 +210,10 @@ class Submission:
                 return {str(r.task): r.state for r in rows}
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
+    def is_active(self) -> bool:
+        """Some task is pending, running or requeued (UNKNOWN, Slurm lost it, is not active)."""
+        return any(not slurm.is_final(r.state) and r.state != "UNKNOWN" for r in self.statuses())
+
     def cancel(self) -> None:
         if self.executor == "slurm":
             slurm.scancel(self.slurm_job_ids)
@@ -193,8 +221,10 @@ class Submission:
             import signal
 
             for jid in self.job_ids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(jid), signal.SIGTERM)  # the submitit controller forwards it to the ranks
+                # only our controller: a recorded pid may since belong to another process
+                if jid.isdigit() and _same_process(int(jid), self.pid_starts.get(jid)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(jid), signal.SIGTERM)  # the submitit controller forwards it to the ranks
         self.cancelled = True
         if self.output_dir:
             _update_record(self)
@@ -205,42 +235,60 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool, ranks: int) -> str:
+def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool, ranks: int, started: int | None = None) -> str:
     """A local job from submitit's files: every rank's result pickle says success -> COMPLETED."""
-    results = sorted(folder.glob(f"{job_id}_*_result.pkl"))
     if job is not None:
         running = job._process is not None and job._process.poll() is None
     else:
-        running = _pid_alive(int(job_id)) if job_id.isdigit() else False
+        running = _same_process(int(job_id), started) if job_id.isdigit() else False
     if running:
         return "RUNNING"
-    if not results:
-        return "CANCELLED" if cancelled else "FAILED"
+    left = _result_state(folder, job_id, ranks)
+    if left == "COMPLETED":
+        return left
+    return "CANCELLED" if cancelled else "FAILED"
+
+
+def _result_state(folder: Path, job_id: str, ranks: int) -> str | None:
+    """How a finished task ended, from the result file each rank's submitit wrapper wrote.
+
+    COMPLETED when ``ranks`` results all say success, FAILED when any says error; None when
+    fewer than ``ranks`` results exist (still running, or killed before it could write one).
+    """
     import pickle
 
     outcomes = []
-    for path in results:
+    for path in sorted(folder.glob(f"{job_id}_*_result.pkl")):
         try:
             with path.open("rb") as fh:
                 outcomes.append(pickle.load(fh)[0])
         except Exception:  # a torn or foreign pickle: not a success
             outcomes.append("error")
-    if len(outcomes) < ranks:
-        return "CANCELLED" if cancelled else "FAILED"
-    return "COMPLETED" if all(o == "success" for o in outcomes) else ("CANCELLED" if cancelled else "FAILED")
+    if any(o != "success" for o in outcomes):
+        return "FAILED"
+    return "COMPLETED" if outcomes and len(outcomes) >= ranks else None
 
 
-def _pid_alive(pid: int) -> bool:
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks after boot, /proc/PID/stat field 22); None if gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _same_process(pid: int, started: int | None) -> bool:
+    """Process ``pid`` is alive, not a zombie, and is the one that started at ``started``.
+
+    Without a recorded start time the pid cannot be told apart from a later process that reuses it: not ours.
+    """
+    if started is None or process_start(pid) != started:
         return False
-    except PermissionError:
-        return True
     try:  # a zombie (exited, not reaped) is not running
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---------------------------------------------------------------- records on disk
@@ -299,24 +347,25 @@ def env_setup_lines(plan: Plan) -> list[str]:
     return [f"export {name}={shell_quote(value)}" for name, value in plan.env.items()]
 
 
-def slurm_parameters(plan: Plan) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan)``."""
-    from .slurm.render import sbatch_directives
+def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan, group)``."""
+    from .slurm.render import one_group, sbatch_directives
 
-    s = plan.spec.slurm
+    group = one_group(plan, group)
+    s = group.slurm
     native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account", "nodelist": "nodelist"}
     counts = {"nodes": "nodes", "ntasks-per-node": "ntasks_per_node", "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node"}
     params: dict[str, Any] = {
         "time": max(1, math.ceil(s.time_limit_s / 60)),  # submitit's own timeout bookkeeping (minutes)
         "signal_delay_s": s.signal_grace_s,  # submitit writes --signal=USR2@N (every rank gets it, not B:)
         "setup": env_setup_lines(plan),
-        "array_parallelism": s.array_parallelism or max(1, len(plan.tasks)),
+        "array_parallelism": s.array_parallelism or max(1, len(group.tasks)),
         "wckey": None,  # submitit's default "submitit" fails on clusters that enforce wckeys
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: without -c each rank is bound to one CPU
         "srun_args": [f"--cpus-per-task={s.cpus_per_task}"],
     }
     additional: dict[str, Any] = {}
-    for key, value in sbatch_directives(plan):
+    for key, value in sbatch_directives(plan, group):
         if key in native:
             params[native[key]] = value
         elif key in counts:
@@ -330,17 +379,17 @@ def slurm_parameters(plan: Plan) -> dict[str, Any]:
     return params
 
 
-def _executor(kind: str, plan: Plan, folder: Path):
+def _executor(kind: str, plan: Plan, folder: Path, group: Group):
     import submitit
 
-    s = plan.spec.slurm
+    s = group.slurm
     if kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues)
-        ex.update_parameters(**slurm_parameters(plan))
+        ex.update_parameters(**slurm_parameters(plan, group))
         return ex
     if s.nodes > 1:
         raise SubmissionError(
-            "the local executor runs one node", f"slurm.nodes = {s.nodes}", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
+            "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
         )
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues)
     # No `setup` lines here: with them submitit starts the controller through `sh -c`, and the pid it
@@ -385,40 +434,154 @@ def new_folder(output_dir: str) -> Path:
     return folder
 
 
-def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
-    """Write the plan and each task's spec, submit every task (one sbatch array for a sweep), record it."""
-    from .slurm.render import render_sbatch
+# ---------------------------------------------------------------- one live job per output dir
 
-    kind = resolve_executor(executor)
-    write_plan(plan, render_sbatch(plan))
-    _write_task_specs(plan)
-    folder = new_folder(plan.output_dir)
-    ex = _executor(kind, plan, folder)
-    n = len(plan.tasks)
+
+def _overlaps(a: str, b: str) -> bool:
+    pa, pb = Path(a), Path(b)
+    return pa == pb or pa in pb.parents or pb in pa.parents
+
+
+def active_owner(plan: Plan) -> Submission | None:
+    """A recorded submission that is still pending/running/requeued and writes where ``plan`` would.
+
+    Looks at the records of the plan's output dir, of its parents (a sweep whose task dir this is) and
+    of its task dirs (a job submitted into one of them). Reads only.
+    """
+    ours = [t.output_dir for t in plan.tasks]
+    places = [plan.output_dir, *(str(p) for p in Path(plan.output_dir).parents), *ours]
+    seen: set[str] = set()
+    for place in places:
+        if place in seen or not _records_path(place).is_file():
+            continue
+        seen.add(place)
+        for rec in reversed(load_records(place)):
+            sub = Submission.from_json(rec)
+            theirs = sub.task_dirs or [sub.output_dir]
+            if sub.output_dir != plan.output_dir and not any(_overlaps(a, b) for a in ours for b in theirs if a and b):
+                continue
+            try:
+                if sub.is_active():
+                    return sub
+            except ToolMissing:  # a Slurm record seen from a machine without Slurm: cannot be asked here
+                continue
+    return None
+
+
+def refuse_if_owned(plan: Plan) -> None:
+    """SubmissionError (exit 3) when an active job owns the plan's output dir or one of its task dirs.
+
+    Checked before anything is written; a finished or cancelled job's dir may be reused.
+    """
+    from .node.ownership import describe, holder
+    from .quoting import shell_quote
+
+    sub = active_owner(plan)
+    if sub is not None:
+        ids = sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids
+        when = datetime.fromtimestamp(sub.submitted_at).strftime("%Y-%m-%d %H:%M:%S")
+        raise SubmissionError(
+            "an active job already owns this output dir",
+            f"{sub.executor} job {', '.join(ids)} ({sub.mode}, submitted {when}) is not finished; it writes to {sub.output_dir}",
+            f"wait for it, give this spec another job.output_dir, or stop it: swiftslurm cancel {shell_quote(sub.output_dir)}",
+        )
+    for task in plan.tasks:  # a job started some other way (plain sbatch of a rendered script) holds the task dir's lock
+        owner = holder(task.output_dir)
+        if owner is not None:
+            raise SubmissionError(
+                "an active job already owns this output dir",
+                f"{task.output_dir} is in use by {describe(owner)}",
+                f"wait for it, give this spec another job.output_dir, or stop it (scancel, or swiftslurm cancel {shell_quote(plan.output_dir)})",
+            )
+
+
+@contextlib.contextmanager
+def _submitting(output_dir: str):
+    """Serialise submissions into one output dir (check, then send) across processes."""
+    import fcntl
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(output_dir) / ".swiftslurm-submit.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- sending
+
+
+def _send_group(kind: str, plan: Plan, folder: Path, group: Group, mode: str) -> list[Any]:
+    """One submission call (one sbatch array, or one job without a sweep) for one group: its submitit jobs."""
+    ex = _executor(kind, plan, folder, group)
+    n = len(group.tasks)
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), _local_env(kind, plan.env):  # submitit echoes sbatch's stderr; we say it once
             if plan.is_array:
-                jobs = ex.map_array(run_rank, [plan.plan_path] * n, list(range(n)), [mode] * n)
-            else:
-                jobs = [ex.submit(run_rank, plan.plan_path, 0, mode)]
+                return list(ex.map_array(run_rank, [plan.plan_path] * n, list(group.tasks), [mode] * n))
+            return [ex.submit(run_rank, plan.plan_path, group.tasks[0], mode)]
     except SwiftSlurmError:
         raise
     except Exception as exc:  # submitit wraps sbatch's refusal (FailedJobError / FailedSubmissionError)
         if kind == "slurm":
             raise slurm.refusal(str(exc) or stderr.getvalue()) from None
         raise SubmissionError("the local executor could not start the job", f"{type(exc).__name__}: {exc}", "see the logs under " + str(folder)) from None
-    sub = Submission(
-        executor=kind,
-        job_ids=[str(j.job_id) for j in jobs],
-        output_dir=plan.output_dir,
-        task_dirs=[t.output_dir for t in plan.tasks],
-        folder=str(folder),
-        mode=mode,
-        source=plan.source,
-        ranks_per_task=plan.spec.slurm.nodes * plan.spec.slurm.ranks_per_node,
-        job_name=plan.spec.job.name,
-        _jobs=jobs,
-    )
-    _update_record(sub)
+
+
+def _stop_sent(kind: str, sent: list[list[Any]]) -> None:
+    """A later group was refused: take back the groups already sent (no half submissions)."""
+    ids = [str(j.job_id) for jobs in sent for j in jobs]
+    with contextlib.suppress(SwiftSlurmError):
+        if kind == "slurm":
+            slurm.scancel(sorted({i.split("_")[0] for i in ids}))
+        else:
+            for jobs in sent:
+                for job in jobs:
+                    with contextlib.suppress(Exception):
+                        job.cancel()
+
+
+def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
+    """Refuse a dir an active job owns; write the plan and each task's spec; send one array per group; record it."""
+    from .slurm.render import render_all
+
+    kind = resolve_executor(executor)
+    scripts = render_all(plan)
+    with _submitting(plan.output_dir):
+        refuse_if_owned(plan)
+        write_plan(plan, scripts)
+        _write_task_specs(plan)
+        folder = new_folder(plan.output_dir)
+        sent: list[list[Any]] = []
+        for group in plan.groups:
+            try:
+                sent.append(_send_group(kind, plan, folder, group, mode))
+            except SwiftSlurmError:
+                _stop_sent(kind, sent)
+                raise
+        job_ids = [""] * len(plan.tasks)
+        for group, jobs in zip(plan.groups, sent):
+            for index, job in zip(group.tasks, jobs):
+                job_ids[index] = str(job.job_id)
+        jobs_flat = [j for jobs in sent for j in jobs]
+        sub = Submission(
+            executor=kind,
+            job_ids=job_ids,
+            output_dir=plan.output_dir,
+            task_dirs=[t.output_dir for t in plan.tasks],
+            folder=str(folder),
+            mode=mode,
+            source=plan.source,
+            ranks_per_task=plan.spec.slurm.nodes * plan.spec.slurm.ranks_per_node,
+            job_name=plan.spec.job.name,
+            arrays=[
+                {"job_id": str(jobs[0].job_id).split("_")[0] if kind == "slurm" else "", "tasks": list(group.tasks), "ranks_per_task": group.world_size}
+                for group, jobs in zip(plan.groups, sent)
+            ],
+            pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},
+            _jobs=jobs_flat,
+        )
+        _update_record(sub)
     return sub

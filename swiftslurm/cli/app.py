@@ -104,12 +104,12 @@ def load_plan(spec_path: Path):
     must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed.
     """
     from ..plan import make_plan
-    from ..slurm.render import render_sbatch
+    from ..slurm.render import render_all
     from ..spec import load_raw, load_spec
 
     spec = load_spec(spec_path)
     the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
-    render_sbatch(the_plan)
+    render_all(the_plan)  # every group's script: what goes on #SBATCH lines
     return the_plan
 
 
@@ -144,17 +144,17 @@ def plan(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts)."),
 ) -> int:
-    """Show everything `submit` would do, sending nothing: tasks, DeepSpeed config per task, sbatch script, environment."""
-    from ..slurm.render import render_sbatch
+    """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
+    from ..slurm.render import render_all
 
     the_plan = load_plan(spec_path)
-    sbatch = render_sbatch(the_plan)
+    scripts = render_all(the_plan)
     if as_json:
-        sys.stdout.write(json.dumps(the_plan.to_json(sbatch), indent=2) + "\n")
+        sys.stdout.write(json.dumps(the_plan.to_json(scripts), indent=2) + "\n")
         return 0
     from .plan_view import print_plan
 
-    print_plan(console, the_plan, sbatch)
+    print_plan(console, the_plan, scripts)
     return 0
 
 
@@ -164,20 +164,37 @@ def render(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the script here instead of stdout."),
 ) -> int:
-    """Write a standalone sbatch script that plain `sbatch FILE` runs (no Python submitter)."""
-    from ..slurm.render import render_sbatch
+    """Write a standalone sbatch script that plain `sbatch FILE` runs (no Python submitter).
+
+    A sweep over allocation keys (slurm.nodes, slurm.time, ...) needs one script per allocation: with
+    -o FILE they are written as FILE's name plus .group<N> (job.sh -> job.group0.sh, job.group1.sh);
+    without -o such a spec is refused (one stdout cannot hold several scripts).
+    """
+    from ..slurm.render import render_all, render_sbatch
 
     the_plan = load_plan(spec_path)
-    script = render_sbatch(the_plan)
     if out is None:
-        sys.stdout.write(script)
+        sys.stdout.write(render_sbatch(the_plan))  # refuses a plan of several groups, naming them
         return 0
     from ..plan import write_plan
 
-    write_plan(the_plan, script)
-    out.write_text(script)
-    err_console.print(f"wrote {out} (run it with: sbatch {out}); it reads the plan written to {the_plan.plan_path}", highlight=False, markup=False)
+    scripts = render_all(the_plan)
+    paths = [out] if len(scripts) == 1 else [out.with_name(f"{out.stem}.group{i}{out.suffix}") for i in range(len(scripts))]
+    write_plan(the_plan, scripts)
+    for path, script in zip(paths, scripts):
+        path.write_text(script)
+    if len(paths) > 1:
+        groups = ", ".join(f"{p} (tasks {_ranges(g.tasks)})" for p, g in zip(paths, the_plan.groups))
+        err_console.print(f"the sweep asks for {len(paths)} allocations: wrote one script each: {groups}; submit each with sbatch FILE; they read the plan written to {the_plan.plan_path}", highlight=False, markup=False)
+    else:
+        err_console.print(f"wrote {out} (run it with: sbatch {out}); it reads the plan written to {the_plan.plan_path}", highlight=False, markup=False)
     return 0
+
+
+def _ranges(tasks) -> str:
+    from ..slurm.render import index_ranges
+
+    return index_ranges(tasks)
 
 
 @app.command()
@@ -187,7 +204,7 @@ def submit(
     executor: ExecutorName = Executor,
     wait: bool = typer.Option(False, "--wait", "-w", help="Follow the job with a live table; exit 1 if any task failed."),
 ) -> int:
-    """Submit the job (one job, or one sbatch array for a sweep); print job id(s) and where outputs go."""
+    """Submit the job (one job, or one sbatch array per allocation of a sweep); print job id(s) and where outputs go."""
     from .submit_cmd import submit_command
 
     return submit_command(console, load_plan(spec_path), executor=executor.value, wait=wait)

@@ -14,7 +14,22 @@ from rich.text import Text
 from ..plan import Plan
 
 
-def print_plan(console: Console, plan: Plan, sbatch: str) -> None:
+def groups_table(plan: Plan) -> Table:
+    """One row per allocation group: each is one sbatch array (one submission call)."""
+    from ..slurm.render import index_ranges
+
+    table = Table(title=f"{len(plan.groups)} allocation(s): one sbatch {'array' if plan.is_array else 'job'} each")
+    for col in ("group", "tasks", "nodes x ranks", "gpus/node", "time", "partition", "max requeues"):
+        table.add_column(col, overflow="fold")
+    for g in plan.groups:
+        s = g.slurm
+        table.add_row(str(g.index), index_ranges(g.tasks), f"{s.nodes} x {s.ranks_per_node} = {g.world_size}", str(s.gpus_per_node or "-"),
+                      escape(s.time), escape(s.partition or "-"), str(s.max_requeues))
+    return table
+
+
+def print_plan(console: Console, plan: Plan, sbatch: str | list[str]) -> None:
+    scripts = [sbatch] if isinstance(sbatch, str) else sbatch
     spec = plan.spec
     s = spec.slurm
     console.print(
@@ -30,7 +45,10 @@ def print_plan(console: Console, plan: Plan, sbatch: str) -> None:
         ),
         soft_wrap=False,  # wrap inside the panel, never crop a path
     )
-    table = Table(title=f"{len(plan.tasks)} task(s)" + (" (one sbatch array)" if plan.is_array else ""))
+    several = len(plan.groups) > 1
+    if several:
+        console.print(groups_table(plan))
+    table = Table(title=f"{len(plan.tasks)} task(s)" + ((" in " + str(len(plan.groups)) + " sbatch arrays" if several else " (one sbatch array)") if plan.is_array else ""))
     table.add_column("task", justify="right")
     table.add_column("overrides")
     table.add_column("output dir", overflow="fold")
@@ -48,5 +66,7 @@ def print_plan(console: Console, plan: Plan, sbatch: str) -> None:
         console.print("[bold]environment on every node:[/] " + escape(", ".join(f"{k}={v}" for k, v in plan.env.items())), highlight=False)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
-    console.print("[bold]sbatch script (swiftslurm render):[/]")
-    console.print(Syntax(sbatch, "bash"))
+    for group, script in zip(plan.groups, scripts):
+        which = f" of group {group.index} (tasks {', '.join(map(str, group.tasks[:16]))}{' ...' if len(group.tasks) > 16 else ''})" if several else ""
+        console.print(f"[bold]sbatch script{which} (swiftslurm render):[/]")
+        console.print(Syntax(script, "bash"))

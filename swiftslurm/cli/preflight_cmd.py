@@ -2,7 +2,9 @@
 
 Submits the plan in mode "preflight" (every rank runs the checks, rank 0 writes
 ``<task dir>/preflight/report.json`` and ``busbw.png``), follows it with a live table, then prints
-each task's report. Exit 0 when every check passed, 4 (PreflightFailed) otherwise.
+each task's report. Exit 0 when every check passed, 4 (PreflightFailed) otherwise. A preflight that
+gives up waiting (its time limit plus QUEUE_GRACE_S, Ctrl-C, an error) cancels its job: it leaves
+nothing queued behind. An output dir an active job owns is refused (exit 3) before anything is touched.
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ def summary(reports: list[dict[str, Any] | None], states: dict[str, str], job_id
     }
 
 
-def preflight_command(console: Console, plan: Plan, executor: str, json_file: Path | None) -> int:
-    from ..submit import submit_plan
+def preflight_command(console: Console, plan: Plan, executor: str, json_file: Path | None, timeout_s: float | None = None) -> int:
+    """``timeout_s``: how long to wait for the job (default: its time limit plus QUEUE_GRACE_S)."""
+    from .. import slurm
+    from ..submit import refuse_if_owned, submit_plan
     from .submit_cmd import status_table
 
     t0 = time.monotonic()
+    refuse_if_owned(plan)  # before the old reports are removed: they may belong to a live job
     for task in plan.tasks:  # never mistake an older run's report for this one's
         _report_path(task.output_dir).unlink(missing_ok=True)
     sub = submit_plan(plan, executor=executor, mode="preflight")
@@ -54,13 +59,25 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
         highlight=False,
     )
     title = f"preflight job {', '.join(sub.slurm_job_ids) if sub.executor == 'slurm' else sub.executor}"
+    limit = max(g.slurm.time_limit_s for g in plan.groups) + QUEUE_GRACE_S if timeout_s is None else timeout_s
+    states: dict[str, str] = {}
     try:
         with Live(status_table([], "waiting for the preflight job"), console=console, refresh_per_second=2, transient=True) as live:
-            states = sub.wait(timeout_s=s.time_limit_s + QUEUE_GRACE_S, on_update=lambda rows: live.update(status_table(rows, title)))
+            states = sub.wait(timeout_s=limit, on_update=lambda rows: live.update(status_table(rows, title)))
     except KeyboardInterrupt:
-        sub.cancel()
-        console.print("interrupted: preflight job cancelled")
+        _give_up(console, sub, "interrupted")
         raise
+    except BaseException as exc:
+        _give_up(console, sub, f"stopped waiting ({type(exc).__name__})")
+        raise
+    waiting = {k: v for k, v in states.items() if not slurm.is_final(v) and v != "UNKNOWN"}
+    if waiting:
+        _give_up(console, sub, f"gave up after {limit:.0f} s")
+        raise PreflightFailed(
+            f"the preflight job did not finish within {limit:.0f} s; it was cancelled",
+            "job state: " + ", ".join(f"task {k} {v}" for k, v in list(waiting.items())[:10]),
+            "check the queue (`squeue`, `sinfo`) or the job logs under " + sub.folder,
+        )
     reports: list[dict[str, Any] | None] = []
     for task in plan.tasks:
         path = _report_path(task.output_dir)
@@ -88,3 +105,15 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
         return PreflightFailed.exit_code
     console.print("[green]preflight passed[/]")
     return 0
+
+
+def _give_up(console: Console, sub, why: str) -> None:
+    """Cancel a preflight job we stop following, so nothing is left queued or running."""
+    from ..errors import SwiftSlurmError
+
+    try:
+        sub.cancel()
+    except SwiftSlurmError as exc:
+        console.print(f"{why}: could not cancel preflight job {', '.join(sub.job_ids)}: {exc.what}", highlight=False, markup=False)
+        return
+    console.print(f"{why}: preflight job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)} cancelled", highlight=False, markup=False)

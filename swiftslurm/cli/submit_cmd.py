@@ -31,18 +31,27 @@ def _says_auto(console: Console, requested: str, kind: str) -> None:
 
 
 def _summary(sub: Submission, plan: Plan) -> Panel:
-    s = plan.spec.slurm
+    from ..slurm.render import index_ranges
+
     n = len(plan.tasks)
     first_dir = plan.tasks[0].output_dir
     ids = sub.job_ids
-    if sub.executor == "slurm":
+    if sub.executor == "slurm" and len(plan.groups) > 1:
+        job = ", ".join(f"{a['job_id']} (tasks {index_ranges(a['tasks'])})" for a in sub.arrays[:8]) + (" ..." if len(sub.arrays) > 8 else "")
+    elif sub.executor == "slurm":
         job = f"{sub.slurm_job_ids[0]} (array of {n}: {ids[0]} .. {ids[-1]})" if plan.is_array else ids[0]
     else:
         job = ", ".join(ids[:8]) + (" ..." if len(ids) > 8 else "") + " (local controller pid)"
     where = escape(f"{plan.output_dir}/<task>" if plan.is_array else first_dir)
+    shapes = [
+        f"{'tasks ' + index_ranges(g.tasks) + ': ' if len(plan.groups) > 1 else ''}{g.slurm.nodes} node(s) x {g.slurm.ranks_per_node} rank(s) "
+        f"(world size {g.world_size}), time {escape(g.slurm.time)}"
+        for g in plan.groups[:8]
+    ]
     lines = [
         f"[bold]{escape(plan.spec.job.name)}[/] submitted via {sub.executor}: job {escape(job)}",
-        f"{n} task(s), each {s.nodes} node(s) x {s.ranks_per_node} rank(s) (world size {plan.spec.world_size}), time {s.time}",
+        f"{n} task(s), each {shapes[0]}" if len(shapes) == 1 else f"{n} task(s) in {len(plan.groups)} arrays, one per allocation:",
+        *(f"  {line}" for line in (shapes if len(shapes) > 1 else [])),
         f"task dirs:   {where}  (resolved spec: spec.json)",
         f"logs:        {escape(str(sub.folder))}  and <task dir>/logs/",
         "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import banner, signals
+from . import banner, ownership, signals
 from ..slurm import distenv
 from ..errors import PreflightFailed, RuntimeEnvError
 from ..fsutil import atomic_write_text
@@ -58,6 +58,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     env.update({k: v for k, v in spec.env.items() if k in ("MASTER_ADDR", "MASTER_PORT")})
     dist = distenv.derive(env, pid=os.getpid())
     distenv.check_allocation(dist, spec)
+    ownership.claim(task.output_dir, dist.rank, dist.requeue_id or dist.job_id, dist.node)  # one live job per dir
     signals.install(forward_term=bool(spec.train.command))
     out_dir = task.output_dir
     Path(out_dir, "logs").mkdir(parents=True, exist_ok=True)

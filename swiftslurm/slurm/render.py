@@ -1,8 +1,12 @@
 """The sbatch script of a plan: ``render_sbatch(plan) -> str``, pure (no cluster, no disk writes).
 
-``sbatch_directives(plan)`` is the one list of ``#SBATCH`` options; the submitit path
+``sbatch_directives(plan, group)`` is the one list of ``#SBATCH`` options; the submitit path
 (``submit.py``) sends the same list, so a hand-submitted ``sbatch FILE`` and ``swiftslurm submit``
 ask Slurm for the same thing. Every user value reaches the script through ``quoting.shell_quote``.
+
+A plan whose sweep spans several allocations (``plan.groups``) has one script per group; its
+``--array`` lists the group's global task indices (``--array=1,3%2``), so ``SLURM_ARRAY_TASK_ID``
+is the task index in every script.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from pathlib import PurePosixPath
 
 import jinja2
 
-from ..errors import Problem, SpecError
-from ..plan import Plan
-from ..resources import resource_dir
+from ..errors import OneScriptTooFew, Problem, SpecError
+from ..plan import Group, Plan
 from ..quoting import one_line, sbatch_directive, shell_quote
+from ..resources import resource_dir
 from ..spec.sbatch_options import parse_extra
 
 TEMPLATE = "sbatch.sh.j2"
@@ -35,21 +39,52 @@ def extra_options(extra: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def array_spec(plan: Plan) -> str | None:
-    """``0-N%P`` for a sweep (one array task per combination), None for a single job."""
+def one_group(plan: Plan, group: Group | None) -> Group:
+    """``group``, or the plan's only group; a plan spanning several allocations needs one named."""
+    if group is not None:
+        return group
+    if len(plan.groups) > 1:
+        raise OneScriptTooFew(
+            f"the sweep asks Slurm for {len(plan.groups)} different allocations, which one script cannot hold",
+            "; ".join(f"tasks {index_ranges(g.tasks)}: {g.slurm.nodes} node(s) x {g.slurm.ranks_per_node} rank(s), time {g.slurm.time}" for g in plan.groups[:4])
+            + (" ..." if len(plan.groups) > 4 else ""),
+            "`swiftslurm render SPEC -o FILE` writes one script per allocation (job.sh -> job.group0.sh, job.group1.sh, ...); `swiftslurm submit` sends one array each",
+        )
+    return plan.groups[0]
+
+
+def index_ranges(indices: tuple[int, ...] | list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8`` (Slurm's --array list syntax; pure)."""
+    parts: list[str] = []
+    start = prev = None
+    for i in sorted(indices):
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(parts)
+
+
+def array_spec(plan: Plan, group: Group | None = None) -> str | None:
+    """``0-N%P`` for a sweep (one array task per combination, global indices), None for a single job."""
     if not plan.is_array:
         return None
-    n = len(plan.tasks)
-    parallel = min(plan.spec.slurm.array_parallelism or n, n)
-    return f"0-{n - 1}%{parallel}"
+    group = one_group(plan, group)
+    n = len(group.tasks)
+    parallel = min(group.slurm.array_parallelism or n, n)
+    return f"{index_ranges(group.tasks)}%{parallel}"
 
 
-def sbatch_directives(plan: Plan) -> list[tuple[str, str | None]]:
-    """Every ``#SBATCH`` option both submit paths send, as (key, value|None for a flag).
+def sbatch_directives(plan: Plan, group: Group | None = None) -> list[tuple[str, str | None]]:
+    """Every ``#SBATCH`` option both submit paths send for one group, as (key, value|None for a flag).
 
     Logs and ``--array`` are added by each path (submitit keeps its own log folder).
     """
-    s = plan.spec.slurm
+    s = one_group(plan, group).slurm
     if "%" in plan.output_dir:
         raise _problem("job.output_dir", "'%' in the output dir would be read as a Slurm filename pattern", plan.output_dir, "choose a path without '%'")
     opts: list[tuple[str, str | None]] = [
@@ -89,17 +124,24 @@ def _template() -> jinja2.Template:
     return env.from_string(text)
 
 
-def render_sbatch(plan: Plan, python: str | None = None) -> str:
+def render_all(plan: Plan, python: str | None = None) -> list[str]:
+    """One script per group (allocation), in group order."""
+    return [render_sbatch(plan, python, group) for group in plan.groups]
+
+
+def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = None) -> str:
     """A standalone script that plain ``sbatch FILE`` runs: directives, env, USR2 trap, ``srun ... swiftslurm run``.
 
     ``python`` is the interpreter the nodes run (default: this one, so the same installed swiftslurm).
     The plan file (``plan.plan_path``) must exist when the job starts: ``swiftslurm render -o`` writes it.
+    ``group``: which allocation; may be left out only when the plan has one (else a SpecError says so).
     """
     from .. import __version__
 
-    opts = sbatch_directives(plan)
+    group = one_group(plan, group)
+    opts = sbatch_directives(plan, group)
     opts.append(("output", log_pattern(plan)))
-    array = array_spec(plan)
+    array = array_spec(plan, group)
     if array:
         opts.append(("array", array))
     try:
@@ -116,5 +158,5 @@ def render_sbatch(plan: Plan, python: str | None = None) -> str:
         plan_path=plan.plan_path,
         python=python or sys.executable,
         is_array=plan.is_array,
-        cpus_per_task=plan.spec.slurm.cpus_per_task,
+        cpus_per_task=group.slurm.cpus_per_task,
     )
