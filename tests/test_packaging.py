@@ -120,6 +120,16 @@ def test_the_installed_wheel_validates_plans_and_renders_inside_and_outside_a_cl
     assert json.loads(r.stdout)["deepspeed"][0]["zero_optimization"]["stage"] == 2
 
 
+def test_ranks_started_from_inside_the_clone_find_the_presets(fresh_venv, clone):
+    """The fast form of the next test: every rank validates its task's spec (the preset name included), so a
+    `train.command` job shows the same failure in seconds."""
+    (clone / "examples" / "cmd.toml").write_text(
+        '[job]\nname = "cmd"\noutput_dir = "output/cmd"\n[slurm]\ntasks_per_node = 2\n[preflight]\nchecks = []\n'
+        '[train]\ndeepspeed = "zero2"\ncommand = ["python", "-c", "pass"]\n')
+    r = swiftslurm_cli(fresh_venv, "submit", "examples/cmd.toml", "--executor", "local", "--wait", cwd=clone, timeout=180)
+    assert r.returncode == 0 and "ModuleNotFoundError" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_local_submit_from_inside_the_clone_runs_its_ranks(fresh_venv, clone):
     """`pip install .` then, inside the clone, `swiftslurm submit examples/quickstart.toml --executor local --wait`
