@@ -1,6 +1,6 @@
 """DeepSpeed presets and the rules of SPEC.md: spec + world size -> the final DeepSpeed dict.
 
-Pure, apart from reading the preset JSON files shipped in ``swiftslurm.ds_config`` and a user's JSON
+Pure, apart from reading the preset JSON files shipped in ``swiftslurm.ds_config`` (found by ``resources.resource_dir``) and a user's JSON
 file in ``load_user_config``. ``build_for_spec`` does, in order:
 
 1. start from the preset named by ``train.deepspeed`` (or the user's JSON file);
@@ -19,18 +19,36 @@ from __future__ import annotations
 
 import copy
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .errors import Problem, SpecError
+from .resources import resource_dir
 
 ALLOW_BOTH_OFFLOADS = "swiftslurm_allow_both_offloads"
 OFFLOAD_DEVICES = ("cpu", "nvme")
+MAX_NESTING = 32  # deeper than any DeepSpeed config; shallow enough for the recursive merge
+
+
+def _refuse_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not a number DeepSpeed can use (JSON has no NaN or Infinity)", name, 0)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value`` (0 for a scalar); iterative, so any depth is safe."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item]
+    return deepest
 
 
 def preset_names() -> list[str]:
-    root = resources.files("swiftslurm.ds_config")
+    root = resource_dir("ds_config")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
@@ -40,7 +58,7 @@ def is_user_file(name: str) -> bool:
 
 
 def load_preset(name: str) -> dict[str, Any]:
-    text = resources.files("swiftslurm.ds_config").joinpath(f"{name}.json").read_text("utf-8")
+    text = resource_dir("ds_config").joinpath(f"{name}.json").read_text("utf-8")
     return json.loads(text)
 
 
@@ -60,10 +78,16 @@ def load_user_config(path: str | Path) -> dict[str, Any]:
         raise _refuse("train.deepspeed", "cannot read the DeepSpeed config file", f"{source}: {exc}",
                       "check the path and its permissions", source) from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
+        too_deep = nesting_depth(data) > MAX_NESTING
+    except RecursionError:
+        too_deep = True
     except json.JSONDecodeError as exc:
         raise SpecError(source, [Problem("train.deepspeed", f"not valid JSON: {exc.msg}", f"{source} line {exc.lineno}",
                                          "fix the JSON syntax (no comments or trailing commas)", line=exc.lineno)]) from None
+    if too_deep:
+        raise _refuse("train.deepspeed", f"the DeepSpeed config nests more than {MAX_NESTING} levels deep", source,
+                      "a DeepSpeed config nests a few levels; start from a preset", source)
     if not isinstance(data, dict):
         raise _refuse("train.deepspeed", "a DeepSpeed config must be a JSON object", type(data).__name__,
                       'start from a preset, e.g. {"zero_optimization": {"stage": 2}}', source)

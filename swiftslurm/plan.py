@@ -22,7 +22,8 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .spec.load import JobSpec, _sweep_overrides, apply_overrides, validate_spec
+from .errors import Problem, SpecError
+from .spec.load import JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
 
 PLAN_FILE = "swiftslurm-plan.json"
@@ -241,11 +242,34 @@ def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
     return out
 
 
-def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "spec") -> Plan:
-    """Everything submit would do, as values. Pure: no cluster, no environment, no disk.
+MAX_LISTED_TASKS = 5  # failing sweep tasks whose problems are listed one by one
+
+
+def _task_problems(index: int, overrides: dict[str, Any], problems: list[Problem]) -> list[Problem]:
+    """A task's problems, labelled with its sweep combination when there is one."""
+    if not overrides:
+        return problems
+    return [Problem(p.path, f"{p.what} (sweep task {index}: {overrides})", p.found, p.hint, p.line) for p in problems]
+
+
+def _raise_collected(source: str, failing: list[list[Problem]], total: int) -> None:
+    if not failing:
+        return
+    problems = [p for task in failing[:MAX_LISTED_TASKS] for p in task]
+    if len(failing) > MAX_LISTED_TASKS:
+        problems.append(Problem("sweep", f"{len(failing)} of {total} sweep tasks have problems; the first {MAX_LISTED_TASKS} are listed",
+                                hint="fix the keys above and re-run `swiftslurm validate`"))
+    raise SpecError(source, problems)
+
+
+def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "spec", check_disk: bool = False) -> Plan:
+    """Everything submit would do, as values. No cluster, no environment; reads only a user DeepSpeed JSON.
 
     ``raw`` is the spec's TOML dict (sweep overrides are applied to it and re-validated);
-    ``base_dir`` is the absolute directory relative paths are resolved against.
+    ``base_dir`` is the absolute directory relative paths are resolved against. With ``check_disk`` the
+    disk-facing checks (``spec.check_files``: datasets, a local model dir, a user DeepSpeed JSON) run for
+    every task too, since a sweep may name other files. Every task is planned, and the problems of every
+    failing task (the first few of a big sweep) are raised together as one SpecError.
     """
     from . import dsconfig
 
@@ -254,19 +278,39 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
     tasks: list[Task] = []
     ds_configs: list[dict[str, Any] | None] = []
     warnings: list[str] = []
+    failing: list[list[Problem]] = []
+    checked: set[str] = set()
     for index, overrides in enumerate(combos):
-        task_spec = validate_spec(apply_overrides(raw, overrides), source) if overrides else spec
+        problems: list[Problem] = []
+        try:
+            task_spec = validate_spec(apply_overrides(raw, overrides), source) if overrides else spec
+        except SpecError as exc:
+            failing.append(_task_problems(index, overrides, exc.problems))
+            continue
+        files_key = task_spec.train.model_dump_json(include={"dataset", "model", "deepspeed"})
+        if check_disk and files_key not in checked:
+            checked.add(files_key)
+            try:
+                check_files(task_spec, Path(base_dir), source)
+            except SpecError as exc:
+                problems += exc.problems
         task_spec = _resolve_paths(task_spec, base_dir)
+        ds, warns = None, []
+        if not task_spec.train.command:
+            try:
+                ds, warns = dsconfig.build_for_spec(task_spec)
+            except SpecError as exc:
+                problems += [p for p in exc.problems if (p.path, p.what) not in {(q.path, q.what) for q in problems}]
+        if problems:
+            failing.append(_task_problems(index, overrides, problems))
+            continue
         task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
         tasks.append(Task(index, overrides, task_out, task_spec))
-        if task_spec.train.command:
-            ds_configs.append(None)
-        else:
-            ds, warns = dsconfig.build_for_spec(task_spec)
-            ds_configs.append(ds)
-            for w in warns:
-                if w not in warnings:
-                    warnings.append(w)
+        ds_configs.append(ds)
+        for w in warns:
+            if w not in warnings:
+                warnings.append(w)
+    _raise_collected(source, failing, len(combos))
     return Plan(
         source=source,
         spec=spec,

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from . import slurm
 from .errors import SubmissionError, SwiftSlurmError, ToolMissing
 from .plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
-from .quoting import shell_quote
+from .quoting import sbatch_escape, shell_quote
 from .fsutil import atomic_write_text
 
 SUBMISSION_FILE = "submission.json"
@@ -357,6 +357,8 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
         "setup": setup_lines(plan, group),  # [env] exports, then slurm.setup verbatim, then container env
         "array_parallelism": s.array_parallelism or max(1, len(group.tasks)),
         "wckey": None,  # submitit's default "submitit" fails on clusters that enforce wckeys
+        # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: without -c each rank is bound to one CPU
+        "srun_args": [f"--cpus-per-task={s.cpus_per_task}"],
     }
     additional: dict[str, Any] = {}
     for key, value in sbatch_directives(plan, group):
@@ -367,11 +369,10 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
         elif key == "signal":
             continue
         else:
-            additional[key] = True if value is None else value  # mem, time (exact), reservation, requeue, open-mode, extra
+            # mem, time (exact), reservation, requeue, open-mode, extra; submitit shlex-quotes the value, sbatch unescapes it
+            additional[key] = True if value is None else sbatch_escape(value)
     params["additional_parameters"] = additional
-    srun_args = list(launch_for(plan, group).srun_args)
-    if srun_args:
-        params["srun_args"] = srun_args  # pyxis: --container-image ... on the srun line
+    params["srun_args"] += list(launch_for(plan, group).srun_args)  # pyxis: --container-image ... on the srun line
     return params
 
 

@@ -238,6 +238,7 @@ def test_container_submitit_parameters(tmp_path):
     pyxis = plan_from(spec_text("out", ["true"], tail=PYXIS), "/work/jobs")
     params = slurm_parameters(pyxis)
     assert params["srun_args"] == [
+        "--cpus-per-task=1",
         "--container-image=nvcr.io#nvidia/pytorch:24.05-py3@sha256:0123abcd",
         "--container-mounts=/lustre/data:/data:ro,/work/jobs/models:/models,/work/jobs/out:/work/jobs/out",
         "--container-workdir=/workspace", "--container-writable", "--container-env=HF_TOKEN,NCCL_DEBUG",
@@ -247,7 +248,7 @@ def test_container_submitit_parameters(tmp_path):
     # the output dir lies under a same-path mount: not bound twice; no GPUs: no --nv
     assert python_command(app, app.groups[0]) == (
         "apptainer exec --bind /lustre/data:/data:ro --bind /scratch:/scratch --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif /opt/conda/bin/python")
-    assert "srun_args" not in slurm_parameters(app)
+    assert slurm_parameters(app)["srun_args"] == ["--cpus-per-task=1"]  # apptainer wraps the command, not srun
     assert slurm_parameters(app)["setup"][-1] == 'if [ -n "${HF_TOKEN+x}" ]; then export APPTAINERENV_HF_TOKEN="$HF_TOKEN"; fi'
 
 

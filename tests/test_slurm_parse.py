@@ -82,3 +82,90 @@ def test_a_reused_job_id_is_not_our_job(tmp_path):
     assert sub._rows_from(recs)[0].state == "UNKNOWN"
     sub.job_name = "fail3"
     assert sub._rows_from(recs)[0].state == "FAILED"
+
+
+# ---------------------------------------------------------------- 22.05 (captured), 23.11 and 24.11 (reconstructed):
+# tests/data/slurm/README.md says where each file comes from.
+
+
+def test_sbatch_parsable_with_cluster_and_warning_lines():
+    assert slurm.parse_sbatch_parsable(read("23.11/sbatch_parsable_cluster.txt")) == "4242"
+    assert slurm.parse_sbatch_parsable(read("24.11/sbatch_parsable_warning.txt")) == "90210"
+    assert slurm.parse_sbatch_parsable("  77  \r\n") == "77"
+    for bad in ("", "\n", "Submitted batch job 12\n", "12a\n", "\u0661\u0662\n", "12;\n"):
+        with pytest.raises(SwiftSlurmError, match="job id"):
+            slurm.parse_sbatch_parsable(bad)
+
+
+def test_sacct_states_of_23_11():
+    recs = slurm.parse_sacct(read("23.11/sacct_states.txt"))
+    states = {jid: r.state for jid, r in recs.items()}
+    assert states["7001"] == "COMPLETED" and recs["7001"].elapsed == "1-02:03:04" and recs["7001"].nodes == "gpu[001-002]"
+    assert states["7002"] == "CANCELLED"  # "CANCELLED by 1000"
+    assert [states[f"700{i}"] for i in range(3, 9)] == ["OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "DEADLINE", "BOOT_FAIL", "TIMEOUT"]
+    assert all(slurm.is_final(states[f"700{i}"]) for i in range(1, 9))
+    assert recs["7006"].nodes == ""  # "None assigned"
+    assert sorted(j for j in recs if j.startswith("7009_")) == ["7009_0", "7009_4", "7009_5", "7009_6", "7009_7"]
+    assert states["7009_0"] == "RUNNING" and recs["7009_0"].restarts == 1
+    assert states["7010+0"] == "RUNNING" and recs["7010+1"].nodes == "cpu001"  # heterogeneous job components
+
+
+def test_sacct_without_x_and_with_p_skips_steps_and_the_trailing_separator():
+    recs = slurm.parse_sacct(read("24.11/sacct_steps_p.txt"))
+    assert sorted(recs) == ["8100", "8101_0", "8101_1", "8101_3", "8101_5", "8101_6"]
+    assert recs["8100"].name == "with steps" and recs["8100"].state == "COMPLETED"
+    assert recs["8101_0"].state == "CANCELLED" and recs["8101_0"].restarts == 0
+
+
+def test_squeue_states_of_24_11():
+    recs = slurm.parse_squeue(read("24.11/squeue_states.txt"))
+    assert recs["9100_0"].elapsed == "1-00:00:05" and recs["9100_0"].name == "qwen|lora"
+    assert sorted(j for j in recs if j.startswith("9100_")) == [f"9100_{i}" for i in range(6)]
+    for jid in ("9100_1", "9101", "9102", "9103", "9104", "9105", "9106", "9107+0"):
+        assert recs[jid].state in slurm.ACTIVE_STATES and not slurm.is_final(recs[jid].state), jid
+
+
+def test_squeue_with_and_without_r_captured_on_22_05():
+    with_r = slurm.parse_squeue(read("22.05/squeue_held.txt"))
+    without_r = slurm.parse_squeue(read("22.05/squeue_held_no_r.txt"))
+    assert sorted(with_r) == ["32_0", "32_1", "32_2", "32_3", "33"]
+    assert sorted(without_r) == ["32_0", "32_1", "32_2", "32_3"]
+    assert {r.state for r in without_r.values()} == {"PENDING"}
+    recs = slurm.parse_sacct(read("22.05/sacct_cancelled_held.txt"))
+    assert sorted(recs) == ["32_0", "32_1", "32_2", "32_3", "33"] and {r.state for r in recs.values()} == {"CANCELLED"}
+
+
+@pytest.mark.parametrize("name", ["22.05/scontrol_show_job_o.txt", "22.05/scontrol_show_job.txt"])
+def test_scontrol_show_job_captured(name):
+    (job,) = slurm.parse_scontrol_job(read(name))
+    assert job["JobId"] == "32" and job["ArrayTaskId"] == "1" and job["JobState"] == "PENDING"
+    assert job["TRES"] == "cpu=1,mem=4000M,node=1,billing=1"
+    # the comment says "ExcNodeList=nodeX" after the real field: the first occurrence wins
+    assert job["ExcNodeList"] == "node4" and slurm.parse_exc_node_list(read(name)) == "node4"
+
+
+def test_scontrol_show_job_of_24_11():
+    (job,) = slurm.parse_scontrol_job(read("24.11/scontrol_show_job_o.txt"))
+    assert job["Command"] == "/home/alice/runs/my run/job.sh" and job["WorkDir"] == "/home/alice/runs/my run"
+    assert job["CPUs/Task"] == "8" and job["NtasksPerN:B:S:C"] == "8:0:*:*" and job["TresPerNode"] == "gres/gpu:8"
+    assert job["NodeList"] == "" and job["JobName"] == "qwen|lora"
+    assert slurm.parse_exc_node_list(read("24.11/scontrol_show_job_o.txt")) == "gpu[003-004],gpu010"
+    two = slurm.parse_scontrol_job(read("24.11/scontrol_show_job_o.txt") * 2)
+    assert len(two) == 2
+    assert slurm.parse_exc_node_list("JobId=1 ExcNodeList=(null) NodeList=n1") == ""
+
+
+def test_scontrol_show_config_of_22_05_and_24_11():
+    old = slurm.parse_scontrol_config(read("22.05/scontrol_show_config.txt"))
+    assert old["SLURM_VERSION"] == "22.05.8" and old["TaskPlugin"] == "task/none" and old["MinJobAge"] == "10 sec"
+    new = slurm.parse_scontrol_config(read("24.11/scontrol_show_config.txt"))
+    assert new["TaskPlugin"] == "task/affinity,task/cgroup" and new["ConstrainCores"] == "yes"
+    assert new["SchedulerParameters"] == "bf_continue,bf_max_job_test=500,default_queue_depth=500"
+    assert not any(" " in k for k in new)
+
+
+def test_expand_job_ids_edge_cases():
+    assert slurm.expand_job_ids("7_[1,3,5-6]") == ["7_1", "7_3", "7_5", "7_6"]
+    assert slurm.expand_job_ids("7+0") == ["7+0"]
+    assert slurm.expand_job_ids("7_[1-999999999999]") == ["7_[1-999999999999]"]  # not expanded into memory
+    assert slurm.expand_job_ids("7_[x-3]") == ["7_[x-3]"]

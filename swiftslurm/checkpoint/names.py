@@ -21,5 +21,5 @@ def final_dir(output_dir: Path | str, step: int) -> Path:
 
 def step_of(path: Path | str) -> int | None:
     """The step in a ``checkpoint-<step>`` directory name, else None."""
-    m = CKPT_RE.match(Path(path).name)
+    m = CKPT_RE.fullmatch(Path(path).name)
     return int(m.group(1)) if m else None

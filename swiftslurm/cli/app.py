@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .. import __version__
 from ..errors import SwiftSlurmError
@@ -73,17 +74,18 @@ def _main(
 def print_error(exc: SwiftSlurmError) -> None:
     from ..errors import SpecError
 
+    # every text of an error may carry user strings (paths, values, Slurm's words): escaped, never read as markup
     if isinstance(exc, SpecError):
-        err_console.print(f"[bold red]error:[/] {exc.what}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(exc.what)}", highlight=False)
         for p in exc.problems:
             err_console.print(f"  - {p.render()}", highlight=False, markup=False)
-        err_console.print(f"  [dim]{exc.hint}[/]", highlight=False)
+        err_console.print(f"  [dim]{escape(exc.hint)}[/]", highlight=False)
         return
-    err_console.print(f"[bold red]error:[/] {exc.what}", highlight=False, markup=True)
+    err_console.print(f"[bold red]error:[/] {escape(exc.what)}", highlight=False)
     if exc.found:
         err_console.print(f"  found: {exc.found}", highlight=False, markup=False)
     if exc.hint:
-        err_console.print(f"  [yellow]HINT:[/] {exc.hint}", highlight=False)
+        err_console.print(f"  [yellow]HINT:[/] {escape(exc.hint)}", highlight=False)
 
 
 def guarded(fn):
@@ -107,44 +109,45 @@ def guarded(fn):
     return wrapper
 
 
-def _load(spec_path: Path):
-    from ..spec import check_files, load_raw, load_spec
+def load_plan(spec_path: Path):
+    """Every check of a spec file, then its plan: the one first step of validate, plan, render, submit and preflight.
+
+    Loading validates the spec and every sweep combination; ``make_plan(check_disk=True)`` checks each
+    task's files and merges and checks its DeepSpeed config; rendering the sbatch script checks what
+    must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed.
+    """
+    from ..plan import make_plan
+    from ..slurm.render import render_all
+    from ..spec import load_raw, load_spec
 
     spec = load_spec(spec_path)
-    check_files(spec, source=str(spec_path))
-    return spec, load_raw(spec_path)
-
-
-def load_plan(spec_path: Path):
-    """Validate and plan a spec file (the shared first step of plan/render/submit/preflight)."""
-    from ..plan import make_plan
-
-    spec, raw = _load(spec_path)
-    return make_plan(spec, raw, base_dir=os.getcwd(), source=str(spec_path))
+    the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
+    render_all(the_plan)  # every group's script: what goes on #SBATCH lines
+    return the_plan
 
 
 @app.command()
 @guarded
 def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec TOML files.")) -> int:
-    """Parse and check job specs; print every problem. Exit 0 valid, 2 invalid."""
+    """Parse and check job specs (every check `plan` runs); print every problem. Exit 0 valid, 2 invalid."""
     from ..errors import SpecError
 
     worst = 0
     for spec_path in specs:
         try:
-            spec, _ = _load(spec_path)
+            the_plan = load_plan(spec_path)
         except SpecError as exc:
             print_error(exc)
             worst = 2
             continue
-        n = 1
-        for values in spec.sweep.values():
-            n *= len(values)
+        spec = the_plan.spec
         console.print(
-            f"[green]ok[/] {spec_path}: job '{spec.job.name}', {spec.slurm.nodes} node(s) x "
-            f"{spec.slurm.ranks_per_node} rank(s), {n} task(s)",
+            f"[green]ok[/] {escape(str(spec_path))}: job '{spec.job.name}', {spec.slurm.nodes} node(s) x "
+            f"{spec.slurm.ranks_per_node} rank(s), {len(the_plan.tasks)} task(s)",
             highlight=False,
         )
+        for warning in the_plan.warnings:
+            console.print(f"  [yellow]warning:[/] {escape(warning)}", highlight=False)
     return worst
 
 

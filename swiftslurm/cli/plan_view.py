@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -23,7 +24,7 @@ def groups_table(plan: Plan) -> Table:
     for g in plan.groups:
         s = g.slurm
         table.add_row(str(g.index), index_ranges(g.tasks), f"{s.nodes} x {s.ranks_per_node} = {g.world_size}", str(s.gpus_per_node or "-"),
-                      s.time, s.partition or "-", str(s.max_requeues))
+                      escape(s.time), escape(s.partition or "-"), str(s.max_requeues))
     return table
 
 
@@ -62,11 +63,11 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     console.print(
         Panel.fit(
             Text.from_markup(
-            f"[bold]{spec.job.name}[/]  from {plan.source}\n"
+            f"[bold]{escape(spec.job.name)}[/]  from {escape(plan.source)}\n"
             f"{s.nodes} node(s) x {s.ranks_per_node} rank(s) = world size {spec.world_size}"
             f"{f', {s.gpus_per_node} GPU(s)/node' if s.gpus_per_node else ' (CPU)'}, time {s.time}, "
             f"USR2 {s.signal_grace_s} s before the limit, up to {s.max_requeues} requeues\n"
-            f"plan file: {plan.plan_path}",
+            f"plan file: {escape(plan.plan_path)}",
             overflow="fold"),
             title="swiftslurm plan",
         ),
@@ -83,13 +84,14 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     for t in plan.tasks:
         tr = t.spec.train
         what = " ".join(tr.command) if tr.command else f"{tr.train_type} {tr.model} ds={tr.deepspeed}"
-        table.add_row(str(t.index), ", ".join(f"{k}={v}" for k, v in t.overrides.items()) or "-", t.output_dir, what)
+        overrides = ", ".join(f"{k}={v}" for k, v in t.overrides.items()) or "-"
+        table.add_row(str(t.index), Text(overrides), Text(t.output_dir), Text(what))  # Text: user strings, not markup
     console.print(table)
     if plan.deepspeed and plan.deepspeed[0] is not None:
         console.print("[bold]DeepSpeed config (task 0):[/]")
         console.print(Syntax(json.dumps(plan.deepspeed[0], indent=2), "json"))
     if plan.env:
-        console.print("[bold]environment on every node:[/] " + ", ".join(f"{k}={v}" for k, v in plan.env.items()), highlight=False)
+        console.print("[bold]environment on every node:[/] " + escape(", ".join(f"{k}={v}" for k, v in plan.env.items())), highlight=False)
     site = Table(title="site environment", show_header=False, title_justify="left")
     site.add_column(style="bold cyan")
     site.add_column(overflow="fold")
@@ -97,7 +99,7 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
         site.add_row(label, Text(value))  # user text: no markup
     console.print(site)
     for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     parts = plan.arrays(limits)
     for part, script in zip(parts, scripts):
         group = part.group

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from ..errors import PreflightFailed
 from ..plan import Plan
@@ -84,12 +85,12 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
         reports.append(report)
         if report is not None:
             label = f"task {task.index}: " if plan.is_array else ""
-            print_report(console, report, title=f"{label}preflight on {', '.join(report.get('nodes', []))} ({path.parent})")
+            print_report(console, report, title=escape(f"{label}preflight on {', '.join(report.get('nodes', []))} ({path.parent})"))
     wall = time.monotonic() - t0
     doc = summary(reports, states, sub.job_ids, sub.executor, wall)
     if json_file is not None:
         json_file.write_text(json.dumps(doc, indent=2))
-        console.print(f"report JSON: {json_file}", highlight=False)
+        console.print(f"report JSON: {json_file}", highlight=False, markup=False)
     console.print(f"preflight total wall time {wall:.1f} s (submit to report)", highlight=False)
     missing = [t.index for t, r in zip(plan.tasks, reports) if r is None]
     if missing:

@@ -9,6 +9,7 @@ from pathlib import Path, PurePosixPath
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -41,20 +42,20 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         job = f"{sub.slurm_job_ids[0]} (array of {n}: {ids[0]} .. {ids[-1]})" if plan.is_array else ids[0]
     else:
         job = ", ".join(ids[:8]) + (" ..." if len(ids) > 8 else "") + " (local controller pid)"
-    where = f"{plan.output_dir}/<task>" if plan.is_array else first_dir
+    where = escape(f"{plan.output_dir}/<task>" if plan.is_array else first_dir)
     shapes = [
         f"{'tasks ' + index_ranges(g.tasks) + ': ' if len(plan.groups) > 1 else ''}{g.slurm.nodes} node(s) x {g.slurm.ranks_per_node} rank(s) "
-        f"(world size {g.world_size}), time {g.slurm.time}"
+        f"(world size {g.world_size}), time {escape(g.slurm.time)}"
         for g in plan.groups[:8]
     ]
     lines = [
-        f"[bold]{plan.spec.job.name}[/] submitted via {sub.executor}: job {job}",
+        f"[bold]{escape(plan.spec.job.name)}[/] submitted via {sub.executor}: job {escape(job)}",
         f"{n} task(s), each {shapes[0]}" if len(shapes) == 1 else f"{n} task(s) in {len(plan.groups)} arrays, one per allocation:",
         *(f"  {line}" for line in (shapes if len(shapes) > 1 else [])),
         f"task dirs:   {where}  (resolved spec: spec.json)",
-        f"logs:        {sub.folder}  and <task dir>/logs/",
+        f"logs:        {escape(str(sub.folder))}  and <task dir>/logs/",
         "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
-        f"follow:      swiftslurm status {_q(plan.output_dir)}   (or submit with --wait)",
+        f"follow:      swiftslurm status {escape(_q(plan.output_dir))}   (or submit with --wait)",
     ]
     # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
@@ -75,9 +76,10 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
     shown = rows if len(rows) <= MAX_ROWS else [r for r in rows if r.state != "COMPLETED"][:MAX_ROWS]
     for r in shown:
         style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
-        cells = [str(r.task), r.job_id, f"[{style}]{r.state}[/]" if style else r.state, r.nodes or "-", str(r.restarts), r.elapsed or "-"]
+        state = escape(r.state)  # Slurm's words and paths are text, not markup
+        cells = [str(r.task), escape(r.job_id), f"[{style}]{state}[/]" if style else state, escape(r.nodes or "-"), str(r.restarts), escape(r.elapsed or "-")]
         if with_checkpoint:
-            cells.append(str(PurePosixPath(r.checkpoint).name) if r.checkpoint else "-")
+            cells.append(escape(str(PurePosixPath(r.checkpoint).name)) if r.checkpoint else "-")
         table.add_row(*cells)
     if len(shown) < len(rows):
         counts: dict[str, int] = {}
@@ -132,12 +134,12 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None) ->
     _print_train_summaries(console, sub)
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
-        console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + ", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10]), highlight=False)
+        console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + escape(", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10])), highlight=False)
         for t in list(bad)[:3]:
             why = last_error_line(sub, int(t))
             if why:
                 console.print(f"  task {t}: {why}", highlight=False, markup=False)
-        console.print(f"logs: {sub.folder}", highlight=False)
+        console.print(f"logs: {sub.folder}", highlight=False, markup=False)
         return 1
     console.print(f"[green]all {len(states)} task(s) COMPLETED[/]")
     return 0
@@ -200,5 +202,5 @@ def status_command(console: Console, target: str, as_json: bool) -> int:
 def cancel_command(console: Console, target: str) -> int:
     sub = _target(target)
     sub.cancel() if sub.output_dir else slurm.scancel(sub.slurm_job_ids)
-    console.print(f"cancelled {sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)}", highlight=False)
+    console.print(f"cancelled {sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)}", highlight=False, markup=False)
     return 0

@@ -30,6 +30,9 @@ from .commands import (
     job_records,
     scancel,
     parse_exc_node_list,
+    parse_scontrol_job,
+    parse_scontrol_config,
+    show_config,
     merge_exclude,
     exclude_and_requeue,
 )
@@ -59,6 +62,9 @@ __all__ = [
     'job_records',
     'scancel',
     'parse_exc_node_list',
+    'parse_scontrol_job',
+    'parse_scontrol_config',
+    'show_config',
     'merge_exclude',
     'exclude_and_requeue',
 ]

@@ -6,6 +6,7 @@ tested on captured real output. Nothing else in swiftslurm runs a Slurm command.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -76,14 +77,15 @@ def requeue(job_id: str) -> None:
 
 # ---------------------------------------------------------------- states
 
-ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"})
+# Job state strings of Slurm 22.05-24.11 (squeue %T, sacct State; src/common/slurm_protocol_defs.c).
+ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT", "POWER_UP_NODE", "UPDATE_DB"})
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"})
 
 
 def normalize_state(raw: str) -> str:
-    """``CANCELLED by 0`` -> ``CANCELLED``; ``CANCELLED+`` -> ``CANCELLED``."""
-    word = raw.strip().split(" ")[0] if raw.strip() else "UNKNOWN"
-    return word.rstrip("+") or "UNKNOWN"
+    """``CANCELLED by 0`` -> ``CANCELLED``; ``CANCELLED+`` (cut by a column width) -> ``CANCELLED``."""
+    words = raw.split()
+    return (words[0].rstrip("+").upper() if words else "") or "UNKNOWN"
 
 
 def is_final(state: str) -> bool:
@@ -93,13 +95,19 @@ def is_final(state: str) -> bool:
 # ---------------------------------------------------------------- pure parsers
 
 
+_PARSABLE_RE = re.compile(r"([0-9]+)(?:;[^;\s]+)?", re.ASCII)
+
+
 def parse_sbatch_parsable(text: str) -> str:
-    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
-    line = text.strip().splitlines()[-1] if text.strip() else ""
-    job_id = line.split(";")[0].strip()
-    if not job_id.isdigit():
-        raise SwiftSlurmError("could not read a job id from sbatch's answer", repr(text[:200]), "run `sbatch --parsable FILE` by hand to see what it says")
-    return job_id
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER`` (federation, ``--clusters``), after any warning lines."""
+    for line in reversed(text.splitlines()):
+        m = _PARSABLE_RE.fullmatch(line.strip())
+        if m:
+            return m.group(1)
+    raise SwiftSlurmError("could not read a job id from sbatch's answer", repr(text[:200]), "run `sbatch --parsable FILE` by hand to see what it says")
+
+
+MAX_ARRAY_EXPANSION = 1_000_000
 
 
 def expand_job_ids(job_id: str) -> list[str]:
@@ -107,16 +115,20 @@ def expand_job_ids(job_id: str) -> list[str]:
 
     ``123`` -> [``123``]; ``123_4`` -> [``123_4``]; ``123_[2-4,7%2]`` -> [``123_2``, ``123_3``, ``123_4``, ``123_7``].
     """
+    job_id = job_id.strip()
     base, sep, rest = job_id.partition("_")
-    if not sep or not rest.startswith("["):
+    if not sep or not rest.startswith("[") or not rest.endswith("]"):
         return [job_id]
-    body = rest.strip("[]").split("%")[0]
+    body = rest[1:-1].split("%")[0]
     out: list[str] = []
     for part in body.split(","):
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not lo.isdecimal() or not lo.isascii() or (dash and not (hi.isdecimal() and hi.isascii())):
             return [job_id]
-        for i in range(int(lo), int(hi if dash else lo) + 1):
+        last = int(hi if dash else lo)
+        if last - int(lo) > MAX_ARRAY_EXPANSION:
+            return [job_id]  # not an array we submitted (MaxArraySize is far below this)
+        for i in range(int(lo), last + 1):
             out.append(f"{base}_{i}")
     return out
 
@@ -149,10 +161,15 @@ def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, 
     for line in text.splitlines():
         if not line.strip():
             continue
+        if line.endswith("|") and line.count("|") == len(fields):
+            line = line[:-1]  # `sacct -p` ends every line with a separator; `-P` does not
         cells = line.split("|", len(fields) - 1) if fields[-1] == "JobName" else line.split("|")
         if len(cells) < len(fields):
             continue
-        for jid in expand_job_ids(cells[col["JobID"]]):
+        job_id = cells[col["JobID"]].strip()
+        if "." in job_id or job_id == "JobID":
+            continue  # a step (123.batch, 123.extern, 123.0) or a header, not a job
+        for jid in expand_job_ids(job_id):
             runs.setdefault(jid, []).append(cells)
     out: dict[str, JobRecord] = {}
     for jid, rows in runs.items():
@@ -178,7 +195,7 @@ def parse_squeue(text: str) -> dict[str, JobRecord]:
     out: dict[str, JobRecord] = {}
     for line in text.splitlines():
         cells = line.split("|", 5)
-        if len(cells) < 4:
+        if len(cells) < 4 or cells[0].strip() in ("", "JOBID"):
             continue
         name = cells[5] if len(cells) > 5 else ""
         for jid in expand_job_ids(cells[0].strip()):
@@ -243,13 +260,54 @@ def scancel(job_ids: list[str]) -> None:
 # ---------------------------------------------------------------- preflight: exclude bad nodes and requeue
 
 
+_SHOW_KEY_RE = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")
+
+
+def parse_scontrol_job(text: str) -> list[dict[str, str]]:
+    """``scontrol show job [-o]`` output -> one dict of ``Key: value`` per job (pure).
+
+    Values may hold spaces (``Command=/runs/my run/job.sh``, a ``Comment``) and ``=`` (``TRES=cpu=4,node=1``):
+    a key is a word followed by ``=`` after whitespace, and a key's first occurrence wins, so a comment
+    that says ``ExcNodeList=x`` after the real field cannot replace it.
+    """
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if any(ln[0].isspace() for ln in lines):  # the multi-line layout: indented continuation lines, a blank line between jobs
+        records = [" ".join(block.split("\n")) for block in re.split(r"\n\s*\n", text.strip())]
+    else:  # `-o`: one job per line
+        records = lines
+    out = []
+    for record in records:
+        fields: dict[str, str] = {}
+        keys = list(_SHOW_KEY_RE.finditer(record))
+        for k, m in enumerate(keys):
+            end = keys[k + 1].start() if k + 1 < len(keys) else len(record)
+            fields.setdefault(m.group(1), record[m.end():end].strip())
+        if fields:
+            out.append(fields)
+    return out
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """``scontrol show config`` output -> ``{Key: value}`` (pure); section titles and status lines are skipped."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if sep and key and " " not in key:
+            out.setdefault(key, value.strip())
+    return out
+
+
+def show_config() -> dict[str, str]:
+    """The controller's configuration (``scontrol show config``)."""
+    return parse_scontrol_config(_run(["scontrol", "show", "config"]).stdout)
+
+
 def parse_exc_node_list(show_job: str) -> str:
-    """``ExcNodeList`` from ``scontrol show job -o`` output; "" when it is ``(null)`` (pure)."""
-    for word in show_job.split():
-        if word.startswith("ExcNodeList="):
-            value = word.split("=", 1)[1]
-            return "" if value == "(null)" else value
-    return ""
+    """``ExcNodeList`` from ``scontrol show job -o`` output; "" when it is ``(null)`` or empty (pure)."""
+    jobs = parse_scontrol_job(show_job)
+    value = jobs[0].get("ExcNodeList", "") if jobs else ""
+    return "" if value in ("(null)", "") else value
 
 
 def merge_exclude(current: str, nodes: list[str]) -> str:

@@ -97,7 +97,7 @@ def expand_tasks_per_node(text: str) -> tuple[int, ...]:
     """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) to one count per node: (2, 2, 2, 1)."""
     counts: list[int] = []
     for part in text.split(","):
-        m = _TPN_RE.match(part.strip())
+        m = _TPN_RE.fullmatch(part.strip())
         if not m:
             raise RuntimeEnvError("SLURM_TASKS_PER_NODE is not in Slurm's 'N(xM),K' form", repr(text), "is this a Slurm job step?")
         counts += [int(m.group(1))] * int(m.group(2) or 1)

@@ -13,34 +13,30 @@ group), each part's script lists indices ``task - offset`` and exports
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import PurePosixPath
 
 import jinja2
 
 from ..errors import OneScriptTooFew, Problem, SpecError
 from ..plan import ArrayLimits, ArrayPart, Group, Plan
-from ..quoting import one_line, shell_quote
-from ..spec.model import OWNED_SBATCH_OPTIONS
+from ..quoting import one_line, sbatch_directive, shell_quote
+from ..resources import resource_dir
+from ..spec.sbatch_options import parse_extra
 
 TEMPLATE = "sbatch.sh.j2"
-
-# Options a spec field (or swiftslurm itself) sets: extra_sbatch may not set them a second way.
-_FIELD_OF_OPTION = OWNED_SBATCH_OPTIONS
-
 
 def _problem(path: str, what: str, found: str, hint: str) -> SpecError:
     return SpecError("spec", [Problem(path, what, found, hint)])
 
 
 def extra_options(extra: list[str]) -> list[tuple[str, str | None]]:
-    """``["--key=value", "--flag"]`` as (key, value|None); options swiftslurm sets elsewhere are refused."""
+    """``["--key=value", "--flag"]`` as (full option name, value|None), by the spec's own guard (``parse_extra``)."""
     out: list[tuple[str, str | None]] = []
     for opt in extra:
-        key, eq, value = opt[2:].partition("=")
-        if key in _FIELD_OF_OPTION:
-            raise _problem("slurm.extra_sbatch", f"--{key} is set by swiftslurm", repr(opt), f"use {_FIELD_OF_OPTION[key]} instead")
-        out.append((key, value if eq else None))
+        try:
+            out.append(parse_extra(opt))
+        except ValueError as exc:
+            raise _problem("slurm.extra_sbatch", str(exc), repr(opt), "see the spec reference in the README") from None
     return out
 
 
@@ -126,14 +122,8 @@ def log_pattern(plan: Plan) -> str:
     return str(PurePosixPath(plan.output_dir) / name)
 
 
-def _directive_line(key: str, value: str | None) -> str:
-    if value is None:
-        return f"#SBATCH --{key}"
-    return f"#SBATCH --{key}={shell_quote(one_line(value, f'#SBATCH --{key}'))}"
-
-
 def _template() -> jinja2.Template:
-    text = resources.files("swiftslurm.templates").joinpath(TEMPLATE).read_text()
+    text = resource_dir("templates").joinpath(TEMPLATE).read_text("utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = shell_quote
     return env.from_string(text)
@@ -177,7 +167,7 @@ def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = N
     if array:
         opts.append(("array", array))
     try:
-        directives = [_directive_line(k, v) for k, v in opts]
+        directives = [sbatch_directive(k, v) for k, v in opts]
         for key in plan.env:
             one_line(key, "an [env] name")
     except ValueError as exc:
@@ -197,4 +187,5 @@ def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = N
         srun_args=" ".join(shell_quote(a) for a in launch.srun_args),
         launch=launch.command(),
         task_offset=part.offset if part is not None else 0,
+        cpus_per_task=group.slurm.cpus_per_task,
     )

@@ -28,7 +28,7 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
     "slurm.max_requeues": "walltime requeues before the job gives up",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
-    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag` on one line; validated and quoted",
+    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets refused in every spelling (docs/submitting.md)",
     "slurm.setup": "shell lines run in the batch script before the ranks start (`module load cuda/12.4`, `source /shared/venv/bin/activate`): written verbatim, so they ARE shell; each entry one line, no NUL",
     "slurm.python": "the interpreter the ranks run (swiftslurm and submitit installed in it); unset = the submitting one, or `python3` inside a container",
     "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",

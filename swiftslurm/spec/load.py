@@ -152,6 +152,9 @@ def parse_toml(text: str, source: str = "spec") -> dict[str, Any]:
         line = int(m.group(1)) if m else None
         return_problem = Problem("", f"not valid TOML: {msg}", line=line, hint="check the quoting and brackets on that line")
         raise SpecError(source, [return_problem]) from None
+    except RecursionError:  # tomllib descends recursively into nested arrays and inline tables
+        raise SpecError(source, [Problem("", "the TOML nests arrays or inline tables too deeply to read", "thousands of levels",
+                                         "a job spec nests a few levels; check for a runaway '[' or '{'")]) from None
 
 
 def _sweep_overrides(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 
 from __future__ import annotations
 
+from ..dsconfig import MAX_NESTING
 from ..errors import did_you_mean
+from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
 import re
 from typing import Any, Literal, Union
 
@@ -16,29 +18,45 @@ MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
 CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLURM_WORD_RE = re.compile(r"[A-Za-z0-9._,\[\]\-:&|*!()]+")
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-_MEM_RE = re.compile(r"^\d+[KMGT]?$")
-_EXTRA_SBATCH_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[^\n\r\x00]*)?$")
-# sbatch options swiftslurm sets from other keys: extra_sbatch may not set them (option -> where to set it)
-OWNED_SBATCH_OPTIONS = {
-    "job-name": "job.name", "nodes": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
-    "ntasks": "slurm.nodes and slurm.tasks_per_node", "gpus-per-node": "slurm.gpus_per_node",
-    "cpus-per-task": "slurm.cpus_per_task", "mem": "slurm.mem", "time": "slurm.time",
-    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos",
-    "constraint": "slurm.constraint", "exclude": "slurm.exclude", "nodelist": "slurm.nodelist",
-    "reservation": "slurm.reservation", "signal": "slurm.signal_grace_s", "array": "[sweep]",
-    "output": "job.output_dir", "error": "job.output_dir", "open-mode": "(always append)",
-    "requeue": "(always on)", "no-requeue": "(requeue is how walltime stops resume)",
-    "wrap": "(the script is swiftslurm's)", "parsable": "(swiftslurm reads sbatch's answer)",
-}
+_TIME_RE = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
+_MEM_RE = re.compile(r"[0-9]+[KMGT]?")
+MAX_TIME_S = 365 * 86400
+# C0 control characters and DEL: never part of a path, a name or an sbatch value
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
+
+
+def _path(v: str) -> str:
+    """A path as the nodes will open it: non-empty, no control characters (a newline or NUL in a path is a typo)."""
+    if not v.strip() or _CONTROL_RE.search(v):
+        raise ValueError("a non-empty path without control characters (newline, tab, NUL, ...)")
+    return v
+
+
+def _plain_data(value: Any, where: str, depth: int = 0) -> None:
+    """A [deepspeed] or [sweep] value must be JSON data: finite numbers, no dates, at most MAX_NESTING deep."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"{where}: nested more than {MAX_NESTING} levels deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _plain_data(item, f"{where}.{key}", depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _plain_data(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        raise ValueError(f"{where}: a finite number, not {value}")
+    elif not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{where}: a string, number, boolean, list or table, not a TOML {type(value).__name__}")
 
 
 def time_limit_s(value: str) -> int:
     """Seconds in an sbatch ``--time`` value. Raises ValueError for anything sbatch would refuse."""
-    m = _TIME_RE.match(value.strip())
+    m = _TIME_RE.fullmatch(value)
     if not m:
         raise ValueError(value)
     days, a, b, c = m.groups()
@@ -53,7 +71,8 @@ def time_limit_s(value: str) -> int:
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: `num_train_epochs = inf` or `learning_rate = nan` is a typo, never a setting
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class JobTable(_Table):
@@ -63,16 +82,14 @@ class JobTable(_Table):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v) or len(v) > 128:
+        if not _NAME_RE.fullmatch(v) or len(v) > 128:
             raise ValueError("a Slurm job name of letters, digits, '.', '_' and '-' (at most 128)")
         return v
 
     @field_validator("output_dir")
     @classmethod
     def _out(cls, v: str) -> str:
-        if not v.strip() or "\n" in v or "\x00" in v:
-            raise ValueError("a non-empty path on one line")
-        return v
+        return _path(v)
 
 
 class SlurmTable(_Table):
@@ -91,7 +108,7 @@ class SlurmTable(_Table):
     time: str = "01:00:00"
     signal_grace_s: int = Field(120, ge=10, le=3600)
     max_requeues: int = Field(20, ge=0, le=1000)
-    array_parallelism: int | None = Field(None, ge=1)
+    array_parallelism: int | None = Field(None, ge=1, le=100_000)
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
     python: str | None = None
@@ -99,14 +116,14 @@ class SlurmTable(_Table):
     @field_validator("partition", "account", "qos", "constraint", "exclude", "nodelist", "reservation")
     @classmethod
     def _word(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z0-9._,\[\]\-:&|*!()]+$", v):
+        if v is not None and not _SLURM_WORD_RE.fullmatch(v):
             raise ValueError("a Slurm name without spaces or shell characters")
         return v
 
     @field_validator("mem")
     @classmethod
     def _mem(cls, v: str | None) -> str | None:
-        if v is not None and not _MEM_RE.match(v):
+        if v is not None and not _MEM_RE.fullmatch(v):
             raise ValueError("sbatch --mem syntax such as '0', '64G' or '500M'")
         return v
 
@@ -114,22 +131,20 @@ class SlurmTable(_Table):
     @classmethod
     def _time(cls, v: str) -> str:
         try:
-            if time_limit_s(v) <= 0:
+            if not 0 < time_limit_s(v) <= MAX_TIME_S:
                 raise ValueError(v)
         except ValueError:
-            raise ValueError("sbatch --time syntax such as '30', '01:00:00' or '1-12:00:00'") from None
+            raise ValueError("sbatch --time syntax such as '30', '01:00:00' or '1-12:00:00' (at most 365 days)") from None
         return v
 
     @field_validator("extra_sbatch")
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
-        for opt in v:
-            if not _EXTRA_SBATCH_RE.fullmatch(opt):
-                raise ValueError(f"each entry as '--key=value' or '--flag' on one line, not {opt!r}")
-            key = opt[2:].partition("=")[0]
-            if key in OWNED_SBATCH_OPTIONS:
-                raise ValueError(f"--{key} is set by swiftslurm, not through extra_sbatch ({opt!r}). HINT: use {OWNED_SBATCH_OPTIONS[key]}")
-        return v
+        out = []
+        for opt in v:  # resolved the way sbatch resolves it, and kept under the option's full name
+            option, value = parse_extra(opt)
+            out.append(f"--{option}" if value is None else f"--{option}={value}")
+        return out
 
     @field_validator("setup")
     @classmethod
@@ -164,6 +179,11 @@ class SlurmTable(_Table):
                 f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node ({self.gpus_per_node}): "
                 "swiftslurm runs one rank per GPU. HINT: drop tasks_per_node or set it to gpus_per_node"
             )
+        for opt in self.extra_sbatch:
+            option = opt[2:].partition("=")[0]
+            if self.mem is not None and option in MEM_CONFLICTS:
+                raise ValueError(f"extra_sbatch {opt!r} and slurm.mem = {self.mem!r} both set the memory (sbatch refuses both). "
+                                 "HINT: drop one of them")
         if self.signal_grace_s >= self.time_limit_s:
             raise ValueError(
                 f"signal_grace_s ({self.signal_grace_s}) must be shorter than the time limit "
@@ -183,17 +203,17 @@ class TrainTable(_Table):
     per_device_train_batch_size: int = Field(1, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
     learning_rate: float = Field(1e-4, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    max_steps: int | None = Field(None, ge=1)
-    num_train_epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
+    num_train_epochs: float | None = Field(None, gt=0, le=1_000_000)
     max_length: int = Field(2048, ge=8, le=1_048_576)
-    save_steps: int = Field(100, ge=1)
-    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(100, ge=1, le=MAX_COUNT)
+    logging_steps: int = Field(10, ge=1, le=MAX_COUNT)
     seed: int = Field(42, ge=0, lt=2**32)
     lora_rank: int = Field(8, ge=1, le=4096)
-    lora_alpha: int = Field(32, ge=1)
+    lora_alpha: int = Field(32, ge=1, le=1_000_000)
     lora_dropout: float = Field(0.05, ge=0, lt=1)
     lora_target_modules: Union[str, list[str]] = "all-linear"
     report_to: list[Literal["tensorboard", "none"]] = Field(default_factory=lambda: ["tensorboard"])
@@ -204,12 +224,24 @@ class TrainTable(_Table):
     def _one_dataset(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    @field_validator("dataset", "command")
+    @field_validator("dataset")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        return [_path(item) for item in v]
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or _CONTROL_RE.search(v)):
+            raise ValueError("a hub id or a path, without control characters")
+        return v
+
+    @field_validator("command")
     @classmethod
     def _nonempty_items(cls, v: list[str]) -> list[str]:
         for item in v:
             if not item or "\x00" in item:
-                raise ValueError("non-empty strings")
+                raise ValueError("non-empty strings")  # an argv word may hold newlines, never NUL
         return v
 
     @field_validator("deepspeed")
@@ -218,7 +250,7 @@ class TrainTable(_Table):
         from .. import dsconfig
 
         if v.endswith(".json") or "/" in v:
-            return v  # a user file: its existence and content are checked by check_files()
+            return _path(v)  # a user file: its existence and content are checked by check_files()
         presets = dsconfig.preset_names()
         if v not in presets:
             close = did_you_mean(v, presets)
@@ -262,12 +294,17 @@ class PreflightTable(_Table):
     checks: list[Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]] = Field(
         default_factory=lambda: ["ports", "allreduce", "iperf3", "nvme"]
     )
-    min_allreduce_busbw_gbps: float = Field(0.0, ge=0)
-    min_iperf3_gbps: float = Field(20.0, ge=0)
-    min_nvme_iops: int = Field(50000, ge=0)
-    min_disk_free_gb: float = Field(1.0, ge=0)
+    min_allreduce_busbw_gbps: float = Field(0.0, ge=0, le=1_000_000)
+    min_iperf3_gbps: float = Field(20.0, ge=0, le=1_000_000)
+    min_nvme_iops: int = Field(50000, ge=0, le=MAX_COUNT)
+    min_disk_free_gb: float = Field(1.0, ge=0, le=1_000_000_000)
     nvme_path: str = "/tmp"
     on_failure: Literal["abort", "warn", "exclude"] = "abort"
+
+    @field_validator("nvme_path")
+    @classmethod
+    def _nvme(cls, v: str) -> str:
+        return _path(v)
     timeout_s: int = Field(60, ge=5, le=3600)
 
 
@@ -299,7 +336,7 @@ class ContainerTable(_Table):
     @classmethod
     def _mounts(cls, v: list[str]) -> list[str]:
         for m in v:
-            match = _MOUNT_RE.match(m)
+            match = _MOUNT_RE.fullmatch(m)
             if not match:
                 raise ValueError(f"each mount as 'SRC:DST' or 'SRC:DST:FLAGS' (no commas, no line breaks), not {m!r}")
             if not match.group(2).startswith("/"):
@@ -317,7 +354,7 @@ class ContainerTable(_Table):
     @classmethod
     def _env_names(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not _ENV_NAME_RE.match(name):
+            if not _ENV_NAME_RE.fullmatch(name):
                 raise ValueError(f"names of environment variables to pass into the container, like NCCL_DEBUG, not {name!r}")
         return v
 
@@ -325,7 +362,7 @@ class ContainerTable(_Table):
     def _cross(self) -> "ContainerTable":
         if self.runtime == "apptainer":
             for m in self.mounts:
-                flags = _MOUNT_RE.match(m).group(3)  # type: ignore[union-attr]
+                flags = _MOUNT_RE.fullmatch(m).group(3)  # type: ignore[union-attr]
                 if flags not in (None, "ro", "rw"):
                     raise ValueError(f"Apptainer bind options are 'ro' or 'rw', not {flags!r} in {m!r}")
         return self
@@ -349,7 +386,7 @@ class JobSpec(_Table):
             return v
         out = {}
         for key, val in v.items():
-            if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
+            if not isinstance(key, str) or not _ENV_NAME_RE.fullmatch(key):
                 raise ValueError(f"environment variable names like NCCL_DEBUG, not {key!r}")
             if isinstance(val, bool) or not isinstance(val, (str, int, float)):
                 raise ValueError(f"env.{key}: a string value such as \"1\", found {type(val).__name__} {val!r}")
@@ -365,6 +402,13 @@ class JobSpec(_Table):
         for key, values in v.items():
             if not values:
                 raise ValueError(f"sweep.{key}: at least one value")
+            _plain_data(values, f"sweep.{key}")
+        return v
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _ds_table(cls, v: dict[str, Any]) -> dict[str, Any]:
+        _plain_data(v, "deepspeed")
         return v
 
     @property

@@ -39,6 +39,9 @@ forward_usr2() {
 }
 trap forward_usr2 USR2
 
+# srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: without this each rank is bound to one CPU.
+export SRUN_CPUS_PER_TASK=1
+
 # Every rank runs inside the container: apptainer /work/jobs/images/pytorch.sif
 srun --kill-on-bad-exit=1 --unbuffered apptainer exec --nv --bind /lustre/data:/data:ro --bind /scratch:/scratch --bind /work/jobs/out:/work/jobs/out --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif python3 -m swiftslurm run --plan /work/jobs/out/swiftslurm-plan.json &
 srun_pid=$!

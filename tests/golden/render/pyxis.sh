@@ -36,6 +36,9 @@ forward_usr2() {
 }
 trap forward_usr2 USR2
 
+# srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: without this each rank is bound to one CPU.
+export SRUN_CPUS_PER_TASK=1
+
 # Every rank runs inside the container: pyxis nvcr.io#nvidia/pytorch:24.05-py3@sha256:0123abcd
 srun --kill-on-bad-exit=1 --unbuffered '--container-image=nvcr.io#nvidia/pytorch:24.05-py3@sha256:0123abcd' --container-mounts=/lustre/data:/data:ro,/work/jobs/models:/models,/work/jobs/out:/work/jobs/out --container-workdir=/workspace --container-writable --container-env=HF_TOKEN,NCCL_DEBUG python3 -m swiftslurm run --plan /work/jobs/out/swiftslurm-plan.json &
 srun_pid=$!

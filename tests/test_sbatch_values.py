@@ -1,0 +1,127 @@
+"""What reaches Slurm is what the spec said: #SBATCH values through sbatch's own tokenizer, and each
+rank's CPUs (srun of 22.05-23.02 does not inherit --cpus-per-task)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swiftslurm import slurm
+from swiftslurm.plan import make_plan
+from swiftslurm.slurm.render import render_sbatch
+from swiftslurm.spec import parse_spec, parse_toml
+
+# backslashes, both quotes, '#' (a comment to sbatch), '$' and spaces: sbatch's tokenizer eats or cuts each unless quoted right
+ODD_COMMENT = "a\\b c\\\\d 'e' \"f\" #g $h %i"
+
+
+def plan_of(toml: str, base: Path):
+    return make_plan(parse_spec(toml), parse_toml(toml), str(base))
+
+
+def odd_plan(tmp_path: Path):
+    entry = json.dumps(f"--comment={ODD_COMMENT}")  # a TOML basic string is JSON-compatible here
+    return plan_of(f'[job]\noutput_dir = "out"\n[slurm]\ntime = "5"\nextra_sbatch = [{entry}]\n[train]\ncommand = ["true"]\n', tmp_path)
+
+
+def submitit_script(plan, folder: Path) -> str:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from swiftslurm.submit import slurm_parameters
+
+    params = slurm_parameters(plan)
+    return _make_sbatch_string(command="true", folder=str(folder), **params)
+
+
+def test_the_submitit_script_gives_srun_the_cpus_per_task(tmp_path):
+    toml = '[slurm]\ncpus_per_task = 3\n[train]\ncommand = ["true"]\n'
+    script = submitit_script(plan_of(toml, tmp_path), tmp_path)
+    srun = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert srun and "--cpus-per-task=3" in srun[0]
+    assert "export SRUN_CPUS_PER_TASK=3\n" in render_sbatch(plan_of(toml, tmp_path))
+
+
+def held_comment(script: Path) -> str:
+    """Submit held, read back the job's Comment as slurmctld stored it, cancel."""
+    proc = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    job_id = slurm.parse_sbatch_parsable(proc.stdout)
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30).stdout
+        (job,) = slurm.parse_scontrol_job(shown)
+        return job["Comment"]
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
+@pytest.mark.slurm
+def test_sbatch_reads_back_odd_values_from_the_rendered_script(slurm_cluster, tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text(render_sbatch(odd_plan(tmp_path)))
+    assert held_comment(script) == ODD_COMMENT
+
+
+@pytest.mark.slurm
+def test_sbatch_reads_back_odd_values_from_the_submitit_script(slurm_cluster, tmp_path):
+    script = tmp_path / "submitit.sh"
+    script.write_text(submitit_script(odd_plan(tmp_path), tmp_path))
+    assert held_comment(script) == ODD_COMMENT
+
+
+PROBE = (
+    "import json, os, sys; from pathlib import Path; rank = os.environ.get('RANK', os.environ.get('SLURM_PROCID'));"
+    "Path(sys.argv[1], f'cpus-{rank}.json').write_text(json.dumps("
+    "{'affinity': len(os.sched_getaffinity(0)), 'SRUN_CPUS_PER_TASK': os.environ.get('SRUN_CPUS_PER_TASK')}))"
+)
+
+
+@pytest.mark.slurm
+def test_every_rank_gets_cpus_per_task_cpus(slurm_cluster, tmp_path):
+    """With task/affinity (tests/cluster/slurm.conf.in) a rank sees cpus_per_task CPUs, not one.
+
+    Runs both submit paths: the rendered script (plain sbatch) and submitit (`swiftslurm submit`).
+    """
+    toml = f"""
+[job]
+output_dir = "out"
+[slurm]
+nodes = 1
+tasks_per_node = 2
+cpus_per_task = 2
+time = "3"
+signal_grace_s = 10
+[preflight]
+checks = []
+[train]
+command = ["{sys.executable}", "-c", "{PROBE}", "{tmp_path / 'probe'}"]
+"""
+    (tmp_path / "probe").mkdir()
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text(toml)
+    cli = [sys.executable, "-m", "swiftslurm"]
+    r = subprocess.run([*cli, "submit", str(spec_file), "--executor", "slurm", "--wait"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    submitit_runs = sorted((tmp_path / "probe").glob("cpus-*.json"))
+    for p in submitit_runs:
+        p.rename(p.with_name("submitit-" + p.name))
+    r = subprocess.run([*cli, "render", str(spec_file), "-o", str(tmp_path / "job.sh")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    from conftest import wait_for_job
+
+    job_id = slurm.parse_sbatch_parsable(subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sh")], cwd=tmp_path,
+                                                        capture_output=True, text=True, timeout=30).stdout)
+    wait_for_job(job_id, timeout_s=180)
+    rendered_runs = sorted((tmp_path / "probe").glob("cpus-*.json"))
+    assert len(submitit_runs) == 2 and len(rendered_runs) == 2, (submitit_runs, rendered_runs)
+    seen = {p.name: json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")}
+    assert all(v["SRUN_CPUS_PER_TASK"] == "2" for k, v in seen.items() if not k.startswith("submitit-")), seen
+    task_plugin = slurm.show_config().get("TaskPlugin", "")
+    if "affinity" not in task_plugin and "cgroup" not in task_plugin:
+        pytest.fail(f"the test cluster runs TaskPlugin={task_plugin}, so ranks are not bound and this test cannot see the "
+                    "binding; restart it to pick up tests/cluster/slurm.conf.in (task/affinity): "
+                    "bash tests/cluster/down.sh && bash tests/cluster/up.sh")
+    assert {k: v["affinity"] for k, v in seen.items()} == {k: 2 for k in seen}, seen
