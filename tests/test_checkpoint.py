@@ -265,11 +265,11 @@ def test_prune_with_keep_one_never_deletes_the_only_verified(tmp_path):
     assert ck.newest_verified(tmp_path, log=None) == ck.final_dir(tmp_path, 1)
 
 
-def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
-    from swiftslurm.checkpoint.manifest import MMAP_MIN_BYTES, MMAP_SLICE_BYTES
+def test_large_files_hash_in_chunks_and_damage_is_still_found(tmp_path):
+    from swiftslurm.checkpoint.manifest import CHUNK_BYTES
 
     stage = ck.prepare_staging(tmp_path, 1)
-    big = os.urandom(MMAP_SLICE_BYTES + MMAP_MIN_BYTES + 123)  # two slices, not a multiple of either
+    big = os.urandom(3 * CHUNK_BYTES + 123)  # several chunks, not a multiple of one
     (stage / "big.pt").write_bytes(big)
     (stage / "empty.pt").write_bytes(b"")
     m = ck.commit(stage, ck.final_dir(tmp_path, 1), algo="xxh3", meta={})
@@ -282,6 +282,105 @@ def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
         f.seek(len(big) - 5)
         f.write(bytes([big[-5] ^ 0x80]))
     assert ck.verify(ck.final_dir(tmp_path, 1)).problems == ["big.pt: xxh3_128 checksum mismatch (content changed)"]
+
+
+# ---------------------------------------------------------------- unreadable files are damage, not a crash
+# Faults that are real for root (the tests run as root, so chmod 000 would not stop a read): a dangling
+# symlink, a FIFO (whose open() blocks forever), a directory in a file's place, and a real EIO from the
+# kernel: /proc/self/mem read at offset 0 (an unmapped address) fails with EIO. It stats as 0 bytes, so it
+# stands in for a file the manifest lists as empty, and the read() error path is what a failing disk takes.
+
+
+def dangling_symlink(ck_dir: Path) -> str:
+    rel = "global_step3/mp_rank_00_model_states.pt"
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).symlink_to("/nonexistent/scratch/mp_rank_00_model_states.pt")
+    return rel
+
+
+def fifo(ck_dir: Path) -> str:
+    rel = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (ck_dir / rel).unlink()
+    os.mkfifo(ck_dir / rel)
+    return rel
+
+
+def directory(ck_dir: Path) -> str:
+    rel = "scheduler.pt"
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).mkdir()
+    return rel
+
+
+def eio(ck_dir: Path) -> str:
+    rel = "added_tokens.json"  # committed empty (see make_checkpoint_with_empty_file)
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).symlink_to("/proc/self/mem")
+    return rel
+
+
+def fifo_manifest(ck_dir: Path) -> str:
+    (ck_dir / "manifest.json").unlink()
+    os.mkfifo(ck_dir / "manifest.json")
+    return "manifest.json"
+
+
+UNREADABLE = {
+    "dangling symlink": (dangling_symlink, "dangling symlink to /nonexistent/scratch/mp_rank_00_model_states.pt"),
+    "fifo": (fifo, "a FIFO, not a regular file"),
+    "directory": (directory, "a directory where the manifest lists a file"),
+    "eio": (eio, "Input/output error (EIO)"),
+    "fifo manifest": (fifo_manifest, "a FIFO, not a regular file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_unreadable_file_is_damage_named_with_its_error_and_resume_falls_back(tmp_path, kind):
+    damage, words = UNREADABLE[kind]
+    for step in (1, 2, 3):
+        stage = ck.prepare_staging(tmp_path, step)
+        write_hf_like(stage, step)
+        (stage / "added_tokens.json").write_bytes(b"")
+        ck.commit(stage, ck.final_dir(tmp_path, step), algo="xxh3", meta={})
+    rel = damage(ck.final_dir(tmp_path, 3))
+
+    cli = run_cli("verify", str(tmp_path))  # a subprocess with a timeout: a FIFO must not hang it
+    assert cli.returncode == 5, cli.stdout + cli.stderr
+    flat = " ".join(cli.stdout.split())
+    assert "Traceback" not in cli.stderr and "resumes from checkpoint-2" in flat, cli.stdout + cli.stderr
+    assert rel.split("/")[-1] in flat and words.split()[0] in flat, cli.stdout
+
+    result = ck.verify(ck.final_dir(tmp_path, 3))
+    assert not result.ok and any(p.startswith(f"{rel}:") and words in p for p in result.problems), result.problems
+    logged: list[str] = []
+    assert ck.newest_verified(tmp_path, log=logged.append) == ck.final_dir(tmp_path, 2)
+    assert len(logged) == 1 and rel in logged[0] and words in logged[0], logged
+    ck.prune(tmp_path, keep=2)  # retention does not crash on it either; a newer damaged one stays for inspection
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-2", "checkpoint-1"]
+
+
+SHRINK_WHILE_HASHING = """
+import os, sys
+from pathlib import Path
+from swiftslurm import checkpoint as ck
+out = Path(sys.argv[1])
+stage = ck.prepare_staging(out, 1)
+(stage / "big.pt").write_bytes(os.urandom(64 << 20))
+ck.commit(stage, ck.final_dir(out, 1), algo="xxh3", meta={})
+big = ck.final_dir(out, 1) / "big.pt"
+def shrink(done, total):
+    if done < total // 2 and big.stat().st_size == total:
+        os.truncate(big, 1 << 20)  # the file shrinks under the hash, as a page that cannot be read does
+result = ck.verify(ck.final_dir(out, 1), progress=shrink, workers=1)
+print("PROBLEMS", result.problems)
+"""
+
+
+def test_a_file_that_shrinks_under_the_hash_is_damage_not_sigbus(tmp_path):
+    """Hashing through mmap turned this (and an EIO on a mapped page) into SIGBUS, killing the process."""
+    proc = subprocess.run([sys.executable, "-c", SHRINK_WHILE_HASHING, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "big.pt: read" in proc.stdout and "changed while verifying" in proc.stdout, proc.stdout
 
 
 def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):

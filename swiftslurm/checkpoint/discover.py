@@ -29,7 +29,11 @@ def newest_verified(output_dir: Path | str, log: Callable[[str], None] | None = 
     """Newest to oldest, the first checkpoint that verifies; each damaged one skipped is logged with why."""
     log = log or (lambda _msg: None)
     for ckpt in list_checkpoints(output_dir):
-        result = verify(ckpt)
+        try:
+            result = verify(ckpt)
+        except OSError as exc:  # verify reports unreadable files itself; this is the last line of defence
+            log(f"swiftslurm: skipping unreadable {ckpt.name}: {exc}")
+            continue
         if result.ok:
             return ckpt
         log(f"swiftslurm: skipping damaged {ckpt.name}: {result.summary()}")
