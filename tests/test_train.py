@@ -5,7 +5,7 @@ Few, combined runs (each costs ~20-40 s on 2 cores, most of it imports):
            TensorBoard metric is there with plausible values, metrics.jsonl, the rank-0 summary
   stop     same spec, rank 0 alone sees a walltime stop at step 7: every rank saves and stops; a slowed
            commit outlasts signal_grace_s = 10 and the trainer warns
-  resume   from that checkpoint to step 10: losses of steps 8-10 equal the demo run's
+  resume   from that checkpoint to step 10 (rank 1's listing stale): losses of steps 8-10 equal the demo run's
   zero3    full FT: consolidated 16-bit weights load with from_pretrained, same logits as the shards
   offload  zero2_offload + LoRA: trains, saves an adapter that loads with peft
 """
@@ -170,7 +170,10 @@ def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
     data["train"]["max_steps"] = 10  # constant lr: the first 10 steps are those of the 50-step run
     Path(spec).write_text(to_toml(data))
     assert ck.newest_verified(out, log=None) == out / "checkpoint-7"
-    results = run(spec, out, resume=str(out / "checkpoint-7"))
+    # as `swiftslurm run` does: the newest verified, chosen by rank 0; rank 1's listing is stale (it misses
+    # checkpoint-7 and, deciding alone, would start fresh): the ranks still resume from the same step
+    results = run(spec, out, resume="newest", extra_env={ck.discover.STALE_LISTING_ENV: "1"})
+    assert f"every rank (2) resumes from {out / 'checkpoint-7'}" in results[0]["stdout"]
     assert results[0]["global_step"] == 10
     resumed, reference = losses(out), losses(demo[1])
     for step in (8, 9, 10):

@@ -5,7 +5,8 @@
     ... every rank writes its files into stage; barrier ...
     ck.commit(stage, ck.final_dir(out, step), algo="xxh3", meta={...})   # rank 0
     ck.prune(out, keep)                                                  # rank 0
-    resume_from = ck.newest_verified(out)                                # at every start
+    resume_from = ck.newest_verified(out)                                # at every start (rank 0)
+    ck.agree_resume_point(out, rank, node, exchange, decide)             # ... and the same on every rank
 
 See docs/checkpoints.md.
 """
@@ -15,8 +16,13 @@ from .names import final_dir, staging_dir, step_of
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .verify import VerifyResult, verify
+from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
 
 __all__ = [
+    "Exchange",
+    "SingleRank",
+    "agree_resume_point",
+    "readable_problem",
     "MANIFEST_NAME",
     "Manifest",
     "ManifestError",
