@@ -141,13 +141,14 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     cuda = _prepare_device_env()
     import transformers
 
-    from . import resume
+    from . import nvme_swap, resume
     from .data import Collator, load_dataset
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
+    ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     args = training_arguments(spec, output_dir, ds_config, cuda)  # before the model: ZeRO-3 init needs it
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     model, tok = load_model_and_tokenizer(spec, cuda)
@@ -183,6 +184,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
         comm.uninstall()
+        nvme_swap.cleanup(swap_folders, dist.rank)
     return _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank)
 
 
