@@ -395,3 +395,41 @@ def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):
     buf = io.StringIO()
     assert verify_cmd.verify_command(Console(file=buf, force_terminal=True, width=160), tmp_path) == 0
     assert "verifying checkpoint-1" in buf.getvalue() and "verified" in buf.getvalue()
+
+
+# ---------------------------------------------------------------- does a walltime save fit the grace period
+
+
+@pytest.mark.parametrize("save_s,step_s,grace,fits,suggested", [
+    (50.0, 10.0, 120, True, 80),
+    (110.0, 10.0, 120, True, 150),   # exactly grace - step: fits
+    (110.5, 10.0, 120, False, 160),
+    (600.0, 30.0, 120, False, 790),  # a 1 TB save: ten minutes
+    (5.0, 0.0, 1, False, 10),
+])
+def test_grace_advice_names_the_value_to_set(save_s, step_s, grace, fits, suggested):
+    from swiftslurm.checkpoint import savetime
+
+    advice = savetime.grace_advice(save_s, step_s, grace)
+    assert (advice is None) == fits
+    assert savetime.suggested_grace_s(save_s, step_s) == suggested
+    assert savetime.grace_advice(save_s, step_s, suggested) is None  # the suggestion is enough
+    if not fits:
+        assert f"slurm.signal_grace_s = {grace} s" in advice and advice.endswith(f"HINT: set slurm.signal_grace_s = {suggested}")
+
+
+def test_commit_reports_its_phases_and_the_save_record_round_trips(tmp_path):
+    from swiftslurm.checkpoint import savetime
+
+    stage = ck.prepare_staging(tmp_path, 1)
+    write_hf_like(stage, 1)
+    timings: dict[str, float] = {}
+    ck.commit(stage, ck.final_dir(tmp_path, 1), algo="xxh3", meta={}, timings=timings)
+    assert sorted(timings) == ["commit", "fsync", "hash"] and all(v >= 0 for v in timings.values())
+    assert savetime.read_save(tmp_path) is None
+    record = savetime.record_save(tmp_path, 1, 130.0, {"write": 100.0, **timings, "prune": 0.1}, 12.0, 120)
+    assert savetime.read_save(tmp_path) == record
+    assert record["save_s"] == 130.0 and record["write_s"] == 100.0 and not record["fits_grace"]
+    assert record["advice"].endswith("HINT: set slurm.signal_grace_s = 180")
+    (tmp_path / savetime.SAVE_FILE).write_text("{not json")
+    assert savetime.read_save(tmp_path) is None

@@ -16,6 +16,7 @@ from .names import final_dir, staging_dir, step_of
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .verify import VerifyResult, verify
+from . import savetime
 from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
 
 __all__ = [

@@ -20,6 +20,7 @@ import torch.distributed as tdist
 from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
+from ..checkpoint import savetime
 from .metrics import MetricsFile, StepMeter
 
 log = logging.getLogger("swiftslurm.train")
@@ -118,6 +119,7 @@ class SFTTrainer(Trainer):
         _barrier()
         super()._save_checkpoint(model, trial)
         _barrier()
+        phases: dict[str, float] = {"write": time.perf_counter() - start}
         if self.args.process_index == 0:
             link.unlink()
             try:
@@ -128,28 +130,26 @@ class SFTTrainer(Trainer):
                     "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"]}
             final = ck.final_dir(out, step)
-            ck.commit(staging, final, algo=self.job["checksum"], meta=meta)
+            ck.commit(staging, final, algo=self.job["checksum"], meta=meta, timings=phases)
             self.committed.append(str(final))
         _barrier()
         if self.args.process_index == 0:
+            t_prune = time.perf_counter()
             for path in ck.prune(out, self.job["keep"]):
                 log.info("pruned old checkpoint %s", path)
+            phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
         self.save_seconds.append(seconds)
-        self.log({"checkpoint_save_s": seconds})
-        self._check_grace(seconds)
+        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}})
+        if self.args.process_index == 0:
+            self._check_grace(step, seconds, phases)
 
-    def _check_grace(self, save_s: float) -> None:
-        """Warn once when slurm.signal_grace_s cannot cover one step plus one save."""
-        step_s = self.meter.last_step_s
-        if self.job.get("grace_warned") or step_s is None:
-            return
-        self.job["grace_warned"] = True
-        if self.job["signal_grace_s"] < step_s + save_s:
-            log.warning("slurm.signal_grace_s = %d s is shorter than one step + one save (%.1f s + %.1f s): "
-                        "a walltime stop may be killed mid-save. HINT: raise signal_grace_s.",
-                        self.job["signal_grace_s"], step_s, save_s)
-
+    def _check_grace(self, step: int, save_s: float, phases: dict[str, float]) -> None:
+        """Record this save's phases (checkpoint-save.json) and warn when a walltime save would not fit
+        slurm.signal_grace_s after one step, with the value to set."""
+        record = savetime.record_save(self.args.output_dir, step, save_s, phases, self.meter.last_step_s, self.job["signal_grace_s"])
+        if record["advice"]:
+            log.warning("%s", record["advice"])
 
 class ScheduleCallback(TrainerCallback):
     """Forced saves at fractions of max_steps and at the last step, plus the walltime stop.
