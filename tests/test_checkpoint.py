@@ -433,3 +433,28 @@ def test_commit_reports_its_phases_and_the_save_record_round_trips(tmp_path):
     assert record["advice"].endswith("HINT: set slurm.signal_grace_s = 180")
     (tmp_path / savetime.SAVE_FILE).write_text("{not json")
     assert savetime.read_save(tmp_path) is None
+
+
+def test_prune_after_a_restart_does_not_rehash_checkpoints_this_job_verified(tmp_path):
+    """A requeued job is a new process: the first prune must not re-hash the `keep` checkpoints earlier runs
+    committed (at 1 TB each, tens of minutes inside the save barrier). The fingerprints are kept in the
+    output dir; a checkpoint whose files changed is hashed again."""
+    from swiftslurm.checkpoint import cache
+
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step)
+    # a byte changes in checkpoint-2 behind our back, size, inode and mtime kept: only hashing could tell
+    shard = ck.final_dir(tmp_path, 2) / "scheduler.pt"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    with open(shard, "r+b") as f:
+        f.write(data)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cache._fingerprints.clear()  # the requeued job's new process
+    make_checkpoint(tmp_path, 4)
+    removed = ck.prune(tmp_path, keep=3)
+    assert [p.name for p in removed] == ["checkpoint-1"]  # beyond keep; checkpoint-2 was trusted, not re-hashed
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-3", "checkpoint-2"]
+    assert "checkpoint-1" not in json.loads((tmp_path / cache.CACHE_FILE).read_text())
+    assert not ck.verify(ck.final_dir(tmp_path, 2)).ok  # resume never trusts the cache: it hashes

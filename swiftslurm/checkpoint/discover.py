@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
+from .cache import forget
 from .verify import verify, verify_cached
 
 
@@ -96,4 +97,5 @@ def prune(output_dir: Path | str, keep: int) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
         else:
             _remove(p)
+            forget(p)
     return removed
