@@ -91,6 +91,17 @@ def test_commit_uses_rank_hashes_and_hashes_the_rest(tmp_path):
     assert ck.verify(ck.final_dir(tmp_path, 3)).ok
 
 
+def test_each_rank_hashes_the_files_it_wrote_and_rank_0_merges(tmp_path):
+    stage = ck.prepare_staging(tmp_path, 5)
+    write_hf_like(stage, 5, world_size=3)
+    parts = {rank: ck.hash_own_files(stage, rank, "xxh3") for rank in (1, 2)}
+    assert sorted(parts[1]) == ["global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
+    assert sorted(parts[2]) == ["global_step5/zero_pp_rank_2_mp_rank_00_optim_states.pt", "rng_state_2.pth"]
+    reference = ck.hash_files(stage, None, "xxh3")
+    m = ck.commit(stage, ck.final_dir(tmp_path, 5), algo="xxh3", meta={}, hashes={**parts[1], **parts[2]})
+    assert m.files == reference and ck.verify(ck.final_dir(tmp_path, 5)).ok
+
+
 def test_prepare_staging_drops_leftovers_of_a_killed_save(tmp_path):
     stage = ck.staging_dir(tmp_path, 5)
     (stage / "global_step5").mkdir(parents=True)

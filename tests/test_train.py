@@ -106,6 +106,7 @@ def test_demo_loss_halves_and_checkpoints_verify(demo):
     assert [Path(p).name for p in results[0]["checkpoints"]] == ["checkpoint-25", "checkpoint-50"]
     for name in ("checkpoint-25", "checkpoint-50"):
         assert ck.verify(out / name).ok, ck.verify(out / name).problems
+        assert ck.read_manifest(out / name).meta["hashed_on_ranks"] == 2  # rank 1 hashed its rng state and optimizer shard
     assert (out / "latest").read_text().strip().endswith("checkpoint-50")
     assert not (out / ".swiftslurm-save").exists() and not list(out.glob(".staging-*"))
     stdout = results[0]["stdout"]

@@ -11,7 +11,7 @@
 See docs/checkpoints.md.
 """
 
-from .commit import atomic_write_text, commit, prepare_staging
+from .commit import atomic_write_text, commit, hash_own_files, prepare_staging
 from .names import final_dir, staging_dir, step_of
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
@@ -33,6 +33,7 @@ __all__ = [
     "commit",
     "final_dir",
     "hash_files",
+    "hash_own_files",
     "list_checkpoints",
     "newest_verified",
     "prepare_staging",

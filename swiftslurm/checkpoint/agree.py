@@ -14,18 +14,14 @@ this module never imports torch.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from ..errors import CheckpointUnreadable
 from .manifest import ManifestError, describe_os_error, file_kind, read_manifest
-from .names import step_of
+from .names import owner_rank, step_of
 
-# Files that belong to one rank in the HF Trainer + DeepSpeed layout: rng_state_<process index>.pth,
-# [bf16_]zero_pp_rank_<dp rank>_mp_rank_<mp>_{optim,model}_states.pt. Every other file is read by all.
-_RANK_FILE = re.compile(r"(?:^|/)(?:rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_\w+\.pt)$")
 
 
 class Exchange(Protocol):
@@ -48,13 +44,7 @@ class SingleRank:
 
 def files_of_rank(files: dict[str, Any], rank: int) -> list[str]:
     """The manifest entries rank ``rank`` loads: its own per-rank files and every shared one (pure)."""
-    out = []
-    for rel in files:
-        m = _RANK_FILE.search(rel)
-        owner = next((int(g) for g in m.groups() if g is not None), None) if m else None
-        if owner is None or owner == rank:
-            out.append(rel)
-    return sorted(out)
+    return sorted(rel for rel in files if owner_rank(rel) in (None, rank))
 
 
 def readable_problem(ckpt: Path | str, rank: int) -> str | None:

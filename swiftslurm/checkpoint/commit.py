@@ -21,7 +21,7 @@ from pathlib import Path
 from ..fsutil import atomic_write_text, fsync_path
 from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
-from .names import DELETING_PREFIX, LATEST_NAME, staging_dir, step_of
+from .names import DELETING_PREFIX, LATEST_NAME, owner_rank, staging_dir, step_of
 
 
 # Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
@@ -41,6 +41,14 @@ def _test_delay() -> None:
     delay = os.environ.get(DELAY_ENV)
     if delay:
         time.sleep(float(delay))
+
+
+def hash_own_files(staging: Path | str, rank: int, algo: str) -> dict[str, dict]:
+    """What one rank contributes to ``commit(hashes=...)``: the hashes of the files it wrote itself
+    (``names.owner_rank``), computed on that rank, in parallel with every other rank, before rank 0 commits."""
+    staging = Path(staging)
+    own = [rel for rel in walk_files(staging) if owner_rank(rel) == rank]
+    return hash_files(staging, own, algo) if own else {}
 
 
 def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None,

@@ -32,6 +32,18 @@ def _barrier() -> None:
         tdist.barrier()
 
 
+def _gather_hashes(own: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's ``hash_own_files`` merged on rank 0 (other ranks get {})."""
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return dict(own)
+    parts: list[dict] | None = [{} for _ in range(tdist.get_world_size())] if tdist.get_rank() == 0 else None
+    tdist.gather_object(own, parts, dst=0)
+    merged: dict[str, dict] = {}
+    for part in parts or []:
+        merged.update(part or {})
+    return merged
+
+
 def _all_reduce(values: list[float], op, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if tdist.is_available() and tdist.is_initialized():
@@ -120,6 +132,12 @@ class SFTTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         _barrier()
         phases: dict[str, float] = {"write": time.perf_counter() - start}
+        # every rank hashes the files it wrote, in parallel; rank 0 hashes the shared ones in commit and merges
+        t_hash = time.perf_counter()
+        rank = self.args.process_index
+        own = ck.hash_own_files(staging, rank, self.job["checksum"]) if rank != 0 else {}
+        phases["hash"] = time.perf_counter() - t_hash
+        hashes = _gather_hashes(own)
         if self.args.process_index == 0:
             link.unlink()
             try:
@@ -130,7 +148,8 @@ class SFTTrainer(Trainer):
                     "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"]}
             final = ck.final_dir(out, step)
-            ck.commit(staging, final, algo=self.job["checksum"], meta=meta, timings=phases)
+            meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
+            ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)
             self.committed.append(str(final))
         _barrier()
         if self.args.process_index == 0:
