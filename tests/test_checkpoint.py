@@ -452,8 +452,9 @@ def test_prune_after_a_restart_does_not_rehash_checkpoints_this_job_verified(tmp
     output dir; a checkpoint whose files changed is hashed again."""
     from swiftslurm.checkpoint import cache
 
-    for step in (1, 2, 3):
+    for step in (1, 2, 3):  # as the trainer does: commit, then prune
         make_checkpoint(tmp_path, step)
+        ck.prune(tmp_path, keep=3)
     # a byte changes in checkpoint-2 behind our back, size, inode and mtime kept: only hashing could tell
     shard = ck.final_dir(tmp_path, 2) / "scheduler.pt"
     st = shard.stat()

@@ -1,10 +1,10 @@
 """What this job has verified: a checkpoint's file fingerprints (name, size, mtime, inode) when it passed.
 
 ``commit`` remembers what it sealed; ``verify_cached`` (retention) skips re-hashing a checkpoint whose
-fingerprint is unchanged since. The fingerprints live in memory and in ``<output_dir>/.swiftslurm-verified.json``
-(written by the one process that commits and prunes, rank 0), so a requeued job's first ``prune`` does not
-re-hash the ``keep`` checkpoints that earlier runs of the job committed: at 1 TB a checkpoint that is tens of
-minutes inside the save barrier. Resume never uses this: ``newest_verified`` always re-hashes.
+fingerprint is unchanged since. The fingerprints live in memory and, saved by ``prune`` (rank 0, after each
+save), in ``<output_dir>/.swiftslurm-verified.json``, so a requeued job's first ``prune`` does not re-hash the
+``keep`` checkpoints that earlier runs of the job committed: at 1 TB a checkpoint that is tens of minutes
+inside the save barrier. Resume never uses this: ``newest_verified`` always re-hashes.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import json
 import os
 from pathlib import Path
 
-from ..fsutil import atomic_write_text
 from .manifest import walk_files
 
 CACHE_FILE = ".swiftslurm-verified.json"
+TMP_INFIX = ".tmp."  # a killed save's leftover: <CACHE_FILE>.tmp.<pid>, removed by prune
 _fingerprints: dict[str, tuple] = {}
 
 
@@ -36,31 +36,33 @@ def _load(out_dir: Path) -> dict[str, list]:
     return data if isinstance(data, dict) else {}
 
 
-def _store(out_dir: Path, name: str, fingerprint: tuple | None) -> None:
-    data = _load(out_dir)
-    if fingerprint is None:
-        if data.pop(name, None) is None:
-            return
-    else:
-        data[name] = [list(entry) for entry in fingerprint]
-    try:
-        atomic_write_text(out_dir / CACHE_FILE, json.dumps(data))
-    except OSError:  # only a cache: a read-only output dir costs a re-hash, nothing else
-        pass
-
-
 def remember_verified(path: Path | str) -> None:
     path = Path(path)
-    fingerprint = _fingerprint(path)
-    _fingerprints[str(path.resolve())] = fingerprint
-    _store(path.parent, path.name, fingerprint)
+    _fingerprints[str(path.resolve())] = _fingerprint(path)
 
 
 def forget(path: Path | str) -> None:
-    path = Path(path)
-    _fingerprints.pop(str(path.resolve()), None)
-    if (path.parent / CACHE_FILE).exists():
-        _store(path.parent, path.name, None)
+    _fingerprints.pop(str(Path(path).resolve()), None)
+
+
+def save(out_dir: Path | str, kept: list[Path]) -> None:
+    """Keep the fingerprints of ``kept`` (checkpoints of ``out_dir`` this process trusts) for later runs of the job.
+
+    Called by ``prune``, once per save and outside the commit: only a cache, so no fsync (a torn or lost file
+    costs a re-hash, nothing else), written to a temporary name and renamed.
+    """
+    out_dir = Path(out_dir)
+    data = {}
+    for ckpt in kept:
+        fingerprint = _fingerprints.get(str(Path(ckpt).resolve()))
+        if fingerprint is not None:
+            data[Path(ckpt).name] = [list(entry) for entry in fingerprint]
+    tmp = out_dir / f"{CACHE_FILE}{TMP_INFIX}{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, out_dir / CACHE_FILE)
+    except OSError:  # a read-only output dir costs a re-hash, nothing else
+        tmp.unlink(missing_ok=True)
 
 
 def is_remembered(path: Path | str) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
-from .cache import forget
+from .cache import CACHE_FILE, TMP_INFIX, forget, save as save_cache
 from .verify import verify, verify_cached
 
 
@@ -86,7 +86,7 @@ def prune(output_dir: Path | str, keep: int) -> list[Path]:
     if out.is_dir():
         for p in out.iterdir():
             staged = _staging_step(p)
-            if p.name.startswith(DELETING_PREFIX) or p.name.startswith(f".{LATEST_NAME}.tmp."):
+            if p.name.startswith((DELETING_PREFIX, f".{LATEST_NAME}.tmp.", CACHE_FILE + TMP_INFIX)):
                 removed.append(p)
             elif staged is not None and newest_step is not None and staged <= newest_step:
                 removed.append(p)
@@ -98,4 +98,6 @@ def prune(output_dir: Path | str, keep: int) -> list[Path]:
         else:
             _remove(p)
             forget(p)
+    if out.is_dir() and kept_verified:
+        save_cache(out, kept_verified)
     return removed
