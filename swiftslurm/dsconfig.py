@@ -18,6 +18,7 @@ a user sets it in ``[deepspeed]`` or in the JSON file). The key is removed befor
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,39 @@ def validate(config: dict[str, Any], bf16: bool) -> list[Problem]:
                                 f"turn one off, use the zero3_offload preset, or set {ALLOW_BOTH_OFFLOADS} = true "
                                 "in [deepspeed] if the nodes have the memory"))
     return problems
+
+
+NVME_SWAP_PREFIX = "swiftslurm-"
+
+
+def nvme_swap_name(job_id: str, task: int | None, output_dir: str) -> str:
+    """The swap folder name of one job and task: ``swiftslurm-<job id>[-<array task>]-<8 hex of output_dir>``
+    (pure). The job id separates jobs on a node, the output dir separates the tasks of one job (each has its
+    own), even under the local executor, where sweep tasks may share a job id."""
+    safe_id = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(job_id)) or "job"
+    task_part = f"-{task}" if task is not None else ""
+    return f"{NVME_SWAP_PREFIX}{safe_id}{task_part}-{hashlib.sha1(output_dir.encode()).hexdigest()[:8]}"
+
+
+def isolate_nvme_swap(config: dict[str, Any], name: str) -> tuple[dict[str, Any], list[str]]:
+    """Pure: ``config`` with every NVMe offload's ``nvme_path`` moved to ``<nvme_path>/<name>``, and those folders.
+
+    DeepSpeed empties ``<nvme_path>/zero_stage_3/.../rank<R>`` at start: two jobs (or sweep tasks) on one
+    node with the same nvme_path would delete each other's swap files. Configs without NVMe offload come
+    back unchanged (and no folders)."""
+    out = copy.deepcopy(config)
+    zero = out.get("zero_optimization")
+    folders: list[str] = []
+    if not isinstance(zero, dict):
+        return out, folders
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path"):
+            folder = str(Path(str(section["nvme_path"])) / name)
+            section["nvme_path"] = folder
+            if folder not in folders:
+                folders.append(folder)
+    return out, folders
 
 
 def _precision(spec_train) -> dict[str, Any]:

@@ -99,6 +99,12 @@ class CheckpointDamaged(SwiftSlurmError):
     exit_code = 5
 
 
+class CheckpointUnreadable(SwiftSlurmError):
+    """The ranks cannot agree on a checkpoint to resume from (one of them cannot read rank 0's choice)."""
+
+    exit_code = 1
+
+
 class ToolMissing(SwiftSlurmError):
     """An external tool (sbatch, nc, iperf3, fio, nvidia-smi) is not on PATH."""
 

@@ -73,6 +73,7 @@ class TaskStatus:
     elapsed: str = ""
     output_dir: str = ""
     checkpoint: str | None = None
+    last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
 
 
 def newest_checkpoint(task_dir: str) -> str | None:
@@ -86,6 +87,13 @@ def newest_checkpoint(task_dir: str) -> str | None:
     except (OSError, SwiftSlurmError):
         return None
     return str(found) if found else None
+
+
+def _last_save(task_dir: str) -> dict[str, Any] | None:
+    """The trainer's record of its last checkpoint save (timings, and advice when it outgrew signal_grace_s)."""
+    from .checkpoint.savetime import read_save
+
+    return read_save(task_dir) if task_dir else None
 
 
 def _requeue_count(task_dir: str) -> int:
@@ -150,6 +158,7 @@ class Submission:
             row.restarts = max(row.restarts, _requeue_count(row.output_dir))
             if with_checkpoints:
                 row.checkpoint = newest_checkpoint(row.output_dir)
+                row.last_save = _last_save(row.output_dir)
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:

@@ -91,6 +91,17 @@ def test_commit_uses_rank_hashes_and_hashes_the_rest(tmp_path):
     assert ck.verify(ck.final_dir(tmp_path, 3)).ok
 
 
+def test_each_rank_hashes_the_files_it_wrote_and_rank_0_merges(tmp_path):
+    stage = ck.prepare_staging(tmp_path, 5)
+    write_hf_like(stage, 5, world_size=3)
+    parts = {rank: ck.hash_own_files(stage, rank, "xxh3") for rank in (1, 2)}
+    assert sorted(parts[1]) == ["global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
+    assert sorted(parts[2]) == ["global_step5/zero_pp_rank_2_mp_rank_00_optim_states.pt", "rng_state_2.pth"]
+    reference = ck.hash_files(stage, None, "xxh3")
+    m = ck.commit(stage, ck.final_dir(tmp_path, 5), algo="xxh3", meta={}, hashes={**parts[1], **parts[2]})
+    assert m.files == reference and ck.verify(ck.final_dir(tmp_path, 5)).ok
+
+
 def test_prepare_staging_drops_leftovers_of_a_killed_save(tmp_path):
     stage = ck.staging_dir(tmp_path, 5)
     (stage / "global_step5").mkdir(parents=True)
@@ -265,11 +276,11 @@ def test_prune_with_keep_one_never_deletes_the_only_verified(tmp_path):
     assert ck.newest_verified(tmp_path, log=None) == ck.final_dir(tmp_path, 1)
 
 
-def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
-    from swiftslurm.checkpoint.manifest import MMAP_MIN_BYTES, MMAP_SLICE_BYTES
+def test_large_files_hash_in_chunks_and_damage_is_still_found(tmp_path):
+    from swiftslurm.checkpoint.manifest import CHUNK_BYTES
 
     stage = ck.prepare_staging(tmp_path, 1)
-    big = os.urandom(MMAP_SLICE_BYTES + MMAP_MIN_BYTES + 123)  # two slices, not a multiple of either
+    big = os.urandom(3 * CHUNK_BYTES + 123)  # several chunks, not a multiple of one
     (stage / "big.pt").write_bytes(big)
     (stage / "empty.pt").write_bytes(b"")
     m = ck.commit(stage, ck.final_dir(tmp_path, 1), algo="xxh3", meta={})
@@ -284,6 +295,105 @@ def test_large_files_take_the_mmap_path_and_damage_is_still_found(tmp_path):
     assert ck.verify(ck.final_dir(tmp_path, 1)).problems == ["big.pt: xxh3_128 checksum mismatch (content changed)"]
 
 
+# ---------------------------------------------------------------- unreadable files are damage, not a crash
+# Faults that are real for root (the tests run as root, so chmod 000 would not stop a read): a dangling
+# symlink, a FIFO (whose open() blocks forever), a directory in a file's place, and a real EIO from the
+# kernel: /proc/self/mem read at offset 0 (an unmapped address) fails with EIO. It stats as 0 bytes, so it
+# stands in for a file the manifest lists as empty, and the read() error path is what a failing disk takes.
+
+
+def dangling_symlink(ck_dir: Path) -> str:
+    rel = "global_step3/mp_rank_00_model_states.pt"
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).symlink_to("/nonexistent/scratch/mp_rank_00_model_states.pt")
+    return rel
+
+
+def fifo(ck_dir: Path) -> str:
+    rel = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (ck_dir / rel).unlink()
+    os.mkfifo(ck_dir / rel)
+    return rel
+
+
+def directory(ck_dir: Path) -> str:
+    rel = "scheduler.pt"
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).mkdir()
+    return rel
+
+
+def eio(ck_dir: Path) -> str:
+    rel = "added_tokens.json"  # committed empty (see make_checkpoint_with_empty_file)
+    (ck_dir / rel).unlink()
+    (ck_dir / rel).symlink_to("/proc/self/mem")
+    return rel
+
+
+def fifo_manifest(ck_dir: Path) -> str:
+    (ck_dir / "manifest.json").unlink()
+    os.mkfifo(ck_dir / "manifest.json")
+    return "manifest.json"
+
+
+UNREADABLE = {
+    "dangling symlink": (dangling_symlink, "dangling symlink to /nonexistent/scratch/mp_rank_00_model_states.pt"),
+    "fifo": (fifo, "a FIFO, not a regular file"),
+    "directory": (directory, "a directory where the manifest lists a file"),
+    "eio": (eio, "Input/output error (EIO)"),
+    "fifo manifest": (fifo_manifest, "a FIFO, not a regular file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_unreadable_file_is_damage_named_with_its_error_and_resume_falls_back(tmp_path, kind):
+    damage, words = UNREADABLE[kind]
+    for step in (1, 2, 3):
+        stage = ck.prepare_staging(tmp_path, step)
+        write_hf_like(stage, step)
+        (stage / "added_tokens.json").write_bytes(b"")
+        ck.commit(stage, ck.final_dir(tmp_path, step), algo="xxh3", meta={})
+    rel = damage(ck.final_dir(tmp_path, 3))
+
+    cli = run_cli("verify", str(tmp_path))  # a subprocess with a timeout: a FIFO must not hang it
+    assert cli.returncode == 5, cli.stdout + cli.stderr
+    flat = " ".join(cli.stdout.split())
+    assert "Traceback" not in cli.stderr and "resumes from checkpoint-2" in flat, cli.stdout + cli.stderr
+    assert rel.split("/")[-1] in flat and words.split()[0] in flat, cli.stdout
+
+    result = ck.verify(ck.final_dir(tmp_path, 3))
+    assert not result.ok and any(p.startswith(f"{rel}:") and words in p for p in result.problems), result.problems
+    logged: list[str] = []
+    assert ck.newest_verified(tmp_path, log=logged.append) == ck.final_dir(tmp_path, 2)
+    assert len(logged) == 1 and rel in logged[0] and words in logged[0], logged
+    ck.prune(tmp_path, keep=2)  # retention does not crash on it either; a newer damaged one stays for inspection
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-2", "checkpoint-1"]
+
+
+SHRINK_WHILE_HASHING = """
+import os, sys
+from pathlib import Path
+from swiftslurm import checkpoint as ck
+out = Path(sys.argv[1])
+stage = ck.prepare_staging(out, 1)
+(stage / "big.pt").write_bytes(os.urandom(64 << 20))
+ck.commit(stage, ck.final_dir(out, 1), algo="xxh3", meta={})
+big = ck.final_dir(out, 1) / "big.pt"
+def shrink(done, total):
+    if done < total // 2 and big.stat().st_size == total:
+        os.truncate(big, 1 << 20)  # the file shrinks under the hash, as a page that cannot be read does
+result = ck.verify(ck.final_dir(out, 1), progress=shrink, workers=1)
+print("PROBLEMS", result.problems)
+"""
+
+
+def test_a_file_that_shrinks_under_the_hash_is_damage_not_sigbus(tmp_path):
+    """Hashing through mmap turned this (and an EIO on a mapped page) into SIGBUS, killing the process."""
+    proc = subprocess.run([sys.executable, "-c", SHRINK_WHILE_HASHING, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "big.pt: read" in proc.stdout and "changed while verifying" in proc.stdout, proc.stdout
+
+
 def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):
     import io
 
@@ -296,3 +406,67 @@ def test_cli_shows_a_progress_bar_for_large_checkpoints(tmp_path, monkeypatch):
     buf = io.StringIO()
     assert verify_cmd.verify_command(Console(file=buf, force_terminal=True, width=160), tmp_path) == 0
     assert "verifying checkpoint-1" in buf.getvalue() and "verified" in buf.getvalue()
+
+
+# ---------------------------------------------------------------- does a walltime save fit the grace period
+
+
+@pytest.mark.parametrize("save_s,step_s,grace,fits,suggested", [
+    (50.0, 10.0, 120, True, 80),
+    (110.0, 10.0, 120, True, 150),   # exactly grace - step: fits
+    (110.5, 10.0, 120, False, 160),
+    (600.0, 30.0, 120, False, 790),  # a 1 TB save: ten minutes
+    (5.0, 0.0, 1, False, 10),
+])
+def test_grace_advice_names_the_value_to_set(save_s, step_s, grace, fits, suggested):
+    from swiftslurm.checkpoint import savetime
+
+    advice = savetime.grace_advice(save_s, step_s, grace)
+    assert (advice is None) == fits
+    assert savetime.suggested_grace_s(save_s, step_s) == suggested
+    assert savetime.grace_advice(save_s, step_s, suggested) is None  # the suggestion is enough
+    if not fits:
+        assert f"slurm.signal_grace_s = {grace} s" in advice and advice.endswith(f"HINT: set slurm.signal_grace_s = {suggested}")
+
+
+def test_commit_reports_its_phases_and_the_save_record_round_trips(tmp_path):
+    from swiftslurm.checkpoint import savetime
+
+    stage = ck.prepare_staging(tmp_path, 1)
+    write_hf_like(stage, 1)
+    timings: dict[str, float] = {}
+    ck.commit(stage, ck.final_dir(tmp_path, 1), algo="xxh3", meta={}, timings=timings)
+    assert sorted(timings) == ["commit", "fsync", "hash"] and all(v >= 0 for v in timings.values())
+    assert savetime.read_save(tmp_path) is None
+    record = savetime.record_save(tmp_path, 1, 130.0, {"write": 100.0, **timings, "prune": 0.1}, 12.0, 120)
+    assert savetime.read_save(tmp_path) == record
+    assert record["save_s"] == 130.0 and record["write_s"] == 100.0 and not record["fits_grace"]
+    assert record["advice"].endswith("HINT: set slurm.signal_grace_s = 180")
+    (tmp_path / savetime.SAVE_FILE).write_text("{not json")
+    assert savetime.read_save(tmp_path) is None
+
+
+def test_prune_after_a_restart_does_not_rehash_checkpoints_this_job_verified(tmp_path):
+    """A requeued job is a new process: the first prune must not re-hash the `keep` checkpoints earlier runs
+    committed (at 1 TB each, tens of minutes inside the save barrier). The fingerprints are kept in the
+    output dir; a checkpoint whose files changed is hashed again."""
+    from swiftslurm.checkpoint import cache
+
+    for step in (1, 2, 3):  # as the trainer does: commit, then prune
+        make_checkpoint(tmp_path, step)
+        ck.prune(tmp_path, keep=3)
+    # a byte changes in checkpoint-2 behind our back, size, inode and mtime kept: only hashing could tell
+    shard = ck.final_dir(tmp_path, 2) / "scheduler.pt"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    with open(shard, "r+b") as f:
+        f.write(data)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cache._fingerprints.clear()  # the requeued job's new process
+    make_checkpoint(tmp_path, 4)
+    removed = ck.prune(tmp_path, keep=3)
+    assert [p.name for p in removed] == ["checkpoint-1"]  # beyond keep; checkpoint-2 was trusted, not re-hashed
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-3", "checkpoint-2"]
+    assert "checkpoint-1" not in json.loads((tmp_path / cache.CACHE_FILE).read_text())
+    assert not ck.verify(ck.final_dir(tmp_path, 2)).ok  # resume never trusts the cache: it hashes

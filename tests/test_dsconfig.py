@@ -143,3 +143,59 @@ def test_user_json_accepted_and_merged(tmp_path):
     ds, warnings = dsconfig.build_for_spec(make_spec(str(f), {"zero_optimization": {"overlap_comm": False}}))
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": False}
     assert ds["train_batch_size"] == 2 * 2 * 4 and "optimizer" not in ds and warnings
+
+
+# ---------------------------------------------------------------- NVMe swap: one folder per job and task
+
+
+def test_nvme_offload_swaps_to_a_folder_of_its_own_under_the_configured_path():
+    ds, _ = dsconfig.build_for_spec(make_spec("zero3_nvme", overrides={"zero_optimization": {"offload_param": {"nvme_path": "/local/nvme"}}}))
+    name = dsconfig.nvme_swap_name("4711", 3, "/shared/out/3")
+    isolated, folders = dsconfig.isolate_nvme_swap(ds, name)
+    zero = isolated["zero_optimization"]
+    assert name.startswith("swiftslurm-4711-3-")
+    assert zero["offload_optimizer"]["nvme_path"] == f"/tmp/{name}" and zero["offload_param"]["nvme_path"] == f"/local/nvme/{name}"
+    assert folders == [f"/tmp/{name}", f"/local/nvme/{name}"]
+    assert ds["zero_optimization"]["offload_param"]["nvme_path"] == "/local/nvme"  # pure: the input is untouched
+    for key in ("offload_optimizer", "offload_param"):  # nothing else moved
+        rest = {k: v for k, v in zero[key].items() if k != "nvme_path"}
+        assert rest == {k: v for k, v in ds["zero_optimization"][key].items() if k != "nvme_path"}
+    for preset in ("zero2", "zero3_offload"):  # no NVMe offload: unchanged, no folders
+        plain, _ = dsconfig.build_for_spec(make_spec(preset))
+        assert dsconfig.isolate_nvme_swap(plain, name) == (plain, [])
+
+
+def test_two_jobs_and_two_sweep_tasks_get_different_swap_folders():
+    from swiftslurm.plan import make_plan
+
+    raw = {"job": {"name": "nv", "output_dir": "out"}, "slurm": {"tasks_per_node": 2},
+           "train": {"model": "tiny-llama", "dataset": ["d.jsonl"], "deepspeed": "zero3_nvme", "bf16": True},
+           "sweep": {"learning_rate": [1e-4, 2e-4]}}
+    plan = make_plan(validate_spec(raw), raw, "/work/submit")
+    names = set()
+    for job_id in ("100", "101"):
+        for task, ds in zip(plan.tasks, plan.deepspeed):
+            _, folders = dsconfig.isolate_nvme_swap(ds, dsconfig.nvme_swap_name(job_id, task.index, task.output_dir))
+            names.add(folders[0])
+    assert len(names) == 4  # two jobs x two tasks, all apart
+    # under the local executor sweep tasks may share a job id and have no array task id: the output dir separates them
+    local = {dsconfig.nvme_swap_name("local-7", None, t.output_dir) for t in plan.tasks}
+    assert len(local) == 2 and all("/" not in n for n in local)
+    assert "/" not in dsconfig.nvme_swap_name("a/../b", None, "/o")
+
+
+def test_swap_cleanup_removes_this_ranks_files_and_keeps_other_ranks(tmp_path):
+    from swiftslurm.train import nvme_swap
+
+    folder = tmp_path / "swiftslurm-1-abc"
+    for rel in ("zero_stage_3/bfloat16params/rank0/p.swp", "zero_stage_3/bfloat16params/rank1/p.swp",
+                "zero_stage_3/optimizer/rank0/o.swp", "zero_stage_3/optimizer/rank1/o.swp"):
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(b"x")
+    other_job = tmp_path / "swiftslurm-2-def" / "zero_stage_3" / "bfloat16params" / "rank0"
+    other_job.mkdir(parents=True)
+    nvme_swap.cleanup([str(folder)], rank=0)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*.swp")) == [
+        "zero_stage_3/bfloat16params/rank1/p.swp", "zero_stage_3/optimizer/rank1/o.swp"]
+    nvme_swap.cleanup([str(folder), str(tmp_path / "absent")], rank=1)
+    assert not folder.exists() and other_job.is_dir()

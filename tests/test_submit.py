@@ -110,6 +110,27 @@ def test_local_failure_is_reported_and_exits_1(tmp_path):
     assert [t["state"] for t in status["tasks"]] == ["FAILED"]
 
 
+SLOW_SAVE = (
+    "import sys; from swiftslurm.checkpoint import savetime; "
+    "savetime.record_save(sys.argv[1], 40, 95.0, {'write': 60.0, 'fsync': 5.0, 'hash': 25.0, 'commit': 4.0, 'prune': 1.0}, 9.0, 30)"
+)
+
+
+def test_status_warns_when_the_last_save_outgrew_the_grace_period(tmp_path):
+    """The trainer records each save (checkpoint-save.json, here written by the command as rank 0 would);
+    status shows the advice under the table and the whole record in --json."""
+    out = tmp_path / "out"
+    (tmp_path / "s.toml").write_text(spec_text("out", "", command=["python", "-c", SLOW_SAVE, str(out)]))
+    assert cli("submit", "s.toml", "--executor", "local", "--wait", cwd=tmp_path).returncode == 0
+    shown = cli("status", str(out))
+    assert shown.returncode == 0, shown.stderr
+    flat = " ".join(shown.stdout.split())
+    assert "warning: the last checkpoint save took 95.0 s" in flat and "HINT: set slurm.signal_grace_s = 130" in flat, shown.stdout
+    status = json.loads(cli("status", str(out), "--json").stdout)
+    last = status["tasks"][0]["last_save"]
+    assert last["step"] == 40 and last["hash_s"] == 25.0 and last["fits_grace"] is False
+
+
 def test_local_cancel_stops_the_ranks_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     sleeper = ["python", "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]

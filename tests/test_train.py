@@ -5,7 +5,7 @@ Few, combined runs (each costs ~20-40 s on 2 cores, most of it imports):
            TensorBoard metric is there with plausible values, metrics.jsonl, the rank-0 summary
   stop     same spec, rank 0 alone sees a walltime stop at step 7: every rank saves and stops; a slowed
            commit outlasts signal_grace_s = 10 and the trainer warns
-  resume   from that checkpoint to step 10: losses of steps 8-10 equal the demo run's
+  resume   from that checkpoint to step 10 (rank 1's listing stale): losses of steps 8-10 equal the demo run's
   zero3    full FT: consolidated 16-bit weights load with from_pretrained, same logits as the shards
   offload  zero2_offload + LoRA: trains, saves an adapter that loads with peft
 """
@@ -106,6 +106,7 @@ def test_demo_loss_halves_and_checkpoints_verify(demo):
     assert [Path(p).name for p in results[0]["checkpoints"]] == ["checkpoint-25", "checkpoint-50"]
     for name in ("checkpoint-25", "checkpoint-50"):
         assert ck.verify(out / name).ok, ck.verify(out / name).problems
+        assert ck.read_manifest(out / name).meta["hashed_on_ranks"] == 2  # rank 1 hashed its rng state and optimizer shard
     assert (out / "latest").read_text().strip().endswith("checkpoint-50")
     assert not (out / ".swiftslurm-save").exists() and not list(out.glob(".staging-*"))
     stdout = results[0]["stdout"]
@@ -159,9 +160,13 @@ def test_walltime_stop_saves_on_every_rank_and_stops(stopped):
     assert [r["stopped_for_requeue"] for r in results] == [True, True]  # rank 1 learned it by all-reduce
     assert ck.verify(out / "checkpoint-7").ok
     assert "stopped for requeue" in results[0]["stdout"]
-    assert "slurm.signal_grace_s = 10 s is shorter than one step + one save" in results[0]["stdout"]
     saves = results[0]["save_seconds"]
     assert len(saves) == 1 and saves[0] >= 12
+    record = ck.savetime.read_save(out)  # every phase measured; the advice names the value to set
+    assert record["step"] == 7 and not record["fits_grace"] and record["save_s"] >= 12
+    assert all(record[f"{phase}_s"] >= 0 for phase in ck.savetime.PHASES) and record["commit_s"] >= 8
+    hint = f"HINT: set slurm.signal_grace_s = {ck.savetime.suggested_grace_s(record['save_s'], record['step_s'])}"
+    assert "more than slurm.signal_grace_s = 10 s allows" in results[0]["stdout"] and hint in results[0]["stdout"]
 
 
 def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
@@ -170,7 +175,10 @@ def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
     data["train"]["max_steps"] = 10  # constant lr: the first 10 steps are those of the 50-step run
     Path(spec).write_text(to_toml(data))
     assert ck.newest_verified(out, log=None) == out / "checkpoint-7"
-    results = run(spec, out, resume=str(out / "checkpoint-7"))
+    # as `swiftslurm run` does: the newest verified, chosen by rank 0; rank 1's listing is stale (it misses
+    # checkpoint-7 and, deciding alone, would start fresh): the ranks still resume from the same step
+    results = run(spec, out, resume="newest", extra_env={ck.discover.STALE_LISTING_ENV: "1"})
+    assert f"every rank (2) resumes from {out / 'checkpoint-7'}" in results[0]["stdout"]
     assert results[0]["global_step"] == 10
     resumed, reference = losses(out), losses(demo[1])
     for step in (8, 9, 10):

@@ -5,18 +5,25 @@
     ... every rank writes its files into stage; barrier ...
     ck.commit(stage, ck.final_dir(out, step), algo="xxh3", meta={...})   # rank 0
     ck.prune(out, keep)                                                  # rank 0
-    resume_from = ck.newest_verified(out)                                # at every start
+    resume_from = ck.newest_verified(out)                                # at every start (rank 0)
+    ck.agree_resume_point(out, rank, node, exchange, decide)             # ... and the same on every rank
 
 See docs/checkpoints.md.
 """
 
-from .commit import atomic_write_text, commit, prepare_staging
+from .commit import atomic_write_text, commit, hash_own_files, prepare_staging
 from .names import final_dir, staging_dir, step_of
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .verify import VerifyResult, verify
+from . import savetime
+from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
 
 __all__ = [
+    "Exchange",
+    "SingleRank",
+    "agree_resume_point",
+    "readable_problem",
     "MANIFEST_NAME",
     "Manifest",
     "ManifestError",
@@ -26,6 +33,7 @@ __all__ = [
     "commit",
     "final_dir",
     "hash_files",
+    "hash_own_files",
     "list_checkpoints",
     "newest_verified",
     "prepare_staging",

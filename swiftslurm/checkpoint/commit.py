@@ -21,7 +21,7 @@ from pathlib import Path
 from ..fsutil import atomic_write_text, fsync_path
 from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
-from .names import DELETING_PREFIX, LATEST_NAME, staging_dir, step_of
+from .names import DELETING_PREFIX, LATEST_NAME, owner_rank, staging_dir, step_of
 
 
 # Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
@@ -43,25 +43,42 @@ def _test_delay() -> None:
         time.sleep(float(delay))
 
 
-def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None) -> Manifest:
+def hash_own_files(staging: Path | str, rank: int, algo: str) -> dict[str, dict]:
+    """What one rank contributes to ``commit(hashes=...)``: the hashes of the files it wrote itself
+    (``names.owner_rank``), computed on that rank, in parallel with every other rank, before rank 0 commits."""
+    staging = Path(staging)
+    own = [rel for rel in walk_files(staging) if owner_rank(rel) == rank]
+    return hash_files(staging, own, algo) if own else {}
+
+
+def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None,
+           timings: dict[str, float] | None = None) -> Manifest:
     """Seal ``staging`` as the checkpoint ``final``. Returns the Manifest written.
 
     ``hashes`` (``{rel: {size, checksum}}``, from ranks that hashed their own shards) is trusted for the
     files it names, after a size check; every other file in ``staging`` is hashed here.
     ``meta`` should carry step, world_size, seed and data_position; library versions are added.
+    ``timings``, when given, receives the seconds of each phase: ``hash``, ``fsync``, ``commit`` (manifest,
+    renames, ``latest``).
     """
     staging, final = Path(staging), Path(final)
     algo = algo_name(algo)
+    timings = {} if timings is None else timings
     if not staging.is_dir():
         raise FileNotFoundError(f"staging directory {staging} does not exist")
+    t0 = time.perf_counter()
     rels = [r for r in walk_files(staging) if r != MANIFEST_NAME]
     given = {r: v for r, v in (hashes or {}).items() if r in rels and (staging / r).stat().st_size == int(v["size"])}
     files = {**given, **hash_files(staging, [r for r in rels if r not in given], algo)}
+    t1 = time.perf_counter()
+    timings["hash"] = t1 - t0
     for rel in rels:
         fsync_path(staging / rel)
     for d in {(staging / r).parent for r in rels} | {staging}:
         fsync_path(d, directory=True)
+    timings["fsync"] = time.perf_counter() - t1
     _test_delay()
+    t2 = time.perf_counter()
 
     step = step_of(final)
     meta = dict(meta)
@@ -85,6 +102,7 @@ def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, has
         shutil.rmtree(aside, ignore_errors=True)
     _point_latest(final)
     remember_verified(final)
+    timings["commit"] = time.perf_counter() - t2
     return manifest
 
 

@@ -8,12 +8,19 @@ checkpoint under a checkpoint name.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
+from .cache import CACHE_FILE, TMP_INFIX, forget, save as save_cache
 from .verify import verify, verify_cached
+
+
+# Test hook: ranks ("1" or "1,3", matched against $RANK) whose listing misses the newest checkpoint, as a
+# stale directory cache of a shared filesystem does. Never set it in production.
+STALE_LISTING_ENV = "SWIFTSLURM_CKPT_TEST_STALE_LISTING"
 
 
 def list_checkpoints(output_dir: Path | str) -> list[Path]:
@@ -21,15 +28,22 @@ def list_checkpoints(output_dir: Path | str) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if step_of(p) is not None and p.is_dir()]
-    return sorted(found, key=lambda p: step_of(p), reverse=True)
+    found = sorted((p for p in out.iterdir() if step_of(p) is not None and p.is_dir()), key=lambda p: step_of(p), reverse=True)
+    stale = os.environ.get(STALE_LISTING_ENV, "")
+    if stale and os.environ.get("RANK", "0") in stale.split(","):
+        return found[1:]
+    return found
 
 
 def newest_verified(output_dir: Path | str, log: Callable[[str], None] | None = print) -> Path | None:
     """Newest to oldest, the first checkpoint that verifies; each damaged one skipped is logged with why."""
     log = log or (lambda _msg: None)
     for ckpt in list_checkpoints(output_dir):
-        result = verify(ckpt)
+        try:
+            result = verify(ckpt)
+        except OSError as exc:  # verify reports unreadable files itself; this is the last line of defence
+            log(f"swiftslurm: skipping unreadable {ckpt.name}: {exc}")
+            continue
         if result.ok:
             return ckpt
         log(f"swiftslurm: skipping damaged {ckpt.name}: {result.summary()}")
@@ -72,7 +86,7 @@ def prune(output_dir: Path | str, keep: int) -> list[Path]:
     if out.is_dir():
         for p in out.iterdir():
             staged = _staging_step(p)
-            if p.name.startswith(DELETING_PREFIX) or p.name.startswith(f".{LATEST_NAME}.tmp."):
+            if p.name.startswith((DELETING_PREFIX, f".{LATEST_NAME}.tmp.", CACHE_FILE + TMP_INFIX)):
                 removed.append(p)
             elif staged is not None and newest_step is not None and staged <= newest_step:
                 removed.append(p)
@@ -83,4 +97,7 @@ def prune(output_dir: Path | str, keep: int) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
         else:
             _remove(p)
+            forget(p)
+    if out.is_dir() and kept_verified:
+        save_cache(out, kept_verified)
     return removed

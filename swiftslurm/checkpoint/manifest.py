@@ -13,11 +13,12 @@ Hashing is parallel over files (a thread pool: xxhash and hashlib release the GI
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
-import mmap
 import os
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +30,6 @@ import xxhash
 MANIFEST_NAME = "manifest.json"
 FORMAT = "swiftslurm-checkpoint/1"
 CHUNK_BYTES = 1 << 20  # 1 MiB reads: release the GIL, and stay in L2 cache between the copy and the hash (4 MiB was ~15% slower)
-MMAP_MIN_BYTES = 1 << 20  # files at least this large are hashed through mmap
-MMAP_SLICE_BYTES = 8 << 20  # hashed per slice, so the progress bar moves and the GIL is released per slice
 
 # spec.checkpoint.checksum names -> the algorithm recorded in manifests. "xxh3" is XXH3-128.
 ALGOS: dict[str, Callable[[], Any]] = {
@@ -61,13 +60,56 @@ def walk_files(root: Path) -> list[str]:
     return sorted(out)
 
 
+class NotRegularFile(OSError):
+    """A path that should be a checkpoint file is a FIFO, socket, device or directory."""
+
+
+def open_regular(path: Path):
+    """``path`` opened for reading, refusing anything but a regular file (a FIFO would block ``open``
+    forever, a device or socket is not a shard): OSError naming what it is instead. Symlinks are followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def describe_os_error(path: Path, exc: OSError) -> str:
+    """One line for an OSError met while reading ``path``: the errno name and what it means, and where a
+    symlink points when it dangles ("dangling symlink to /gone/shard.pt")."""
+    if isinstance(exc, NotRegularFile):
+        return str(exc.strerror)
+    if isinstance(exc, FileNotFoundError) and os.path.islink(path):
+        return f"unreadable: dangling symlink to {os.readlink(path)}"
+    code = errno.errorcode.get(exc.errno or 0, "")
+    what = exc.strerror or str(exc)
+    return f"unreadable: {what}" + (f" ({code})" if code and code not in what else "")
+
+
 def read_file(path: Path, algo: str | None, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
-    """Read one file in chunks with ``readinto``; hash it with ``algo`` (None = only read). {size, checksum}."""
+    """Read one file in chunks with ``readinto``; hash it with ``algo`` (None = only read). {size, checksum}.
+
+    Always ``read()`` into a buffer, never ``mmap``: an I/O error on a mapped page is a SIGBUS that kills the
+    process, where ``read()`` raises an OSError that verify reports as damage.
+    """
     hasher = ALGOS[algo_name(algo)]() if algo else None
     buf = buf if buf is not None else bytearray(CHUNK_BYTES)
     view = memoryview(buf)
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         while True:
             n = f.readinto(view)
             if not n:
@@ -81,32 +123,15 @@ def read_file(path: Path, algo: str | None, progress: Progress | None = None, bu
 
 
 def hash_file(path: Path, algo: str, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
-    """Hash one file. Large files are hashed through ``mmap`` (no copy into a buffer: hashing a cached
-    checkpoint then costs about what reading it does); small files, empty files and filesystems that
-    cannot mmap go through ``read_file``. Committed checkpoint files are never truncated in place
-    (commit renames, prune renames then unlinks), which is what makes mapping them safe.
-    """
+    """Hash one file (``read_file`` with an algorithm)."""
+    return read_file(path, algo, progress, buf)
+
+
+def _size_or_zero(path: Path) -> int:
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < MMAP_MIN_BYTES:
-                raise ValueError("small file")
-            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    except (ValueError, OSError):
-        return read_file(path, algo, progress, buf)
-    try:
-        mapped.madvise(mmap.MADV_SEQUENTIAL)
-        hasher = ALGOS[algo_name(algo)]()
-        with memoryview(mapped) as view:
-            for start in range(0, size, MMAP_SLICE_BYTES):
-                piece = view[start : start + MMAP_SLICE_BYTES]
-                hasher.update(piece)
-                piece.release()
-                if progress is not None:
-                    progress(min(MMAP_SLICE_BYTES, size - start))
-        return {"size": size, "checksum": hasher.hexdigest()}
-    finally:
-        mapped.close()
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def hash_files(
@@ -115,28 +140,42 @@ def hash_files(
     algo: str,
     workers: int = 4,
     progress: Progress | None = None,
+    errors: dict[str, str] | None = None,
 ) -> dict[str, dict]:
     """``{rel: {"size": int, "checksum": hex}}`` for ``rel_paths`` under ``root`` (None = every file).
 
     Files are hashed in parallel, largest first, so one big shard does not finish last alone.
+    A file that cannot be read raises its OSError, unless ``errors`` is given: then it is left out of the
+    result and ``errors[rel]`` says why (``describe_os_error``), and every other file is still hashed.
     """
     root = Path(root)
     rels = walk_files(root) if rel_paths is None else sorted(set(rel_paths))
     algo = algo_name(algo)
-    rels_by_size = sorted(rels, key=lambda r: -(root / r).stat().st_size)
+    rels_by_size = sorted(rels, key=lambda r: -_size_or_zero(root / r))
     local = threading.local()
 
-    def one(rel: str) -> tuple[str, dict]:
+    def one(rel: str) -> tuple[str, dict | str]:
         if not hasattr(local, "buf"):
             local.buf = bytearray(CHUNK_BYTES)
-        return rel, hash_file(root / rel, algo, progress, local.buf)
+        try:
+            return rel, hash_file(root / rel, algo, progress, local.buf)
+        except OSError as exc:
+            if errors is None:
+                raise
+            return rel, describe_os_error(root / rel, exc)
 
     if workers <= 1 or len(rels) <= 1:
         results = [one(r) for r in rels_by_size]
     else:
         with ThreadPoolExecutor(max_workers=min(workers, len(rels))) as pool:
             results = list(pool.map(one, rels_by_size))
-    return dict(sorted(results))
+    out = {}
+    for rel, value in sorted(results):
+        if isinstance(value, str):
+            errors[rel] = value  # type: ignore[index]
+        else:
+            out[rel] = value
+    return out
 
 
 def body_checksum(body: dict) -> str:
@@ -193,11 +232,16 @@ def parse_manifest(text: str) -> Manifest:
 def read_manifest(ckpt: Path) -> Manifest:
     path = Path(ckpt) / MANIFEST_NAME
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        with open_regular(path) as f:
+            text = f.read().decode("utf-8")
+    except FileNotFoundError as exc:
+        if os.path.islink(path):
+            raise ManifestError(describe_os_error(path, exc)) from None
         raise ManifestError("no manifest.json (never committed, or deleted)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"unreadable ({exc})") from None
+    except OSError as exc:
+        raise ManifestError(describe_os_error(path, exc)) from None
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"unreadable: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     return parse_manifest(text)
 
 

@@ -7,6 +7,7 @@ and checksum, and no file exists that the manifest does not list.
 
 from __future__ import annotations
 
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .cache import forget, is_remembered, remember_verified
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, hash_files, read_manifest, walk_files
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, describe_os_error, file_kind, hash_files, read_manifest, walk_files
 from .names import step_of
 
 # progress(done_bytes, total_bytes): called from worker threads, under a lock, as bytes are hashed.
@@ -42,7 +43,9 @@ class VerifyResult:
 
 
 def verify(path: Path | str, progress: VerifyProgress | None = None, workers: int = 4) -> VerifyResult:
-    """Check ``path`` against its manifest. Never raises for damage: it is reported in ``problems``."""
+    """Check ``path`` against its manifest. Never raises for damage: it is reported in ``problems``, and so is
+    a file that cannot be read (dangling symlink, FIFO or directory in its place, EIO, EACCES): named with
+    its error, it makes the checkpoint damaged, so resume falls back to an older one."""
     path = Path(path)
     t0 = time.monotonic()
     if not path.is_dir():
@@ -63,9 +66,17 @@ def verify(path: Path | str, progress: VerifyProgress | None = None, workers: in
     to_hash = []
     for rel, entry in sorted(manifest.files.items()):
         if rel not in on_disk:
-            problems.append(f"{rel}: missing")
+            problems.append(f"{rel}: " + ("a directory where the manifest lists a file" if (path / rel).is_dir() else "missing"))
             continue
-        size = (path / rel).stat().st_size
+        try:
+            st = (path / rel).stat()
+        except OSError as exc:
+            problems.append(f"{rel}: {describe_os_error(path / rel, exc)}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{rel}: {file_kind(st.st_mode)}, not a regular file")
+            continue
+        size = st.st_size
         if size != int(entry["size"]):
             problems.append(f"{rel}: size {size} bytes, manifest says {entry['size']} (truncated or overwritten)")
             continue
@@ -80,9 +91,14 @@ def verify(path: Path | str, progress: VerifyProgress | None = None, workers: in
             done[0] += n
             progress(done[0], total)
 
-    actual = hash_files(path, to_hash, manifest.algo, workers=workers, progress=tick if progress else None)
+    unreadable: dict[str, str] = {}
+    actual = hash_files(path, to_hash, manifest.algo, workers=workers, progress=tick if progress else None, errors=unreadable)
     for rel in to_hash:
-        if actual[rel]["checksum"] != manifest.files[rel]["checksum"]:
+        if rel in unreadable:
+            problems.append(f"{rel}: {unreadable[rel]}")
+        elif actual[rel]["size"] != int(manifest.files[rel]["size"]):
+            problems.append(f"{rel}: read {actual[rel]['size']} bytes, manifest says {manifest.files[rel]['size']} (changed while verifying)")
+        elif actual[rel]["checksum"] != manifest.files[rel]["checksum"]:
             problems.append(f"{rel}: {manifest.algo} checksum mismatch (content changed)")
     return VerifyResult(path, not problems, problems, manifest, time.monotonic() - t0)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 from rich.console import Console
+from rich.markup import escape
 from rich.live import Live
 from rich.markup import escape
 from rich.panel import Panel
@@ -189,13 +190,18 @@ def status_command(console: Console, target: str, as_json: bool) -> int:
             "output_dir": sub.output_dir or None,
             "tasks": [
                 {"task": r.task, "job_id": r.job_id, "state": r.state, "nodes": r.nodes, "restarts": r.restarts,
-                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint}
+                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint,
+                 "last_save": r.last_save}
                 for r in rows
             ],
         }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     console.print(status_table(rows, f"{sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids[:4])}", with_checkpoint=bool(sub.output_dir)))
+    for r in rows:
+        if r.last_save and r.last_save.get("advice"):
+            where = f"task {r.task}: " if len(rows) > 1 else ""
+            console.print(f"[yellow]warning:[/] {where}{escape(str(r.last_save['advice']))}", highlight=False)
     return 0
 
 

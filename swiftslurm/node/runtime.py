@@ -87,7 +87,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
             after_walltime_stop(dist, spec, out_dir, log, step=None)
             return 0
         return code
-    return _train(dist, spec, ds_config, out_dir, resume, the_env, log)
+    return _train(dist, spec, ds_config, out_dir, True, the_env, log)
 
 
 # ---------------------------------------------------------------- steps
@@ -108,13 +108,15 @@ def _read_task(plan_path: str, index: int):
 
 
 def _resume_point(out_dir: str, log) -> str | None:
+    """What the banner shows as the resume point. Not the decision: that is one for all ranks, made once the
+    trainer's process group exists (rank 0 verifies, every rank checks it can read it: train.resume)."""
     try:
-        from ..checkpoint import newest_verified
+        from ..checkpoint import list_checkpoints
     except ImportError:
         log.info("checkpoint module not installed: starting fresh")
         return None
-    found = newest_verified(out_dir, log=log.warning)
-    return str(found) if found else None
+    listed = list_checkpoints(out_dir)
+    return f"the newest verified, chosen by rank 0 at train start (newest here: {listed[0]})" if listed else None
 
 
 def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
@@ -161,7 +163,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
     return 128 - code if code < 0 else code
 
 
-def _train(dist, spec, ds_config, out_dir: str, resume: str | None, the_env: dict[str, str], log) -> int:
+def _train(dist, spec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
     try:
         from ..train import sft
     except ImportError as exc:

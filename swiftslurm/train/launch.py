@@ -74,7 +74,7 @@ def _worker(spec_path: str, out: str, resume: str | None, stop_at_step: int | No
         calls["n"] += 1
         return bool(stop_at_step) and rank == 0 and calls["n"] >= stop_at_step
 
-    result = train(spec, dist, ds, out, resume, should_stop)
+    result = train(spec, dist, ds, out, True if resume == "newest" else resume, should_stop)
     Path(out, f"result-rank{rank}.json").write_text(json.dumps(dataclasses.asdict(result)))
     return 0
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("spec")
     ap.add_argument("--out", required=True)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--resume")
+    ap.add_argument("--resume", help="a checkpoint dir, or 'newest': the newest verified one, as swiftslurm run does")
     ap.add_argument("--stop-at-step", type=int)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

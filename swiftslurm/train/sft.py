@@ -130,20 +130,27 @@ def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: b
     )
 
 
-def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: str | None,
+def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: str | bool | None,
           should_stop: Callable[[], bool]) -> TrainResult:
-    """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved."""
+    """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved.
+
+    ``resume_from``: True = the newest verified checkpoint, chosen by rank 0 and checked by every rank
+    (``resume.resolve``); a path = that checkpoint (checked by every rank); None = a fresh start.
+    """
     started = time.perf_counter()
     cuda = _prepare_device_env()
     import transformers
 
+    from . import nvme_swap, resume
     from .data import Collator, load_dataset
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
+    ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     args = training_arguments(spec, output_dir, ds_config, cuda)  # before the model: ZeRO-3 init needs it
+    resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     model, tok = load_model_and_tokenizer(spec, cuda)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -177,6 +184,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
         comm.uninstall()
+        nvme_swap.cleanup(swap_folders, dist.rank)
     return _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank)
 
 

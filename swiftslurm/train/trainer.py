@@ -20,6 +20,7 @@ import torch.distributed as tdist
 from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
+from ..checkpoint import savetime
 from .metrics import MetricsFile, StepMeter
 
 log = logging.getLogger("swiftslurm.train")
@@ -29,6 +30,18 @@ SAVE_LINK_DIR = ".swiftslurm-save"
 def _barrier() -> None:
     if tdist.is_available() and tdist.is_initialized():
         tdist.barrier()
+
+
+def _gather_hashes(own: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's ``hash_own_files`` merged on rank 0 (other ranks get {})."""
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return dict(own)
+    parts: list[dict] | None = [{} for _ in range(tdist.get_world_size())] if tdist.get_rank() == 0 else None
+    tdist.gather_object(own, parts, dst=0)
+    merged: dict[str, dict] = {}
+    for part in parts or []:
+        merged.update(part or {})
+    return merged
 
 
 def _all_reduce(values: list[float], op, device) -> list[float]:
@@ -118,6 +131,13 @@ class SFTTrainer(Trainer):
         _barrier()
         super()._save_checkpoint(model, trial)
         _barrier()
+        phases: dict[str, float] = {"write": time.perf_counter() - start}
+        # every rank hashes the files it wrote, in parallel; rank 0 hashes the shared ones in commit and merges
+        t_hash = time.perf_counter()
+        rank = self.args.process_index
+        own = ck.hash_own_files(staging, rank, self.job["checksum"]) if rank != 0 else {}
+        phases["hash"] = time.perf_counter() - t_hash
+        hashes = _gather_hashes(own)
         if self.args.process_index == 0:
             link.unlink()
             try:
@@ -128,28 +148,27 @@ class SFTTrainer(Trainer):
                     "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"]}
             final = ck.final_dir(out, step)
-            ck.commit(staging, final, algo=self.job["checksum"], meta=meta)
+            meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
+            ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)
             self.committed.append(str(final))
         _barrier()
         if self.args.process_index == 0:
+            t_prune = time.perf_counter()
             for path in ck.prune(out, self.job["keep"]):
                 log.info("pruned old checkpoint %s", path)
+            phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
         self.save_seconds.append(seconds)
-        self.log({"checkpoint_save_s": seconds})
-        self._check_grace(seconds)
+        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}})
+        if self.args.process_index == 0:
+            self._check_grace(step, seconds, phases)
 
-    def _check_grace(self, save_s: float) -> None:
-        """Warn once when slurm.signal_grace_s cannot cover one step plus one save."""
-        step_s = self.meter.last_step_s
-        if self.job.get("grace_warned") or step_s is None:
-            return
-        self.job["grace_warned"] = True
-        if self.job["signal_grace_s"] < step_s + save_s:
-            log.warning("slurm.signal_grace_s = %d s is shorter than one step + one save (%.1f s + %.1f s): "
-                        "a walltime stop may be killed mid-save. HINT: raise signal_grace_s.",
-                        self.job["signal_grace_s"], step_s, save_s)
-
+    def _check_grace(self, step: int, save_s: float, phases: dict[str, float]) -> None:
+        """Record this save's phases (checkpoint-save.json) and warn when a walltime save would not fit
+        slurm.signal_grace_s after one step, with the value to set."""
+        record = savetime.record_save(self.args.output_dir, step, save_s, phases, self.meter.last_step_s, self.job["signal_grace_s"])
+        if record["advice"]:
+            log.warning("%s", record["advice"])
 
 class ScheduleCallback(TrainerCallback):
     """Forced saves at fractions of max_steps and at the last step, plus the walltime stop.

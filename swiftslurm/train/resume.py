@@ -1,0 +1,54 @@
+"""The trainer's side of the resume decision: ``checkpoint.agree_resume_point`` over its process group.
+
+Called once the process group exists (``TrainingArguments.device`` initializes it), before the model
+loads a checkpoint: rank 0 picks the newest verified checkpoint, every rank checks it can read it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import checkpoint as ck
+
+
+class ProcessGroupExchange:
+    """``checkpoint.agree.Exchange`` over the default torch.distributed process group (gloo or NCCL)."""
+
+    def broadcast(self, obj: Any) -> Any:
+        import torch.distributed as tdist
+
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as tdist
+
+        out: list[Any] = [None] * tdist.get_world_size()
+        tdist.all_gather_object(out, obj)
+        return out
+
+
+def exchange() -> "ck.Exchange":
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        return ProcessGroupExchange()
+    return ck.SingleRank()
+
+
+def agreed_resume_point(output_dir: str, rank: int, node: str, log: Callable[[str], None] = print) -> str | None:
+    """The newest verified checkpoint under ``output_dir`` as rank 0 sees it, checked by every rank."""
+    found = ck.agree_resume_point(output_dir, rank, node, exchange(), lambda: ck.newest_verified(output_dir, log=log), log)
+    return str(found) if found is not None else None
+
+
+def resolve(resume_from: str | bool | None, output_dir: str, rank: int, node: str) -> str | None:
+    """``True``: the agreed newest verified checkpoint; a path: that checkpoint, checked by every rank; None: fresh."""
+    if resume_from is True:
+        return agreed_resume_point(output_dir, rank, node)
+    if not resume_from:
+        return None
+    found = ck.agree_resume_point(output_dir, rank, node, exchange(), lambda: Path(str(resume_from)), print)
+    return str(found)
