@@ -86,13 +86,32 @@ def test_decide(on_failure, failures, mode, action, proceed, exclude):
     assert d.reason
 
 
-def test_preflight_ports_avoid_master_port_range_and_neighbours():
-    # consecutive job ids get consecutive MASTER_PORTs (distenv); the preflight's ports must not be one of them
-    for mp in (20000, 20001, 29500, 59999, 65535):
+def test_preflight_ports_are_the_rest_of_the_jobs_slot():
+    from swiftslurm.slurm.distenv import port_for_job
+
+    for job in range(5000, 5100):
+        mp = port_for_job(str(job))
         p = preflight_ports(mp)
-        assert len(set(p.values())) == 3
-        assert all(61000 <= v <= 65535 for v in p.values())
-    assert not set(preflight_ports(20000).values()) & set(preflight_ports(20001).values())
+        assert sorted(p.values()) == [mp + 1, mp + 2, mp + 3]
+        neighbours = {port_for_job(str(job + d)) for d in (-1, 1)}
+        assert not set(p.values()) & neighbours  # never the next job's MASTER_PORT
+
+
+def test_master_port_check_names_a_busy_port_and_the_ephemeral_range():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    busy = holder.getsockname()[1]
+    try:
+        bad = ports.check_master_port("node1", busy, (busy - 10, busy + 10))
+    finally:
+        holder.close()
+    assert not bad.ok and f"MASTER_PORT {busy} is busy on node1" in bad.observed and "ephemeral range" in bad.observed
+    assert "MASTER_PORT in [env]" in bad.hint
+    free = ports.check_master_port("node1", busy, None)  # let go: free again
+    assert free.ok and not free.hint
+    warned = ports.check_master_port("node1", busy, (busy, busy))
+    assert warned.ok and "ephemeral range" in warned.observed and warned.hint
 
 
 def test_parse_faults():

@@ -392,3 +392,21 @@ def test_cluster_mis_sized_allocation_stops_before_training(tmp_path):
     assert "the spec asks for 2 per node" in out and "HINT: set sbatch/srun --ntasks-per-node=2" in out
     assert "Traceback" not in out
     assert not list(tmp_path.glob("env-*.json"))  # the command never started
+
+
+def test_busy_master_port_stops_rank0_before_the_command(tmp_path):
+    """MASTER_PORT already taken on the master node: rank 0 says so, with the fix, before any rendezvous."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        plan = make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), extra=f'[env]\nMASTER_PORT = "{port}"\n'))
+        proc = run_cli("--plan", str(plan))
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stderr
+    assert f"MASTER_PORT {port} is busy" in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "env-0.json").exists()

@@ -53,10 +53,8 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     data, task, ds_config = _read_task(plan_path, task_index)
     spec = task.spec
     distenv.check_spec_env(spec.env)
-    env = dict(os.environ)
-    # MASTER_ADDR/MASTER_PORT from [env] are explicit choices, like exported ones
-    env.update({k: v for k, v in spec.env.items() if k in ("MASTER_ADDR", "MASTER_PORT")})
-    dist = distenv.derive(env, pid=os.getpid())
+    # MASTER_ADDR/MASTER_PORT: the spec's [env] is the one explicit choice; inherited ones are ignored
+    dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
     distenv.check_allocation(dist, spec)
     ownership.claim(task.output_dir, dist.rank, dist.requeue_id or dist.job_id, dist.node)  # one live job per dir
     signals.install(forward_term=bool(spec.train.command))
@@ -76,6 +74,8 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         if mode == "preflight":
             return 0
 
+    if dist.rank == 0:
+        check_master_port(dist, log)
     the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")))
     if spec.train.command:
         # Slurm signals every process of a job step (proctrack), the child included: forwarding as
@@ -124,6 +124,20 @@ def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
         log.info("preflight module not installed: skipping preflight checks")
         return True
     return bool(gate(dist, spec, out_dir, mode))
+
+
+def check_master_port(dist, log) -> None:
+    """Rank 0, right before the rendezvous it hosts: a busy MASTER_PORT is a RuntimeEnvError with the fix
+    (the other ranks would otherwise wait out the rendezvous timeout); one in the ephemeral range a warning."""
+    try:
+        from ..preflight import ports
+    except ImportError:
+        return
+    result = ports.check_master_port(dist.node, dist.master_port, ports.ephemeral_range())
+    if not result.ok:
+        raise RuntimeEnvError("MASTER_PORT is busy on the master node", result.observed, result.hint)
+    if result.hint:
+        log.warning("%s. HINT: %s", result.observed, result.hint)
 
 
 def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log, forward: bool = True) -> int:
