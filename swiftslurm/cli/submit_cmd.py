@@ -187,13 +187,17 @@ def status_command(console: Console, target: str, as_json: bool) -> int:
             "output_dir": sub.output_dir or None,
             "tasks": [
                 {"task": r.task, "job_id": r.job_id, "state": r.state, "nodes": r.nodes, "restarts": r.restarts,
-                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint}
+                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint,
+                 "stop_reason": r.stop_reason}
                 for r in rows
             ],
         }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     console.print(status_table(rows, f"{sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids[:4])}", with_checkpoint=bool(sub.output_dir)))
+    for r in rows[:MAX_ROWS]:
+        if r.stop_reason:
+            console.print(f"task {r.task}: {r.stop_reason}", highlight=False, markup=False)
     return 0
 
 
