@@ -361,3 +361,30 @@ def test_gate_without_checks_is_a_no_op(tmp_path):
     spec = parse_spec('[train]\ncommand = ["true"]\n[preflight]\nchecks = []\n')
     assert gate(None, spec, str(tmp_path), mode="train") is True and not (tmp_path / "preflight").exists()
     assert "allreduce" in checks_for(spec, "preflight")  # a diagnostic run with [] runs every check
+
+
+def test_exclusion_ends_once_the_job_was_requeued_max_requeues_times():
+    """A node that keeps failing (or an exclusion Slurm keeps refusing) must end the job, not requeue it forever."""
+    from types import SimpleNamespace
+
+    from swiftslurm.preflight.gate import exclusion_allowed
+    from swiftslurm.preflight.results import Decision
+
+    exclude = Decision("exclude", False, ("node2",), "excluding node2 and requeueing: ...")
+    spec = SimpleNamespace(slurm=SimpleNamespace(max_requeues=2))
+    for restarts, action in ((0, "exclude"), (1, "exclude"), (2, "abort"), (7, "abort")):
+        d = exclusion_allowed(exclude, SimpleNamespace(executor="slurm", restart_count=restarts), spec)
+        assert d.action == action and (action == "exclude" or "max_requeues = 2" in d.reason)
+    local = exclusion_allowed(exclude, SimpleNamespace(executor="local", restart_count=0), spec)
+    assert local.action == "abort" and "needs Slurm" in local.reason
+    keep = Decision("warn", True, reason="x")
+    assert exclusion_allowed(keep, SimpleNamespace(executor="slurm", restart_count=9), spec) is keep
+
+
+def test_required_nodes_are_never_excluded():
+    from swiftslurm import slurm
+
+    show = "JobId=5 JobName=x ReqNodeList=node[1-2] ExcNodeList=(null) NodeList=node[1-2]"
+    assert slurm.parse_req_node_list(show) == "node[1-2]" and slurm.parse_exc_node_list(show) == ""
+    assert slurm.required_among("node[1-2]", ["node2", "node3"]) == ["node2"]
+    assert slurm.required_among("", ["node2"]) == []

@@ -27,6 +27,8 @@ from .commands import (
     job_records,
     scancel,
     parse_exc_node_list,
+    parse_req_node_list,
+    required_among,
     merge_exclude,
     exclude_and_requeue,
 )
@@ -53,6 +55,8 @@ __all__ = [
     'job_records',
     'scancel',
     'parse_exc_node_list',
+    'parse_req_node_list',
+    'required_among',
     'merge_exclude',
     'exclude_and_requeue',
 ]
