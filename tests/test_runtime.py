@@ -267,6 +267,12 @@ def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tm
     assert 1 <= step < 500
     newest = ck.newest_verified(out)
     assert newest is not None and newest.name == f"checkpoint-{step}"
+    # the manifest records what it was trained with, so a resume under another spec can be refused
+    from swiftslurm.checkpoint.fingerprint import training_fingerprint
+    from swiftslurm.plan import read_plan_task
+
+    _, task, ds = read_plan_task(plan, 0)
+    assert ck.read_manifest(newest).meta["spec_fingerprint"] == training_fingerprint(task.spec, ds)
     # requeue = rerun: the next start reports the checkpoint as its resume point
     proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

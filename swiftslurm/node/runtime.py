@@ -61,7 +61,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     banner.enable_stack_dumps(dist, out_dir)
     log.info("%s", dist.summary())
 
-    resume = None if spec.train.command else _resume_point(out_dir, log)
+    resume = None if spec.train.command else _resume_point(out_dir, log, spec, ds_config)
     shown = "- (train.command runs your own script)" if spec.train.command else (resume or "none (fresh start)")
     banner.print_banner(dist, spec, out_dir, mode, shown)
 
@@ -103,14 +103,41 @@ def _read_task(plan_path: str, index: int):
     return data, task, ds_config
 
 
-def _resume_point(out_dir: str, log) -> str | None:
+def _resume_point(out_dir: str, log, spec=None, ds_config=None) -> str | None:
     try:
         from ..checkpoint import newest_verified
     except ImportError:
         log.info("checkpoint module not installed: starting fresh")
         return None
     found = newest_verified(out_dir, log=log.warning)
+    if found and spec is not None:
+        check_spec_drift(found, spec, ds_config, log)
     return str(found) if found else None
+
+
+def check_spec_drift(checkpoint: Path, spec, ds_config, log) -> None:
+    """Refuse to resume a checkpoint trained with another training spec (an edited sweep list renumbers
+    tasks; a changed learning rate), naming the changed keys, unless checkpoint.allow_spec_change."""
+    from ..checkpoint import read_manifest
+    from ..checkpoint.fingerprint import META_KEY, fingerprint_changes, training_fingerprint
+
+    recorded = read_manifest(checkpoint).meta.get(META_KEY)
+    if not isinstance(recorded, dict):
+        log.warning("%s has no spec fingerprint (written by an older swiftslurm): resuming without checking "
+                    "that it was trained with this spec", checkpoint.name)
+        return
+    changes = fingerprint_changes(recorded, training_fingerprint(spec, ds_config))
+    if not changes:
+        return
+    if spec.checkpoint.allow_spec_change:
+        log.warning("resuming %s although the spec changed (checkpoint.allow_spec_change = true): %s", checkpoint.name, "; ".join(changes))
+        return
+    raise RuntimeEnvError(
+        f"{checkpoint.name} was trained with another spec; not resuming it",
+        f"{checkpoint}: " + "; ".join(changes),
+        "restore those values, or use a new job.output_dir to start fresh, or set checkpoint.allow_spec_change = true "
+        "to resume anyway (editing a sweep list renumbers its tasks: task N's directory may hold another combination's checkpoints)",
+    )
 
 
 def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:

@@ -134,6 +134,9 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
           should_stop: Callable[[], bool]) -> TrainResult:
     """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved."""
     started = time.perf_counter()
+    from ..checkpoint.fingerprint import training_fingerprint
+
+    fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
     import transformers
 
@@ -167,7 +170,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         callbacks.append(MetricsFileCallback(metrics_path))
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
-           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size}
+           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
+           "spec_fingerprint": fingerprint}
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=Collator(tok.pad_token_id),
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
