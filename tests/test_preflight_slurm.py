@@ -186,34 +186,35 @@ def test_exclude_under_the_rendered_script_kill_on_bad_exit(tmp_path):
     assert report["restart_count"] == 1 and bad not in report["nodes"] and report["ok"]
 
 
+def _running_sleeper(tmp_path: Path, name: str, *opts: str) -> str:
+    """A real `sleep 60` batch job, once it runs."""
+    job_id = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N1", "-t", "2", "-J", name, "--requeue", *opts,
+                             "-o", str(tmp_path / f"{name}.out"), "--wrap", "sleep 60"], capture_output=True, text=True, check=True).stdout.strip()
+    deadline = time.monotonic() + 90
+    while _state(job_id)[0] != "RUNNING":
+        assert time.monotonic() < deadline and "held" not in _state(job_id)[1].lower(), _state(job_id)
+        time.sleep(0.5)
+    return job_id
+
+
 def test_exclusion_never_leaves_the_job_held(tmp_path):
-    """exclude_and_requeue against a real job: an update Slurm refuses leaves the job requeued (never held);
-    a node the job requires by name is not excluded at all (the job would pend forever)."""
+    """exclude_and_requeue against a real job: an update Slurm refuses leaves the job requeued (never held:
+    it runs again); a node the job requires by name is not excluded at all (the job would pend forever)."""
     from swiftslurm import slurm
     from swiftslurm.errors import SwiftSlurmError
 
-    job_id = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N1", "-t", "2", "-J", "pf-held", "--requeue",
-                             "-o", str(tmp_path / "j.out"), "--wrap", "sleep 60"], capture_output=True, text=True, check=True).stdout.strip()
+    job_id = _running_sleeper(tmp_path, "pf-held")
     try:
-        deadline = time.monotonic() + 60
-        while _state(job_id)[0] != "RUNNING":
-            assert time.monotonic() < deadline, _state(job_id)
-            time.sleep(0.5)
         with pytest.raises(SwiftSlurmError, match="requeued, but Slurm refused ExcNodeList"):
             slurm.exclude_and_requeue(job_id, ["no-such-node"])
-        deadline = time.monotonic() + 60  # the requeued job runs again: it was never held
+        deadline = time.monotonic() + 60
         while _state(job_id)[0] != "RUNNING":
             assert time.monotonic() < deadline and "held" not in _state(job_id)[1].lower(), _state(job_id)
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    pinned = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N1", "-w", "node3", "-t", "2", "-J", "pf-pinned", "--requeue",
-                             "-o", str(tmp_path / "p.out"), "--wrap", "sleep 60"], capture_output=True, text=True, check=True).stdout.strip()
+    pinned = _running_sleeper(tmp_path, "pf-pinned", "-w", "node3")
     try:
-        deadline = time.monotonic() + 90
-        while _state(pinned)[0] != "RUNNING":
-            assert time.monotonic() < deadline, _state(pinned)
-            time.sleep(0.5)
         with pytest.raises(SwiftSlurmError, match="requires it by name"):
             slurm.exclude_and_requeue(pinned, ["node3"])
         assert _state(pinned)[0] == "RUNNING"  # not requeued
