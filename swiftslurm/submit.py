@@ -74,6 +74,7 @@ class TaskStatus:
     output_dir: str = ""
     checkpoint: str | None = None
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
+    stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
 
 
 def newest_checkpoint(task_dir: str) -> str | None:
@@ -96,13 +97,13 @@ def _last_save(task_dir: str) -> dict[str, Any] | None:
     return read_save(task_dir) if task_dir else None
 
 
-def _requeue_count(task_dir: str) -> int:
-    """Walltime requeues the runtime recorded (``requeues.json``): the count where sacct has none."""
-    try:
-        data = json.loads(Path(task_dir, "requeues.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return len(data) if isinstance(data, list) else len(data.get("requeues", [])) if isinstance(data, dict) else 0
+def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
+    """This job's walltime requeues as the runtime recorded them (``requeues.json``: the count where sacct
+    has none), and why its last walltime stop was not requeued (None when it was, or none happened)."""
+    from .node.requeue import read_requeues, stop_reason, walltime_requeues
+
+    records = read_requeues(task_dir) if task_dir else []
+    return walltime_requeues(records, job_id), stop_reason(records, job_id)
 
 
 # ---------------------------------------------------------------- the record of one submission
@@ -155,7 +156,8 @@ class Submission:
     def statuses(self, with_checkpoints: bool = False) -> list[TaskStatus]:
         rows = self._slurm_statuses() if self.executor == "slurm" else self._local_statuses()
         for row in rows:
-            row.restarts = max(row.restarts, _requeue_count(row.output_dir))
+            requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
+            row.restarts = max(row.restarts, requeues)
             if with_checkpoints:
                 row.checkpoint = newest_checkpoint(row.output_dir)
                 row.last_save = _last_save(row.output_dir)

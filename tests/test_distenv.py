@@ -165,11 +165,23 @@ def test_derive_array_task_and_requeue():
     assert d.master_port == port_for_job("4713")  # each array task has its own job id, so its own port
 
 
-def test_explicit_master_port_and_addr_win():
-    d = derive(slurm_env(MASTER_PORT="29500", MASTER_ADDR="10.0.0.9"))
+def test_master_port_and_addr_from_spec_env_win():
+    d = derive(slurm_env(), explicit={"MASTER_PORT": "29500", "MASTER_ADDR": "10.0.0.9"})
     assert (d.master_addr, d.master_port) == ("10.0.0.9", 29500)
-    with pytest.raises(RuntimeEnvError, match="MASTER_PORT"):
-        derive(slurm_env(MASTER_PORT="99999"))
+    for bad in ("99999", "65533", "0", "port"):
+        with pytest.raises(RuntimeEnvError, match=r"MASTER_PORT in \[env\]"):
+            derive(slurm_env(), explicit={"MASTER_PORT": bad})
+
+
+@pytest.mark.parametrize("make", [lambda **kw: slurm_env(**kw), lambda **kw: {"SUBMITIT_LOCAL_JOB_ID": "77", "SUBMITIT_LOCAL_NTASKS": "1", **kw},
+                                  lambda **kw: dict(kw)])
+def test_inherited_master_port_and_addr_are_ignored(make):
+    # a login shell's MASTER_PORT/MASTER_ADDR reach the ranks through sbatch's default --export=ALL
+    plain = derive(make(), pid=5)
+    inherited = derive(make(MASTER_PORT="29500", MASTER_ADDR="10.9.9.9"), pid=5)
+    assert (inherited.master_addr, inherited.master_port) == (plain.master_addr, plain.master_port)
+    assert inherited.master_port != 29500 and inherited.master_addr != "10.9.9.9"
+    assert child_env(make(MASTER_PORT="29500"), inherited, {})["MASTER_PORT"] == str(plain.master_port)
 
 
 def test_uneven_tasks_per_node():
@@ -195,15 +207,35 @@ def test_bad_procid_is_a_clear_error():
 def test_ports_same_for_requeue_distinct_for_neighbours():
     # Slurm keeps the job id across `scontrol requeue`; two jobs have two ids.
     assert port_for_job("812") == port_for_job("812")
-    ports = {port_for_job(str(i)) for i in range(100000, 140000)}
-    assert len(ports) == 40000  # 40000 consecutive job ids never share a port
+    from swiftslurm.preflight.coord import preflight_ports
+
+    def job_ports(i: int) -> set[int]:  # MASTER_PORT and the preflight's three
+        return {port_for_job(str(i)), *preflight_ports(port_for_job(str(i))).values()}
+
+    seen: set[int] = set()
+    for i in range(100000, 100000 + distenv.PORT_SLOTS):  # 4096 consecutive job ids never share a port
+        mine = job_ports(i)
+        assert len(mine) == 4 and not mine & seen
+        seen |= mine
+    assert not job_ports(7) & job_ports(7 + 1511)  # the preflight's old slots collided at ids equal mod 1511
     assert port_for_job("local-123") != port_for_job("local-124")
 
 
 @given(st.one_of(st.integers(0, 2**40).map(str), st.text(min_size=1, max_size=30)))
-def test_port_in_safe_range(job_id):
-    assert distenv.PORT_BASE <= port_for_job(job_id) < distenv.PORT_BASE + distenv.PORT_SPAN
-    assert port_for_job(job_id) < 60000
+def test_ports_below_the_ephemeral_range(job_id):
+    from swiftslurm.preflight.coord import preflight_ports
+
+    master = port_for_job(job_id)
+    for port in (master, *preflight_ports(master).values()):
+        assert 1024 < port < distenv.EPHEMERAL_DEFAULT[0]  # Linux's default range is 32768-60999
+
+
+def test_ports_below_this_machines_ephemeral_range():
+    text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+    low, _ = distenv.parse_port_range(text)
+    assert distenv.PORT_BASE + distenv.PORT_SPAN <= low
+    assert distenv.parse_port_range("32768\t60999\n") == (32768, 60999)
+    assert distenv.parse_port_range("") is None and distenv.parse_port_range("9 1") is None
 
 
 def test_gpu_binding():

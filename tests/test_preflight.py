@@ -86,13 +86,32 @@ def test_decide(on_failure, failures, mode, action, proceed, exclude):
     assert d.reason
 
 
-def test_preflight_ports_avoid_master_port_range_and_neighbours():
-    # consecutive job ids get consecutive MASTER_PORTs (distenv); the preflight's ports must not be one of them
-    for mp in (20000, 20001, 29500, 59999, 65535):
+def test_preflight_ports_are_the_rest_of_the_jobs_slot():
+    from swiftslurm.slurm.distenv import port_for_job
+
+    for job in range(5000, 5100):
+        mp = port_for_job(str(job))
         p = preflight_ports(mp)
-        assert len(set(p.values())) == 3
-        assert all(61000 <= v <= 65535 for v in p.values())
-    assert not set(preflight_ports(20000).values()) & set(preflight_ports(20001).values())
+        assert sorted(p.values()) == [mp + 1, mp + 2, mp + 3]
+        neighbours = {port_for_job(str(job + d)) for d in (-1, 1)}
+        assert not set(p.values()) & neighbours  # never the next job's MASTER_PORT
+
+
+def test_master_port_check_names_a_busy_port_and_the_ephemeral_range():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    busy = holder.getsockname()[1]
+    try:
+        bad = ports.check_master_port("node1", busy, (busy - 10, busy + 10))
+    finally:
+        holder.close()
+    assert not bad.ok and f"MASTER_PORT {busy} is busy on node1" in bad.observed and "ephemeral range" in bad.observed
+    assert "MASTER_PORT in [env]" in bad.hint
+    free = ports.check_master_port("node1", busy, None)  # let go: free again
+    assert free.ok and not free.hint
+    warned = ports.check_master_port("node1", busy, (busy, busy))
+    assert warned.ok and "ephemeral range" in warned.observed and warned.hint
 
 
 def test_parse_faults():
@@ -342,3 +361,30 @@ def test_gate_without_checks_is_a_no_op(tmp_path):
     spec = parse_spec('[train]\ncommand = ["true"]\n[preflight]\nchecks = []\n')
     assert gate(None, spec, str(tmp_path), mode="train") is True and not (tmp_path / "preflight").exists()
     assert "allreduce" in checks_for(spec, "preflight")  # a diagnostic run with [] runs every check
+
+
+def test_exclusion_ends_once_the_job_was_requeued_max_requeues_times():
+    """A node that keeps failing (or an exclusion Slurm keeps refusing) must end the job, not requeue it forever."""
+    from types import SimpleNamespace
+
+    from swiftslurm.preflight.gate import exclusion_allowed
+    from swiftslurm.preflight.results import Decision
+
+    exclude = Decision("exclude", False, ("node2",), "excluding node2 and requeueing: ...")
+    spec = SimpleNamespace(slurm=SimpleNamespace(max_requeues=2))
+    for restarts, action in ((0, "exclude"), (1, "exclude"), (2, "abort"), (7, "abort")):
+        d = exclusion_allowed(exclude, SimpleNamespace(executor="slurm", restart_count=restarts), spec)
+        assert d.action == action and (action == "exclude" or "max_requeues = 2" in d.reason)
+    local = exclusion_allowed(exclude, SimpleNamespace(executor="local", restart_count=0), spec)
+    assert local.action == "abort" and "needs Slurm" in local.reason
+    keep = Decision("warn", True, reason="x")
+    assert exclusion_allowed(keep, SimpleNamespace(executor="slurm", restart_count=9), spec) is keep
+
+
+def test_required_nodes_are_never_excluded():
+    from swiftslurm import slurm
+
+    show = "JobId=5 JobName=x ReqNodeList=node[1-2] ExcNodeList=(null) NodeList=node[1-2]"
+    assert slurm.parse_req_node_list(show) == "node[1-2]" and slurm.parse_exc_node_list(show) == ""
+    assert slurm.required_among("node[1-2]", ["node2", "node3"]) == ["node2"]
+    assert slurm.required_among("", ["node2"]) == []

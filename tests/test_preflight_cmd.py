@@ -69,7 +69,9 @@ def test_slurm_four_nodes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = doc["tasks"][0]
     assert report["ok"] and len(report["nodes"]) == 4 and report["executor"] == "slurm"
-    assert len([r for r in report["results"] if r["check"] == "ports"]) == 12  # every ordered pair
+    assert len([r for r in report["results"] if r["check"] == "ports" and "->" in r["node"]]) == 12  # every ordered pair
+    master = [r for r in report["results"] if r["check"] == "ports" and "->" not in r["node"]]
+    assert len(master) == 1 and master[0]["ok"] and "MASTER_PORT" in master[0]["observed"]  # free on the master node
     iperf = [r for r in report["results"] if r["check"] == "iperf3"]
     assert len(iperf) == 4 and all(r["data"]["gbps"] > 0.1 for r in iperf)  # the ring
     assert re.search(r"preflight wall time \d+\.\d s", proc.stdout) or "preflight total wall time" in proc.stdout

@@ -86,7 +86,9 @@ def test_four_nodes_all_pass(tmp_path):
     assert report["ok"] and report["decision"]["action"] == "continue"
     checks = {r["check"] for r in report["results"]}
     assert checks == {"ports", "allreduce", "iperf3", "nvme", "disk", "sharedfs", "gpu"}
-    assert len([r for r in report["results"] if r["check"] == "ports"]) == 12  # every ordered pair
+    assert len([r for r in report["results"] if r["check"] == "ports" and "->" in r["node"]]) == 12  # every ordered pair
+    master = [r for r in report["results"] if r["check"] == "ports" and "->" not in r["node"]]
+    assert len(master) == 1 and master[0]["ok"] and "MASTER_PORT" in master[0]["observed"]  # free on the master node
     assert len(report["busbw"]["sizes"]) >= 4 and report["busbw"]["world_size"] == 4
     assert (tmp_path / "out" / "preflight" / "busbw.png").stat().st_size > 1000
     assert "all checks passed" in logs[0] and "preflight wall time" in logs[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm.plan import make_plan, write_plan
-from swiftslurm.node.runtime import decide_requeue, read_requeues
+from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, decide_requeue, read_requeues, stop_reason, walltime_requeues
 from swiftslurm.spec import parse_spec
 
 PY = sys.executable
@@ -144,7 +144,7 @@ def test_mis_sized_local_run_stops_before_the_command(tmp_path):
     assert not (tmp_path / "env-0.json").exists()
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGUSR2, 0), (signal.SIGTERM, 7)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGUSR2, NOT_REQUEUED_EXIT), (signal.SIGTERM, 7)])
 def test_signals_reach_the_command(tmp_path, sig, code):
     plan = make_plan_file(tmp_path, command_spec(tmp_path, SIGNALLED, str(tmp_path)))
     proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True)
@@ -157,8 +157,9 @@ def test_signals_reach_the_command(tmp_path, sig, code):
     assert proc.returncode == code, err
     assert (tmp_path / f"got-{sig.name}").exists()
     records = read_requeues(str(tmp_path / "out"))
-    if sig == signal.SIGUSR2:  # a walltime stop: recorded; the local executor cannot requeue
-        assert len(records) == 1 and records[0]["requeued"] is False
+    if sig == signal.SIGUSR2:  # a walltime stop: recorded; the local executor cannot requeue, so it fails
+        assert len(records) == 1 and records[0]["requeued"] is False and records[0]["outcome"] == "cannot_requeue"
+        assert "cannot requeue" in err
     else:
         assert records == []
 
@@ -183,14 +184,34 @@ def test_submitit_local_executor_two_ranks_allreduce(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "recorded,restarts,limit,requeue,count",
-    [(0, 0, 20, True, 1), (2, 0, 3, True, 3), (0, 2, 3, True, 3), (3, 0, 3, False, 3), (1, 5, 5, False, 5), (0, 0, 0, False, 0)],
+    "done,limit,executor,requeue,count,outcome",
+    [(0, 20, "slurm", True, 1, "requeueing"), (2, 3, "slurm", True, 3, "requeueing"), (3, 3, "slurm", False, 3, "max_requeues"),
+     (0, 0, "slurm", False, 0, "max_requeues"), (0, 20, "local", False, 0, "cannot_requeue")],
 )
-def test_decide_requeue(recorded, restarts, limit, requeue, count):
-    d = decide_requeue(recorded, restarts, limit)
-    assert (d.requeue, d.count) == (requeue, count)
-    if not requeue:
-        assert "max_requeues" in d.message
+def test_decide_requeue(done, limit, executor, requeue, count, outcome):
+    d = decide_requeue(done, limit, executor)
+    assert (d.requeue, d.count, d.outcome) == (requeue, count, outcome)
+    if outcome == "max_requeues":
+        assert f"stopped at walltime after {done} requeue(s): max_requeues reached" in d.message
+
+
+def test_requeues_are_counted_per_job_not_per_directory():
+    """A new submission (new job id) starts a new count; an older job that had the same id (a cluster whose
+    ids restarted) is told apart by SLURM_RESTART_COUNT, which only grows within one job."""
+    records = [
+        {"job_id": "7", "restart_count": 0, "requeued": True},  # last week's job 7: requeued 3 times, then done
+        {"job_id": "7", "restart_count": 1, "requeued": True, "outcome": "requeued"},
+        {"job_id": "7", "restart_count": 2, "requeued": False, "outcome": "max_requeues", "message": "stopped at walltime after 2 requeue(s): max_requeues reached"},
+        {"job_id": "40_3", "restart_count": 0, "requeued": True, "outcome": "requeued"},  # another submission
+        {"job_id": "41", "restart_count": 0, "requeued": True, "outcome": "requeueing"},  # killed by its own requeue
+    ]
+    assert walltime_requeues(records, "41", restart_count=1) == 1
+    assert walltime_requeues(records, "99", restart_count=0) == 0  # a new submit starts at 0
+    assert walltime_requeues(records, "40_3", restart_count=1) == 1 and walltime_requeues(records, "40", restart_count=1) == 0
+    assert walltime_requeues(records, "7", restart_count=2) == 2
+    assert walltime_requeues(records, "7", restart_count=0) == 0  # the id came back after a cluster reset: a new job
+    assert stop_reason(records, "7").endswith("max_requeues reached") and stop_reason(records, "41") is None
+    assert stop_reason([{"job_id": "local-5", "restart_count": 0, "requeued": False, "message": "m"}], "5") == "m"
 
 
 
@@ -239,13 +260,19 @@ def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tm
         text, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, text
+    assert proc.returncode == NOT_REQUEUED_EXIT, text  # stopped partway, and nobody will continue it
     records = read_requeues(str(out))
     assert len(records) == 1 and records[0]["requeued"] is False, records  # the local run cannot requeue
     step = records[0]["global_step"]
     assert 1 <= step < 500
     newest = ck.newest_verified(out)
     assert newest is not None and newest.name == f"checkpoint-{step}"
+    # the manifest records what it was trained with, so a resume under another spec can be refused
+    from swiftslurm.checkpoint.fingerprint import training_fingerprint
+    from swiftslurm.plan import read_plan_task
+
+    _, task, ds = read_plan_task(plan, 0)
+    assert ck.read_manifest(newest).meta["spec_fingerprint"] == training_fingerprint(task.spec, ds)
     # requeue = rerun: the next start reports the checkpoint as its resume point
     proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -392,3 +419,63 @@ def test_cluster_mis_sized_allocation_stops_before_training(tmp_path):
     assert "the spec asks for 2 per node" in out and "HINT: set sbatch/srun --ntasks-per-node=2" in out
     assert "Traceback" not in out
     assert not list(tmp_path.glob("env-*.json"))  # the command never started
+
+
+def test_busy_master_port_stops_rank0_before_the_command(tmp_path):
+    """MASTER_PORT already taken on the master node: rank 0 says so, with the fix, before any rendezvous."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        plan = make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), extra=f'[env]\nMASTER_PORT = "{port}"\n'))
+        proc = run_cli("--plan", str(plan))
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stderr
+    assert f"MASTER_PORT {port} is busy" in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "env-0.json").exists()
+
+
+WAIT_USR2 = """
+import os, signal, sys, time
+out = sys.argv[1]
+got = []
+signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
+t = time.monotonic()
+while not got and time.monotonic() - t < 90:
+    time.sleep(0.1)
+open(os.path.join(out, "usr2-" + os.environ["RANK"]), "w").write(str(bool(got)))
+"""
+
+
+@pytest.mark.slurm
+@slurm_up
+def test_cluster_walltime_stop_that_slurm_refuses_to_requeue_fails_the_job(tmp_path):
+    """The rendered script as it runs (srun --kill-on-bad-exit=1), 2 nodes, a job Slurm may not requeue
+    (--no-requeue): the walltime stop ends the job FAILED, not COMPLETED, and the record says Slurm refused."""
+    from swiftslurm import slurm
+    from swiftslurm.slurm.render import render_sbatch
+
+    toml = command_spec(tmp_path, WAIT_USR2, str(tmp_path), slurm='partition = "debug"\nnodes = 2\ntasks_per_node = 1\ntime = "00:03:00"\nmax_requeues = 5')
+    plan = make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="test.toml")
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    job = slurm.sbatch(str(tmp_path / "job.sh"), extra=["--no-requeue"])
+    try:
+        wait_files([tmp_path / "ready-0", tmp_path / "ready-1"], 120, tmp_path / "out")
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        rec = wait_state(job, {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"}, 90)
+    finally:
+        slurm.scancel([job])
+    log = "".join(p.read_text() for p in (tmp_path / "out").glob("slurm-*.out"))
+    assert rec.state == "FAILED", log[-3000:]
+    assert {p.name: p.read_text() for p in tmp_path.glob("usr2-*")} == {"usr2-0": "True", "usr2-1": "True"}
+    records = read_requeues(str(tmp_path / "out"))
+    assert len(records) == 1 and records[0]["outcome"] == "refused" and records[0]["job_id"] == job, records
+    assert "requeue refused by Slurm" in records[0]["message"] and "requeue refused by Slurm" in log
+    assert stop_reason(records, job) == records[0]["message"]

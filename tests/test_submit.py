@@ -327,9 +327,15 @@ def test_walltime_usr2_reaches_every_rank(tmp_path):
     (tmp_path / "job.sh").write_text(script)
     via_render = Submission("slurm", [slurm.sbatch(str(tmp_path / "job.sh"))], plan.output_dir, [plan.output_dir], "")
     for sub, out in ((via_submitit, "a"), (via_render, "b")):
-        assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}, out
+        # max_requeues = 0: the walltime stop is not requeued, so the run failed partway (never COMPLETED)
+        assert sub.wait(timeout_s=WAIT_S) == {"0": "FAILED"}, out
         got = {p.name: p.read_text() for p in (tmp_path / out / "got").glob("usr2-*")}
         assert got == {"usr2-0": "True", "usr2-1": "True"}, out
+        assert "max_requeues reached" in (sub.statuses()[0].stop_reason or ""), out
+    status = json.loads(cli("status", str(tmp_path / "a"), "--json").stdout)["tasks"][0]
+    assert status["state"] == "FAILED" and "stopped at walltime after 0 requeue(s): max_requeues reached" in status["stop_reason"]
+    shown = cli("status", str(tmp_path / "a")).stdout
+    assert "task 0: stopped at walltime after 0 requeue(s): max_requeues reached" in shown
 
 
 @pytest.mark.slurm
@@ -348,6 +354,7 @@ def test_rendered_trap_forwards_a_batch_usr2_to_the_ranks(tmp_path):
     assert len(list(got.glob("ready-*"))) == 2, "the ranks never started"
     subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True)
     sub = Submission("slurm", [job], plan.output_dir, [plan.output_dir], "")
-    assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED"}
+    assert sub.wait(timeout_s=WAIT_S) == {"0": "FAILED"}  # max_requeues = 0: a stop that is not requeued fails
     assert {p.name: p.read_text() for p in got.glob("usr2-*")} == {"usr2-0": "True", "usr2-1": "True"}
-    assert "forwarding to the srun step" in next((tmp_path / "out").glob("slurm-*.out")).read_text()
+    log = next((tmp_path / "out").glob("slurm-*.out")).read_text()
+    assert "forwarding to the srun step" in log and "max_requeues reached" in log

@@ -10,7 +10,6 @@ from pathlib import Path, PurePosixPath
 from rich.console import Console
 from rich.markup import escape
 from rich.live import Live
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -191,13 +190,16 @@ def status_command(console: Console, target: str, as_json: bool) -> int:
             "tasks": [
                 {"task": r.task, "job_id": r.job_id, "state": r.state, "nodes": r.nodes, "restarts": r.restarts,
                  "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint,
-                 "last_save": r.last_save}
+                 "last_save": r.last_save, "stop_reason": r.stop_reason}
                 for r in rows
             ],
         }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     console.print(status_table(rows, f"{sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids[:4])}", with_checkpoint=bool(sub.output_dir)))
+    for r in rows[:MAX_ROWS]:
+        if r.stop_reason:
+            console.print(f"task {r.task}: {r.stop_reason}", highlight=False, markup=False)
     for r in rows:
         if r.last_save and r.last_save.get("advice"):
             where = f"task {r.task}: " if len(rows) > 1 else ""

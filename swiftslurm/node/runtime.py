@@ -3,26 +3,22 @@
 Requeue = rerun: every step is idempotent. Read the task from the plan, derive the rank's
 distributed environment, check the allocation, install the USR2 flag handler, log, preflight, then
 either run the spec's ``train.command`` as a child with the derived env, or train in-process from
-the newest verified checkpoint. After a walltime stop rank 0 requeues the job; every rank exits 0.
+the newest verified checkpoint. After a walltime stop rank 0 requeues the job (node/requeue.py); a
+stop that is not requeued ends every rank with NOT_REQUEUED_EXIT and the reason in requeues.json.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from . import banner, ownership, signals
+from .requeue import walltime_exit
 from ..slurm import distenv
 from ..errors import PreflightFailed, RuntimeEnvError
-from ..fsutil import atomic_write_text
 
-REQUEUES_FILE = "requeues.json"
 POLL_S = 0.2
 
 
@@ -47,16 +43,15 @@ def run_from_cli(plan_file: Path | None, task: int | None) -> int:
 
 
 def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
-    """Run one rank of one task of a plan. Returns the exit code (0 after a walltime requeue)."""
+    """Run one rank of one task of a plan. Returns the exit code (0 after a walltime requeue,
+    NOT_REQUEUED_EXIT after a walltime stop that was not requeued)."""
     if mode not in ("train", "preflight"):
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
     spec = task.spec
     distenv.check_spec_env(spec.env)
-    env = dict(os.environ)
-    # MASTER_ADDR/MASTER_PORT from [env] are explicit choices, like exported ones
-    env.update({k: v for k, v in spec.env.items() if k in ("MASTER_ADDR", "MASTER_PORT")})
-    dist = distenv.derive(env, pid=os.getpid())
+    # MASTER_ADDR/MASTER_PORT: the spec's [env] is the one explicit choice; inherited ones are ignored
+    dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
     distenv.check_allocation(dist, spec)
     ownership.claim(task.output_dir, dist.rank, dist.requeue_id or dist.job_id, dist.node)  # one live job per dir
     signals.install(forward_term=bool(spec.train.command))
@@ -76,6 +71,8 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         if mode == "preflight":
             return 0
 
+    if dist.rank == 0:
+        check_master_port(dist, log)
     the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")))
     if spec.train.command:
         # Slurm signals every process of a job step (proctrack), the child included: forwarding as
@@ -83,9 +80,8 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         # submitit's local executor signals only the ranks it started: there we forward.
         forward = dist.executor != "slurm"
         code = run_command(spec.train.command, the_env, cwd=data.get("base_dir") or None, dist=dist, out_dir=out_dir, log=log, forward=forward)
-        if signals.stop_requested() and dist.rank == 0:
-            after_walltime_stop(dist, spec, out_dir, log, step=None)
-            return 0
+        if signals.stop_requested():
+            return walltime_exit(dist, spec, out_dir, log, step=None)
         return code
     return _train(dist, spec, ds_config, out_dir, True, the_env, log)
 
@@ -126,6 +122,20 @@ def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
         log.info("preflight module not installed: skipping preflight checks")
         return True
     return bool(gate(dist, spec, out_dir, mode))
+
+
+def check_master_port(dist, log) -> None:
+    """Rank 0, right before the rendezvous it hosts: a busy MASTER_PORT is a RuntimeEnvError with the fix
+    (the other ranks would otherwise wait out the rendezvous timeout); one in the ephemeral range a warning."""
+    try:
+        from ..preflight import ports
+    except ImportError:
+        return
+    result = ports.check_master_port(dist.node, dist.master_port, ports.ephemeral_range())
+    if not result.ok:
+        raise RuntimeEnvError("MASTER_PORT is busy on the master node", result.observed, result.hint)
+    if result.hint:
+        log.warning("%s. HINT: %s", result.observed, result.hint)
 
 
 def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log, forward: bool = True) -> int:
@@ -186,73 +196,6 @@ def _train(dist, spec, ds_config, out_dir: str, resume: str | bool | None, the_e
     except ValueError:  # not the main thread: no handler was installed either
         pass
     if getattr(result, "stopped_for_requeue", False):
-        if dist.rank == 0:
-            after_walltime_stop(dist, spec, out_dir, log, step=getattr(result, "global_step", None))
-        return 0
+        return walltime_exit(dist, spec, out_dir, log, step=getattr(result, "global_step", None))
     log.info("training finished at step %s", getattr(result, "global_step", "?"))
     return 0
-
-
-# ---------------------------------------------------------------- walltime requeue
-
-
-@dataclass(frozen=True)
-class RequeueDecision:
-    requeue: bool
-    count: int  # requeues so far, including this one when requeue is True
-    message: str
-
-
-def decide_requeue(recorded: int, restart_count: int, max_requeues: int) -> RequeueDecision:
-    """Pure: requeue again unless this job was already requeued ``max_requeues`` times.
-
-    ``recorded`` counts entries in requeues.json, ``restart_count`` is SLURM_RESTART_COUNT; the larger wins
-    (the file survives a lost restart count; the count survives a lost file).
-    """
-    done = max(recorded, restart_count)
-    if done < max_requeues:
-        return RequeueDecision(True, done + 1, f"walltime stop: requeue {done + 1} of at most {max_requeues}")
-    return RequeueDecision(
-        False,
-        done,
-        f"walltime stop: not requeued, the job was requeued {done} time(s) (slurm.max_requeues = {max_requeues}); "
-        "resubmit the same spec to continue from the newest verified checkpoint",
-    )
-
-
-def read_requeues(out_dir: str) -> list[dict[str, Any]]:
-    path = Path(out_dir, REQUEUES_FILE)
-    try:
-        records = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return []
-    return records if isinstance(records, list) else []
-
-
-def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> RequeueDecision:
-    """Rank 0: record the stop in requeues.json and requeue the job (or say why not)."""
-    records = read_requeues(out_dir)
-    decision = decide_requeue(len(records), dist.restart_count, spec.slurm.max_requeues)
-    records.append(
-        {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "job_id": dist.requeue_id,
-            "restart_count": dist.restart_count,
-            "global_step": step,
-            "requeued": decision.requeue and dist.executor == "slurm",
-            "message": decision.message,
-        }
-    )
-    atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records, indent=2))
-    log.warning("%s", decision.message)
-    if decision.requeue and dist.executor == "slurm":
-        from .. import slurm
-        from ..errors import SwiftSlurmError
-
-        try:
-            slurm.requeue(dist.requeue_id)
-        except SwiftSlurmError as exc:  # the batch script may have requeued it already
-            log.warning("scontrol requeue %s failed: %s", dist.requeue_id, exc.message())
-    elif decision.requeue:
-        log.warning("the local executor cannot requeue; rerun `swiftslurm submit` to resume")
-    return decision

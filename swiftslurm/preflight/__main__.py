@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         spec = load_spec(args.spec)
-        dist = distenv.derive(os.environ, pid=os.getpid())
+        dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
     except SwiftSlurmError as exc:
         print(f"error: {exc.message()}", file=sys.stderr)
         return exc.exit_code

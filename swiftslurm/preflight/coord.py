@@ -14,18 +14,15 @@ from typing import Any
 
 POLL_S = 0.05
 
-# The preflight's own ports (store, test listener, iperf3 server) live in 61000-65532, above the
-# Linux ephemeral range (32768-60999) and outside distenv's MASTER_PORT range (20000-59999): the
-# trainer binds MASTER_PORT later, and consecutive job ids get consecutive master ports, so
-# "MASTER_PORT+1" would be the next job's MASTER_PORT on a shared node.
-PORT_BASE = 61000
-SLOTS = 1511  # (65535 - 61000) // 3
+# The preflight's own ports (store, test listener, iperf3 server) are MASTER_PORT+1..+3: a derived
+# MASTER_PORT is the first port of the job's 4-port slot (slurm/distenv.py), below the Linux ephemeral
+# range, so these are the rest of the slot and never another job's. The trainer binds MASTER_PORT later.
+# (They once lived in 61000-65532 with 1511 slots: two jobs whose ids were equal mod 1511 collided.)
 
 
 def preflight_ports(master_port: int) -> dict[str, int]:
-    """The three ports of one job's preflight, derived from its MASTER_PORT (pure)."""
-    base = PORT_BASE + (master_port % SLOTS) * 3
-    return {"coord": base, "test": base + 1, "iperf3": base + 2}
+    """The three ports of one job's preflight: MASTER_PORT+1..+3 (pure)."""
+    return {"coord": master_port + 1, "test": master_port + 2, "iperf3": master_port + 3}
 
 
 class CoordinationError(Exception):

@@ -4,10 +4,15 @@ Called on every rank by ``runtime.run_task``. Rank 0 decides (a pure ``decide`` 
 writes ``<output_dir>/preflight/report.json`` and ``busbw.png``, prints the table, and broadcasts the
 decision through the preflight store; the other ranks return what rank 0 decided (or False when rank 0
 cannot be heard from within the timeout).
+
+On "exclude" (requeue without the bad nodes) the other ranks do not exit until rank 0 says it is done:
+under ``srun --kill-on-bad-exit=1`` (the rendered script) their exit, or their death by the SIGTERM the
+requeue sends to the job's steps, would make srun kill rank 0 between its Slurm calls.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Any
@@ -18,6 +23,7 @@ from .results import Decision, decide
 from .run import GATHER_GRACE_S, run_checks
 
 ACK_WAIT_S = 5
+EXCLUDE_WAIT_S = 120  # rank 0's scontrol calls (each bounded by SLURM_TIMEOUT_S), seen from the other ranks
 ALL_CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
 
@@ -49,14 +55,17 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
             return False
         try:
             d = coord.get("decision", time.monotonic() + spec.preflight.timeout_s + GATHER_GRACE_S)
+            excluding = bool(d and d.get("action") == "exclude")
+            if excluding:  # deaf to the requeue's SIGTERM before rank 0 may send it (it waits for this ack)
+                _ignore_term()
             coord.put(f"ack/{dist.rank}", 1)  # rank 0 keeps the store up until everyone has the decision
+            if excluding:
+                _wait_for_exclusion(coord, dist.rank)
         except CoordinationError:
             d = None
         return bool(d and d.get("proceed"))
 
-    decision = decide(outcome.results, spec.preflight.on_failure, dist.nodes, mode)
-    if decision.action == "exclude" and getattr(dist, "executor", "slurm") != "slurm":
-        decision = Decision("abort", False, reason=f"on_failure = 'exclude' needs Slurm (this is the {dist.executor} executor): {decision.reason}")
+    decision = exclusion_allowed(decide(outcome.results, spec.preflight.on_failure, dist.nodes, mode), dist, spec)
     meta = {
         "job_id": dist.job_id, "mode": mode, "on_failure": spec.preflight.on_failure,
         "restart_count": getattr(dist, "restart_count", 0), "executor": getattr(dist, "executor", ""),
@@ -72,20 +81,54 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
         from .. import slurm
         from ..errors import SwiftSlurmError
 
-        import signal
-
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requeuehold signals this job's own steps
+        previous = _ignore_term()  # the requeue signals this job's own steps
         try:
             merged = slurm.exclude_and_requeue(dist.requeue_id, list(decision.exclude))
             print(f"swiftslurm preflight: job {dist.requeue_id} requeued with ExcNodeList={merged}", file=sys.stderr, flush=True)
         except SwiftSlurmError as exc:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             report["decision"] = Decision("abort", False, reason=f"could not exclude and requeue: {exc.message()}").to_json()
             write_report(output_dir, report)
             print(f"swiftslurm preflight: {report['decision']['reason']}", file=sys.stderr, flush=True)
+        finally:
+            if coord is not None:  # the other ranks may exit now
+                coord.put("exclude/done", 1)
+                coord.gather("exclude/ack", list(range(1, dist.world_size)), time.monotonic() + ACK_WAIT_S)
     elif decision.action == "warn":
         print(f"swiftslurm preflight WARNING: {decision.reason}", file=sys.stderr, flush=True)
     return decision.proceed
+
+
+def exclusion_allowed(decision: Decision, dist: Any, spec: Any) -> Decision:
+    """An "exclude" decision becomes "abort" where a requeue cannot help (pure): not under Slurm, or once
+    the job was requeued slurm.max_requeues times already (a node that keeps failing, or an exclusion Slurm
+    keeps refusing, must end the job, not requeue it forever)."""
+    if decision.action != "exclude":
+        return decision
+    executor = getattr(dist, "executor", "slurm")
+    if executor != "slurm":
+        return Decision("abort", False, reason=f"on_failure = 'exclude' needs Slurm (this is the {executor} executor): {decision.reason}")
+    restarts, limit = getattr(dist, "restart_count", 0), spec.slurm.max_requeues
+    if restarts >= limit:
+        return Decision("abort", False, reason=f"not requeueing: the job was requeued {restarts} time(s) already "
+                        f"(slurm.max_requeues = {limit}): {decision.reason}")
+    return decision
+
+
+def _ignore_term() -> Any:
+    """Ignore SIGTERM; the previous handler (None where handlers cannot be set: not the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        return None
+
+
+def _wait_for_exclusion(coord: Any, rank: int) -> None:
+    """A rank other than 0 after an "exclude" decision: stay alive, deaf to the requeue's SIGTERM, until rank 0
+    has requeued the job and set its ExcNodeList (or its store is gone)."""
+    if coord.get("exclude/done", time.monotonic() + EXCLUDE_WAIT_S) is not None:
+        coord.put(f"exclude/ack/{rank}", 1)
 
 
 def _print(report: dict) -> None:

@@ -66,6 +66,47 @@ def open_listener(node: str, port: int) -> tuple[Listener | None, CheckResult | 
         )
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
+    """This node's ephemeral port range (Linux), or None where it cannot be read."""
+    from ..slurm.distenv import parse_port_range
+
+    try:
+        with open(path) as fh:
+            return parse_port_range(fh.read())
+    except OSError:
+        return None
+
+
+def bind_error(port: int) -> str | None:
+    """Why ``port`` cannot be bound on every address of this node, or None when it is free.
+
+    Binds the way torch's TCPStore binds MASTER_PORT (all addresses, SO_REUSEADDR: a TIME_WAIT left by
+    the previous run of a requeued job does not count), then lets go at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def check_master_port(node: str, port: int, ephemeral: tuple[int, int] | None = None) -> CheckResult:
+    """Rank 0's node, before the rendezvous: MASTER_PORT must be free there; in the ephemeral range it
+    may be taken at any moment by an outgoing connection, which the result says even when it is free."""
+    in_range = ephemeral is not None and ephemeral[0] <= port <= ephemeral[1]
+    where = f" (inside this node's ephemeral range {ephemeral[0]}-{ephemeral[1]}, where outgoing connections take ports)" if in_range else ""
+    fix = ("set MASTER_PORT in [env] to a free port outside the ephemeral range (net.ipv4.ip_local_port_range), "
+           "or resubmit: a new job id derives another port")
+    error = bind_error(port)
+    if error:
+        return CheckResult("ports", node, False, f"MASTER_PORT {port} is busy on {node}: {error}{where}", f"MASTER_PORT {port} free", fix)
+    return CheckResult("ports", node, True, f"MASTER_PORT {port} free{where}", f"MASTER_PORT {port} free", fix if in_range else "")
+
+
 def probe(src: str, dst: str, port: int, is_master: bool = False) -> CheckResult:
     """``nc -z -w 2 dst port`` from this node."""
     pair = f"{src}->{dst}"

@@ -102,6 +102,8 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
             server, bad = iperf.start_server(node, port["iperf3"])
             mine += [bad] if bad else []
         local_futures = _node_checks_local(pool, checks, node, spec, output_dir)
+    if rank == 0 and "ports" in checks:  # the rank that will host the rendezvous on MASTER_PORT
+        mine.append(ports.check_master_port(node, dist.master_port, ports.ephemeral_range()))
 
     missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
     phase("connect")

@@ -33,6 +33,8 @@ from .commands import (
     parse_scontrol_job,
     parse_scontrol_config,
     show_config,
+    parse_req_node_list,
+    required_among,
     merge_exclude,
     exclude_and_requeue,
 )
@@ -65,6 +67,8 @@ __all__ = [
     'parse_scontrol_job',
     'parse_scontrol_config',
     'show_config',
+    'parse_req_node_list',
+    'required_among',
     'merge_exclude',
     'exclude_and_requeue',
 ]

@@ -310,6 +310,13 @@ def parse_exc_node_list(show_job: str) -> str:
     return "" if value in ("(null)", "") else value
 
 
+def parse_req_node_list(show_job: str) -> str:
+    """``ReqNodeList`` (sbatch --nodelist) from ``scontrol show job -o`` output; "" when none (pure)."""
+    jobs = parse_scontrol_job(show_job)
+    value = jobs[0].get("ReqNodeList", "") if jobs else ""
+    return "" if value in ("(null)", "") else value
+
+
 def merge_exclude(current: str, nodes: list[str]) -> str:
     """A hostlist of the job's current excluded nodes plus ``nodes`` (pure)."""
     import hostlist
@@ -318,17 +325,39 @@ def merge_exclude(current: str, nodes: list[str]) -> str:
     return hostlist.collect_hostlist(sorted(names | set(nodes)))
 
 
+def required_among(req_node_list: str, nodes: list[str]) -> list[str]:
+    """The ``nodes`` the job requires by name (--nodelist): excluding one leaves it pending forever (pure)."""
+    import hostlist
+
+    required = set(hostlist.expand_hostlist(req_node_list)) if req_node_list else set()
+    return sorted(required & set(nodes))
+
+
 def exclude_and_requeue(job_id: str, nodes: list[str]) -> str:
     """Requeue a running job (or array task ``123_4``) with ``nodes`` added to its ExcNodeList.
 
-    Slurm only updates ExcNodeList of a pending job, so: ``requeuehold`` (the job stops and goes
-    back to pending, held), ``update ExcNodeList``, ``release``. Called from inside the job: the
-    caller must ignore SIGTERM meanwhile, since requeuehold signals the job's own steps.
-    Returns the new ExcNodeList.
+    Slurm only updates ExcNodeList of a pending job. ``requeue`` then ``update``, never
+    ``requeuehold``/``release``: whatever fails or is killed between the calls, the job is never left
+    held. The update lands before the rerun can start: a requeued job stays COMPLETING (unschedulable)
+    while the caller, one of its processes, is alive. Called from inside the job: the caller must
+    ignore SIGTERM meanwhile, since the requeue signals the job's own steps. Returns the new
+    ExcNodeList; a SwiftSlurmError says whether the job was requeued without the exclusion.
     """
-    current = parse_exc_node_list(_run(["scontrol", "show", "job", "-o", job_id]).stdout)
-    merged = merge_exclude(current, nodes)
-    _run(["scontrol", "requeuehold", job_id])
-    _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
-    _run(["scontrol", "release", job_id])
+    show = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+    required = required_among(parse_req_node_list(show), nodes)
+    if required:
+        raise SwiftSlurmError(
+            f"cannot exclude {','.join(required)}: the job requires it by name",
+            f"ReqNodeList={parse_req_node_list(show)}",
+            "remove the node from slurm.nodelist (sbatch --nodelist); the job was not requeued",
+        )
+    merged = merge_exclude(parse_exc_node_list(show), nodes)
+    _run(["scontrol", "requeue", job_id])
+    try:
+        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
+    except SwiftSlurmError as exc:
+        raise SwiftSlurmError(
+            f"job {job_id} was requeued, but Slurm refused ExcNodeList={merged}", exc.found,
+            "it reruns without the exclusion; set slurm.exclude in the spec and resubmit",
+        ) from None
     return merged

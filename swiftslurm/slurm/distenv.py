@@ -17,8 +17,16 @@ import hostlist
 
 from ..errors import RuntimeEnvError
 
-PORT_BASE = 20000
-PORT_SPAN = 40000  # master ports live in [20000, 59999]: above most services, below the ephemeral range
+# Every job gets a slot of PORTS_PER_JOB ports: MASTER_PORT, then the preflight's store, test listener and
+# iperf3 server (preflight/coord.py). The slots fill [16384, 32768): below Linux's ephemeral range (default
+# 32768-60999, net.ipv4.ip_local_port_range), where any outgoing connection may hold a port at the moment
+# the trainer wants to bind it, and above the well-known services. 4096 consecutive job ids never share a
+# port; runtime.check_master_port says so when a node's ephemeral range (or another process) still hits it.
+PORT_BASE = 16384
+PORTS_PER_JOB = 4
+PORT_SLOTS = 4096
+PORT_SPAN = PORT_SLOTS * PORTS_PER_JOB  # master ports live in [16384, 32767]
+EPHEMERAL_DEFAULT = (32768, 60999)
 
 # Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them.
 PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "NNODES")
@@ -108,11 +116,21 @@ def port_for_job(job_id: str) -> int:
     """A master port from the job id: the same for every requeue of a job (Slurm keeps its id),
     different for two jobs (or array tasks: each has its own SLURM_JOB_ID) sharing a node.
 
-    Numeric ids map modulo the span, so 40000 consecutive jobs never collide.
+    Numeric ids map to one of PORT_SLOTS slots, so 4096 consecutive jobs never collide; the port is the
+    first of its slot, the preflight takes the other three.
     """
     key = job_id.strip()
     number = int(key) if key.isascii() and key.isdigit() else zlib.crc32(key.encode())
-    return PORT_BASE + number % PORT_SPAN
+    return PORT_BASE + (number % PORT_SLOTS) * PORTS_PER_JOB
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """``/proc/sys/net/ipv4/ip_local_port_range`` ("32768\t60999") -> (32768, 60999); None if unreadable."""
+    parts = text.split()
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    low, high = int(parts[0]), int(parts[1])
+    return (low, high) if low <= high else None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -127,13 +145,22 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise RuntimeEnvError(f"{name} is not an integer", repr(value), "is this environment from Slurm?") from None
 
 
-def _explicit_port(env: Mapping[str, str]) -> int | None:
-    value = env.get("MASTER_PORT", "").strip()
+def _explicit_port(explicit: Mapping[str, str]) -> int | None:
+    value = explicit.get("MASTER_PORT", "").strip()
     if not value:
         return None
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:
-        raise RuntimeEnvError("MASTER_PORT is not a port number", repr(value), "unset MASTER_PORT to let swiftslurm derive one from the job id")
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65532:
+        raise RuntimeEnvError("MASTER_PORT in [env] is not a port number (1-65532)", repr(value),
+                              "remove MASTER_PORT from [env] to let swiftslurm derive one from the job id")
     return int(value)
+
+
+def _master(explicit: Mapping[str, str], default_addr: str, job_key: str) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT): the spec's [env] choice, else derived. An inherited MASTER_ADDR/PORT
+    (a login shell's, which sbatch exports to the job) is ignored: it is nobody's choice for this job."""
+    port = _explicit_port(explicit)
+    addr = explicit.get("MASTER_ADDR", "").strip()
+    return addr or default_addr, port if port is not None else port_for_job(job_key)
 
 
 def visible_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
@@ -155,17 +182,22 @@ def bind_gpu(gpus: tuple[str, ...], local_rank: int, local_world_size: int) -> s
 # ---------------------------------------------------------------- derive
 
 
-def derive(env: Mapping[str, str], pid: int | None = None) -> DistEnv:
+def derive(env: Mapping[str, str], pid: int | None = None, explicit: Mapping[str, str] | None = None) -> DistEnv:
     """The rank's distributed environment from SLURM_* (an srun task), SUBMITIT_LOCAL_* (submitit's
-    local executor) or nothing (a single process, ``pid`` names it). Raises RuntimeEnvError."""
+    local executor) or nothing (a single process, ``pid`` names it). Raises RuntimeEnvError.
+
+    MASTER_ADDR/MASTER_PORT come from ``explicit`` (the spec's [env]) or are derived; the same names
+    in ``env`` are ignored (inherited from whoever ran sbatch, they would make every job share a port).
+    """
+    explicit = explicit or {}
     if env.get("SUBMITIT_EXECUTOR") == "local" or "SUBMITIT_LOCAL_JOB_ID" in env:
-        return _derive_local(env)
+        return _derive_local(env, explicit)
     if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
-        return _derive_slurm(env)
-    return _derive_single(env, pid)
+        return _derive_slurm(env, explicit)
+    return _derive_single(env, pid, explicit)
 
 
-def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
+def _derive_slurm(env: Mapping[str, str], explicit: Mapping[str, str]) -> DistEnv:
     source = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     nodes = expand_nodelist(env.get(source, ""), source)
     rank = _int(env, "SLURM_PROCID")
@@ -188,7 +220,7 @@ def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     array_task_id = _int(env, "SLURM_ARRAY_TASK_ID") if array_task else None
     gpus = visible_gpus(env)
-    explicit = _explicit_port(env)
+    master_addr, master_port = _master(explicit, nodes[0], job_id)
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -198,8 +230,8 @@ def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
         nnodes=_int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_JOB_NUM_NODES", len(nodes))) if nodes else 1,
         nodes=nodes,
         node=node,
-        master_addr=env.get("MASTER_ADDR") or nodes[0],
-        master_port=explicit if explicit is not None else port_for_job(job_id),
+        master_addr=master_addr,
+        master_port=master_port,
         job_id=job_id,
         requeue_id=f"{array_job}_{array_task}" if array_job and array_task else job_id,
         array_task_id=array_task_id,
@@ -210,7 +242,7 @@ def _derive_slurm(env: Mapping[str, str]) -> DistEnv:
     )
 
 
-def _derive_local(env: Mapping[str, str]) -> DistEnv:
+def _derive_local(env: Mapping[str, str], explicit: Mapping[str, str]) -> DistEnv:
     """submitit's LocalExecutor: one node, SUBMITIT_LOCAL_NTASKS ranks, the controller's pid as job id."""
     local_id = env.get("SUBMITIT_LOCAL_JOB_ID", "").strip() or "0"
     job_id = f"local-{local_id}"
@@ -218,7 +250,7 @@ def _derive_local(env: Mapping[str, str]) -> DistEnv:
     local_rank = _int(env, "SUBMITIT_LOCAL_LOCALID", rank)
     world_size = _int(env, "SUBMITIT_LOCAL_NTASKS", 1)
     gpus = visible_gpus(env)
-    explicit = _explicit_port(env)
+    master_addr, master_port = _master(explicit, "127.0.0.1", local_id)
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -228,8 +260,8 @@ def _derive_local(env: Mapping[str, str]) -> DistEnv:
         nnodes=1,
         nodes=("localhost",),
         node="localhost",
-        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=explicit if explicit is not None else port_for_job(local_id),
+        master_addr=master_addr,
+        master_port=master_port,
         job_id=job_id,
         requeue_id=job_id,
         array_task_id=None,
@@ -240,15 +272,14 @@ def _derive_local(env: Mapping[str, str]) -> DistEnv:
     )
 
 
-def _derive_single(env: Mapping[str, str], pid: int | None) -> DistEnv:
+def _derive_single(env: Mapping[str, str], pid: int | None, explicit: Mapping[str, str]) -> DistEnv:
     job_id = f"local-{pid if pid is not None else 0}"
-    explicit = _explicit_port(env)
+    master_addr, master_port = _master(explicit, "127.0.0.1", job_id)
     gpus = visible_gpus(env)
     return DistEnv(
         rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1,
         nodes=("localhost",), node="localhost",
-        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=explicit if explicit is not None else port_for_job(job_id),
+        master_addr=master_addr, master_port=master_port,
         job_id=job_id, requeue_id=job_id, array_task_id=None, restart_count=0,
         gpus=gpus, executor="local", gpu=bind_gpu(gpus, 0, 1),
     )  # fmt: skip

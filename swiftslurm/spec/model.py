@@ -280,6 +280,7 @@ class CheckpointTable(_Table):
     keep: int = Field(3, ge=2, le=1000)
     forced_save_fractions: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
     checksum: Literal["xxh3", "md5", "sha256"] = "xxh3"
+    allow_spec_change: bool = False
 
     @field_validator("forced_save_fractions")
     @classmethod

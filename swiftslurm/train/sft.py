@@ -138,6 +138,10 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     (``resume.resolve``); a path = that checkpoint (checked by every rank); None = a fresh start.
     """
     started = time.perf_counter()
+    from ..checkpoint.fingerprint import check_spec_drift, training_fingerprint
+
+    planned_ds_config = ds_config
+    fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
     import transformers
 
@@ -151,6 +155,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     args = training_arguments(spec, output_dir, ds_config, cuda)  # before the model: ZeRO-3 init needs it
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
+    if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
+        check_spec_drift(resume_from, spec, planned_ds_config, log)
     model, tok = load_model_and_tokenizer(spec, cuda)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -174,7 +180,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         callbacks.append(MetricsFileCallback(metrics_path))
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
-           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size}
+           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
+           "spec_fingerprint": fingerprint}
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=Collator(tok.pad_token_id),
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,

@@ -146,7 +146,8 @@ class SFTTrainer(Trainer):
                 pass
             meta = {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
                     "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
-                    "job_name": self.job["name"], "train_type": self.job["train_type"]}
+                    "job_name": self.job["name"], "train_type": self.job["train_type"],
+                    "spec_fingerprint": self.job.get("spec_fingerprint")}
             final = ck.final_dir(out, step)
             meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
             ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)

@@ -1,0 +1,126 @@
+"""What a checkpoint was trained with: the training-relevant spec, recorded in its manifest meta
+(``meta["spec_fingerprint"]``) and compared when a task resumes from it.
+
+The fingerprint holds the values themselves (dotted key -> value), not a hash, so a refused resume can
+name what changed. It covers every ``train.*`` key except the operational ones below, the ``[deepspeed]``
+overrides, the essentials of the resolved DeepSpeed config, and the identity of each dataset file
+(name, size, a hash of its first and last MiB). It leaves out the allocation (nodes, ranks per node,
+time, partition), ``[preflight]``, ``[env]`` and ``[checkpoint]``: resuming on another world size
+must keep working, and none of those change what is learned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import RuntimeEnvError
+from .manifest import read_manifest
+
+META_KEY = "spec_fingerprint"
+# train.* keys that do not change what is learned (or are covered below: the dataset by its content, the
+# deepspeed preset by the resolved config's essentials)
+OPERATIONAL_TRAIN_KEYS = frozenset({
+    "logging_steps", "save_steps", "report_to", "command", "dataloader_num_workers", "dataloader_pin_memory",
+    "dataset_num_proc", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
+})
+# what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
+DS_ESSENTIALS = (
+    "zero_optimization.stage", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
+    "bf16.enabled", "fp16.enabled", "gradient_clipping", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+)
+EDGE_BYTES = 1 << 20
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key in sorted(value):
+            _flatten(value[key], f"{prefix}.{key}", out)
+    else:
+        out[prefix] = value
+
+
+def _dig(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def spec_fingerprint(spec: Any, ds_config: dict[str, Any] | None, datasets: Iterable[str]) -> dict[str, Any]:
+    """Pure: the fingerprint of a task's spec, given its resolved DeepSpeed config and its dataset identities."""
+    out: dict[str, Any] = {}
+    train = spec.train.model_dump(mode="json")
+    for key in sorted(train):
+        if key not in OPERATIONAL_TRAIN_KEYS:
+            out[f"train.{key}"] = train[key]
+    if spec.deepspeed:
+        _flatten(dict(spec.deepspeed), "deepspeed", out)
+    for dotted in DS_ESSENTIALS:
+        out[f"ds_config.{dotted}"] = _dig(ds_config or {}, dotted)
+    for i, identity in enumerate(datasets):
+        out[f"dataset[{i}]"] = identity
+    return json.loads(json.dumps(out))  # as it reads back from the manifest (tuples -> lists, ...)
+
+
+def dataset_identity(path: str) -> str:
+    """A file's name, size and a hash of its first and last MiB: cheap on large files, and changed by any
+    edit that adds, drops or rewrites samples at either end or changes the size. Reads the file."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        digest = hashlib.sha256()
+        with p.open("rb") as fh:
+            digest.update(fh.read(EDGE_BYTES))
+            if size > EDGE_BYTES:
+                fh.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+                digest.update(fh.read(EDGE_BYTES))
+    except OSError as exc:
+        return f"{p.name}: unreadable ({exc.strerror})"
+    return f"{p.name}: {size} bytes, sha256 {digest.hexdigest()[:16]} (first+last MiB)"
+
+
+def training_fingerprint(spec: Any, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The fingerprint of a task as it starts now (reads the dataset files)."""
+    return spec_fingerprint(spec, ds_config, [dataset_identity(d) for d in spec.train.dataset])
+
+
+def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Pure: ``key: recorded -> current`` for every key whose value differs (``(unset)`` where one side lacks it)."""
+    missing = object()
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, missing), current.get(key, missing)
+        if old != new:
+            show = lambda v: "(unset)" if v is missing else json.dumps(v)  # noqa: E731
+            out.append(f"{key}: {show(old)} -> {show(new)}")
+    return out
+
+
+def check_spec_drift(checkpoint: Path | str, spec: Any, ds_config: dict[str, Any] | None, log: Any) -> None:
+    """Refuse to resume a checkpoint trained with another training spec (an edited sweep list renumbers
+    tasks; a changed learning rate), naming the changed keys, unless checkpoint.allow_spec_change.
+
+    Called by the trainer on the resume point all ranks agreed on; ``log`` is a ``logging.Logger``."""
+    checkpoint = Path(checkpoint)
+    recorded = read_manifest(checkpoint).meta.get(META_KEY)
+    if not isinstance(recorded, dict):
+        log.warning("%s has no spec fingerprint (written by an older swiftslurm): resuming without checking "
+                    "that it was trained with this spec", checkpoint.name)
+        return
+    changes = fingerprint_changes(recorded, training_fingerprint(spec, ds_config))
+    if not changes:
+        return
+    if spec.checkpoint.allow_spec_change:
+        log.warning("resuming %s although the spec changed (checkpoint.allow_spec_change = true): %s", checkpoint.name, "; ".join(changes))
+        return
+    raise RuntimeEnvError(
+        f"{checkpoint.name} was trained with another spec; not resuming it",
+        f"{checkpoint}: " + "; ".join(changes),
+        "restore those values, or use a new job.output_dir to start fresh, or set checkpoint.allow_spec_change = true "
+        "to resume anyway (editing a sweep list renumbers its tasks: task N's directory may hold another combination's checkpoints)",
+    )

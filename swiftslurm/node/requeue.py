@@ -1,0 +1,141 @@
+"""After a walltime stop: requeue the job, or end the run non-zero with the reason recorded.
+
+Rank 0 decides (``decide_requeue``, pure) and records the outcome in ``<task dir>/requeues.json``; the
+other ranks wait for that record before they exit, so that (a) a stop that is not requeued fails every
+rank and with it the step and the job (sacct FAILED, not COMPLETED), and (b) under ``srun
+--kill-on-bad-exit=1`` no rank's exit kills rank 0 before it has requeued.
+
+Requeues are counted per job (Slurm keeps the job id, ``123`` or ``123_4``, across requeues), so a new
+``submit`` of the same spec starts a new count. Records of an earlier job that had the same id (a
+cluster whose job ids restarted) are told apart by SLURM_RESTART_COUNT, which only grows within a job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..fsutil import atomic_write_text
+
+REQUEUES_FILE = "requeues.json"
+# EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
+NOT_REQUEUED_EXIT = 75
+# outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
+REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RequeueDecision:
+    requeue: bool
+    count: int  # walltime requeues of this job so far, including this one when requeue is True
+    outcome: str
+    message: str
+
+
+def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> RequeueDecision:
+    """Pure: requeue again unless this job was already requeued ``max_requeues`` times at walltime
+    (or the executor cannot requeue at all)."""
+    if executor != "slurm":
+        return RequeueDecision(False, done, CANNOT, f"stopped at walltime, not requeued: the {executor} executor cannot requeue; "
+                               "resubmit the same spec to continue from the newest verified checkpoint")
+    if done < max_requeues:
+        return RequeueDecision(True, done + 1, REQUEUEING, f"walltime stop: requeue {done + 1} of at most {max_requeues}")
+    return RequeueDecision(
+        False, done, MAX_REACHED,
+        f"stopped at walltime after {done} requeue(s): max_requeues reached (slurm.max_requeues = {max_requeues}); "
+        "resubmit the same spec (or raise slurm.max_requeues) to continue from the newest verified checkpoint",
+    )
+
+
+def read_requeues(out_dir: str) -> list[dict[str, Any]]:
+    try:
+        records = json.loads(Path(out_dir, REQUEUES_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
+def _same_job(record: dict[str, Any], job_id: str) -> bool:
+    rid = str(record.get("job_id", ""))
+    return rid == job_id or rid == f"local-{job_id}"
+
+
+def job_records(records: list[dict[str, Any]], job_id: str, restart_count: int | None = None) -> list[dict[str, Any]]:
+    """Pure: the records of this job's runs before run ``restart_count`` (all of this job's with None)."""
+    return [r for r in records if _same_job(r, job_id) and (restart_count is None or int(r.get("restart_count", 0)) < restart_count)]
+
+
+def walltime_requeues(records: list[dict[str, Any]], job_id: str, restart_count: int | None = None) -> int:
+    """Pure: how often this job was requeued at walltime (a record whose run was followed by another)."""
+    return sum(1 for r in job_records(records, job_id, restart_count) if r.get("outcome", REQUEUED if r.get("requeued") else "") in (REQUEUED, REQUEUEING))
+
+
+def stop_reason(records: list[dict[str, Any]], job_id: str) -> str | None:
+    """Pure: why this job's last walltime stop was not requeued, or None (for `swiftslurm status`)."""
+    mine = job_records(records, job_id)
+    if mine and not mine[-1].get("requeued"):
+        return str(mine[-1].get("message") or "stopped at walltime, not requeued")
+    return None
+
+
+def _record(out_dir: str, entry: dict[str, Any]) -> None:
+    """Add or replace (same job and restart count) this run's record."""
+    records = [r for r in read_requeues(out_dir)
+               if not (r.get("job_id") == entry["job_id"] and r.get("restart_count") == entry["restart_count"])]
+    atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records + [entry], indent=2))
+
+
+def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> int:
+    """Rank 0: decide, record, requeue. Returns this rank's exit code (0 requeued, else NOT_REQUEUED_EXIT)."""
+    done = walltime_requeues(read_requeues(out_dir), dist.requeue_id, dist.restart_count)
+    decision = decide_requeue(done, spec.slurm.max_requeues, dist.executor)
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": dist.requeue_id, "restart_count": dist.restart_count,
+        "global_step": step, "requeued": decision.requeue, "outcome": decision.outcome, "message": decision.message,
+    }
+    # written before the requeue: `scontrol requeue` signals this very process
+    _record(out_dir, entry)
+    if not decision.requeue:
+        log.error("%s", decision.message)
+        return NOT_REQUEUED_EXIT
+    log.warning("%s", decision.message)
+    from .. import slurm
+    from ..errors import SwiftSlurmError
+
+    try:
+        slurm.requeue(dist.requeue_id)
+    except SwiftSlurmError as exc:
+        entry.update(requeued=False, outcome=REFUSED,
+                     message=f"stopped at walltime, requeue refused by Slurm: {exc.found or exc.what}; "
+                     "resubmit the same spec to continue from the newest verified checkpoint")
+        _record(out_dir, entry)
+        log.error("%s", entry["message"])
+        return NOT_REQUEUED_EXIT
+    entry.update(outcome=REQUEUED)
+    _record(out_dir, entry)
+    return 0
+
+
+def await_walltime_decision(dist, out_dir: str, timeout_s: float, log) -> int:
+    """Ranks other than 0: wait for rank 0's record of this stop; the exit code it implies. On a
+    requeue Slurm ends this process meanwhile; without a record in ``timeout_s`` the stop counts as not
+    requeued."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in read_requeues(out_dir):
+            if r.get("job_id") == dist.requeue_id and r.get("restart_count") == dist.restart_count and r.get("outcome") != REQUEUEING:
+                return 0 if r.get("requeued") else NOT_REQUEUED_EXIT
+        time.sleep(POLL_S)
+    log.error("walltime stop: rank 0 recorded no requeue within %d s; ending as not requeued", timeout_s)
+    return NOT_REQUEUED_EXIT
+
+
+def walltime_exit(dist, spec, out_dir: str, log, step: int | None) -> int:
+    """Every rank after a walltime stop: rank 0 decides and requeues, the others wait for its word."""
+    if dist.rank == 0:
+        return after_walltime_stop(dist, spec, out_dir, log, step)
+    return await_walltime_decision(dist, out_dir, max(30.0, float(spec.slurm.signal_grace_s)), log)
