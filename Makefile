@@ -33,9 +33,10 @@ cluster-up:
 cluster-down:
 	bash tests/cluster/down.sh
 
-# DeepSpeed's CPU comm op is JIT-built on first use: build it once, before tests that kill ranks run
+# DeepSpeed's CPU comm op is JIT-built on first use: build it once, before tests that kill ranks run,
+# into the venv's own cache (tests/conftest.py points TORCH_EXTENSIONS_DIR there too)
 ds-ops: $(VENV)/.installed
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" >/dev/null
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TORCH_EXTENSIONS_DIR="$(CURDIR)/$(VENV)/torch_extensions" DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" >/dev/null
 
 test: setup ds-ops
 	bash tests/cluster/up.sh

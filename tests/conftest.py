@@ -34,6 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
     bindir = os.path.dirname(sys.executable)
     if not os.environ.get("PATH", "").startswith(bindir + os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    # One DeepSpeed JIT build cache per venv: torch keys a build by its source and include paths, so two
+    # venvs (two checkouts) sharing ~/.cache/torch_extensions rebuild the op on every switch, and a test that
+    # kills a rank mid-build leaves a lock file every later build waits on. `make ds-ops` builds it here.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
     config.addinivalue_line("markers", "slow: takes tens of seconds or more")
 
