@@ -39,6 +39,15 @@ def hms(seconds: float | None) -> str:
     return f"{days}d {text}" if days else text
 
 
+def clock(seconds: float | None) -> str:
+    """sacct's Elapsed format: ``HH:MM:SS``, ``D-HH:MM:SS`` past a day; "" when unknown."""
+    if seconds is None:
+        return ""
+    days, s = divmod(int(round(seconds)), 86400)
+    text = f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
 def num(x: float | None, fmt: str = ".4f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -162,7 +171,7 @@ def status_json(sub: Submission, rows: list[Progress]) -> dict:
         "job_ids": sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids,
         "output_dir": sub.output_dir or None,
         "tasks": [
-            {**r.to_json(), "elapsed": hms(r.elapsed_s) if r.elapsed_s is not None else "", "output_dir": r.output_dir or None,
+            {**r.to_json(), "elapsed": clock(r.elapsed_s), "output_dir": r.output_dir or None,
              "latest_checkpoint": r.checkpoint}
             for r in rows
         ],

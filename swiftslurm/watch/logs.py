@@ -135,7 +135,7 @@ def stamp_of(text: str) -> float | None:
 
 
 def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str], first_order: int = 0) -> list[LogLine]:
-    """A file's lines with times, and ``nodes`` (rank -> node) filled from the runtime's rank tags.
+    """A file's lines with times and nodes, and ``nodes`` (rank -> latest node) filled from the runtime's rank tags.
 
     A line without a stamp (a traceback, a print) takes the next stamp in the file, or ``end_time`` (the
     file's mtime) after the last one: never earlier than it was written, so a crash is not placed before
@@ -143,10 +143,14 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
     """
     raw = text.splitlines()
     stamps = [stamp_of(line) for line in raw]
-    for line in raw:
+    line_nodes, node = [], ""
+    for line in raw:  # a requeued rank may come back on another node: each line has the node of the last tag before it
         tag = RANK_TAG.search(line[:96])
         if tag:
-            nodes.setdefault(int(tag.group(1)), tag.group(2))
+            nodes[int(tag.group(1))] = tag.group(2)
+            if int(tag.group(1)) == source.rank:
+                node = tag.group(2)
+        line_nodes.append(node)
     known = [s for s in stamps if s is not None]
     current = max([end_time, *known[-1:]])
     times = []
@@ -154,12 +158,14 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
         current = stamp if stamp is not None else current
         times.append(current)
     times.reverse()
-    return [LogLine(t, source.task, source.rank, "", line, first_order + i) for i, (line, t) in enumerate(zip(raw, times))]
+    return [LogLine(t, source.task, source.rank, n, line, first_order + i) for i, (line, t, n) in enumerate(zip(raw, times, line_nodes))]
 
 
 def with_nodes(lines: Iterable[LogLine], nodes: dict[tuple[int, int], str], default: dict[int, str]) -> list[LogLine]:
-    """Lines with their rank's node filled in: (task, rank) -> node, else the task's one node, else ""."""
-    return [LogLine(ln.time, ln.task, ln.rank, nodes.get((ln.task, ln.rank)) or default.get(ln.task, ""), ln.text, ln.order) for ln in lines]
+    """Lines without a node (none tagged before them in their file) get their rank's: (task, rank) -> node, else the
+    task's one node, else ""."""
+    return [ln if ln.node else LogLine(ln.time, ln.task, ln.rank, nodes.get((ln.task, ln.rank)) or default.get(ln.task, ""), ln.text, ln.order)
+            for ln in lines]
 
 
 def interleave(per_source: list[list[LogLine]]) -> list[LogLine]:
@@ -203,7 +209,7 @@ class Reader:
                 lines = stamp_lines(text, src, mtime, ranks, self.orders.get(src.path, 0))
                 self.orders[src.path] = self.orders.get(src.path, 0) + len(lines)
                 for rank, node in ranks.items():
-                    self.nodes.setdefault((task, rank), node)
+                    self.nodes[(task, rank)] = node
                 per_source.append(lines)
         return [with_nodes(lines, self.nodes, self.task_nodes) for lines in per_source]
 
