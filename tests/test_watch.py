@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
 from swiftslurm.submit import submit_plan
 from swiftslurm.watch import logs as L
-from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments, total_of
+from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments
 
 RUN = Path(__file__).parent / "data" / "watch_run"
 WAIT_S = 180
@@ -274,3 +273,12 @@ def test_submit_wait_on_a_terminal_shows_the_step_and_a_real_elapsed(tmp_path):
     assert any(1 <= s < 12 for s in seen), screen
     final = [ln for ln in screen.splitlines() if "COMPLETED" in ln and "12/12" in ln][-1]
     assert re.search(r"\b\d+:\d\d:\d\d\b", final), final
+
+
+def test_plot_marks_each_requeue_on_the_loss_line_before_it():
+    from swiftslurm.watch.plot import Series, figure
+
+    rows = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 10.0} for s in (2, 4, 6, 8)] + [{"step": s, "loss": 4.0} for s in (8, 10)]
+    fig = figure([Series("task 0", rows, [{"global_step": 7}])])
+    (marks,) = fig.axes[0].collections
+    assert sorted(map(tuple, marks.get_offsets().tolist())) == [(6.0, 4.4), (8.0, 4.2)]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from pathlib import Path, PurePosixPath
 
 from rich.console import Console
-from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -17,7 +14,7 @@ from .. import slurm
 from ..plan import Plan
 from ..errors import SwiftSlurmError
 from ..submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
-from .watch_cmd import _STYLE, MAX_ROWS
+from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
 
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
 
@@ -79,10 +76,7 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
             cells.append(str(PurePosixPath(r.checkpoint).name) if r.checkpoint else "-")
         table.add_row(*cells)
     if len(shown) < len(rows):
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.state] = counts.get(r.state, 0) + 1
-        table.caption = f"{len(rows)} tasks: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        table.caption = counts_caption(rows)
     return table
 
 
