@@ -158,9 +158,9 @@ class Submission:
         for row in rows:
             requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
             row.restarts = max(row.restarts, requeues)
+            row.last_save = _last_save(row.output_dir)  # a small JSON: cheap
             if with_checkpoints:
                 row.checkpoint = newest_checkpoint(row.output_dir)
-                row.last_save = _last_save(row.output_dir)
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:
@@ -197,7 +197,7 @@ class Submission:
         rows = []
         for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
             state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_of(index), self.pid_starts.get(jid))
-            elapsed = _hms(time.time() - self.submitted_at) if state == "RUNNING" else ""
+            elapsed = _local_elapsed(Path(self.folder), jid, state, self.submitted_at)
             rows.append(TaskStatus(index, jid, state, "localhost", 0, elapsed, task_dir))
         return rows
 
@@ -244,6 +244,20 @@ class Submission:
 def _hms(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _local_elapsed(folder: Path, job_id: str, state: str, submitted_at: float) -> str:
+    """The local executor's clock: from the submission to now while it runs, to the last rank's result once it ended."""
+    if state == "RUNNING":
+        return _hms(time.time() - submitted_at)
+    ends = []
+    for pattern in (f"{job_id}_*_result.pkl", f"{job_id}_*_log.*"):  # killed ranks leave no result: their logs' last write
+        for path in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                ends.append(path.stat().st_mtime)
+        if ends:
+            break
+    return _hms(max(ends) - submitted_at) if ends and max(ends) >= submitted_at else ""
 
 
 def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool, ranks: int, started: int | None = None) -> str:

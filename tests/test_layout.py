@@ -24,8 +24,9 @@ LAYERS = {
     "preflight": 5, "train": 5,
     "node": 6,
     "submit": 7,
-    "cli": 8,
-    "__main__": 9,
+    "watch": 8,
+    "cli": 9,
+    "__main__": 10,
 }
 
 

@@ -243,11 +243,51 @@ def submit(
 def status(
     target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (for scripts)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Follow the job until every task ended (live on a terminal, plain lines in a pipe); exit 1 if a task failed."),
+    interval: Optional[float] = typer.Option(None, "--interval", min=0.0, help="Off a terminal: at most one line per task this often (seconds, default 10)."),
 ) -> int:
-    """State of every array task, restarts, and the latest verified checkpoint."""
+    """State of every array task with its progress (step, loss, tokens/s, ETA, elapsed), restarts and the latest
+    verified checkpoint; a sweep's tasks with their overrides, best final loss first."""
     from .submit_cmd import status_command
 
-    return status_command(console, target, as_json=as_json)
+    if follow and as_json:
+        from ..errors import SwiftSlurmError
+
+        raise SwiftSlurmError("--follow and --json do not go together", "both given", "use --json for one look, --follow to watch")
+    return status_command(console, target, as_json=as_json, follow_=follow, interval_s=interval)
+
+
+@app.command()
+@guarded
+def logs(
+    target: str = typer.Argument(..., metavar="OUTPUT_DIR", help="The job.output_dir of a submitted spec, or one task dir of a sweep."),
+    rank: Optional[int] = typer.Option(None, "--rank", "-r", min=0, help="Only this rank's log."),
+    node: Optional[str] = typer.Option(None, "--node", "-n", help="Only the ranks that ran on this node."),
+    task: Optional[int] = typer.Option(None, "--task", "-t", min=0, help="Only this array task (default: all of them)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the job ends."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=0, help="Only the last N lines."),
+    errors: bool = typer.Option(False, "--errors", "-E", help="Only tracebacks and error lines, each once, with the rank that printed it first."),
+) -> int:
+    """The ranks' logs, interleaved by time with a [rank r node] prefix (Slurm and local jobs)."""
+    from .watch_cmd import logs_command
+
+    if rank is not None and node is not None:
+        from ..errors import SwiftSlurmError
+
+        raise SwiftSlurmError("--rank and --node do not go together", f"--rank {rank} --node {node}", "pick one rank, or every rank of one node")
+    return logs_command(console, target, rank, node, task, follow, tail, errors)
+
+
+@app.command()
+@guarded
+def plot(
+    target: str = typer.Argument(..., metavar="OUTPUT_DIR", help="The job.output_dir of a submitted spec, or one task dir."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG file to write (default: metrics.png next to the metrics)."),
+) -> int:
+    """Loss and (useful) tokens/s against step, one line per task of a sweep, requeue points marked."""
+    from .watch_cmd import plot_command
+
+    return plot_command(console, target, out)
 
 
 @app.command()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from pathlib import Path, PurePosixPath
 
 from rich.console import Console
 from rich.markup import escape
-from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -18,10 +15,9 @@ from .. import slurm
 from ..plan import Plan
 from ..errors import SwiftSlurmError
 from ..submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
+from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
 
-_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
-MAX_ROWS = 40  # a 1000-task array is summarised, not printed line by line
 
 
 def _says_auto(console: Console, requested: str, kind: str) -> None:
@@ -82,10 +78,7 @@ def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool 
             cells.append(escape(str(PurePosixPath(r.checkpoint).name)) if r.checkpoint else "-")
         table.add_row(*cells)
     if len(shown) < len(rows):
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.state] = counts.get(r.state, 0) + 1
-        table.caption = f"{len(rows)} tasks: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        table.caption = counts_caption(rows)
     return table
 
 
@@ -125,12 +118,11 @@ def last_error_line(sub: Submission, index: int) -> str | None:
     return last[:300]
 
 
-def follow(console: Console, sub: Submission, timeout_s: float | None = None) -> int:
-    """A live table until every task ends; 0 only if all COMPLETED, else 1."""
-    with Live(status_table([], "waiting for the job"), console=console, refresh_per_second=2, transient=False) as live:
-        states = sub.wait(timeout_s=timeout_s, on_update=lambda rows: live.update(status_table(rows, f"job {', '.join(sub.slurm_job_ids) if sub.executor == 'slurm' else sub.executor}")))
-    if not console.is_terminal:
-        console.line()  # a non-terminal Live ends its last frame without a newline
+def follow(console: Console, sub: Submission, timeout_s: float | None = None, interval_s: float | None = None) -> int:
+    """Live progress until every task ends (plain lines off a terminal); 0 only if all COMPLETED, else 1."""
+    from .watch_cmd import follow_progress
+
+    states = follow_progress(console, sub, interval_s=interval_s, timeout_s=timeout_s)
     _print_train_summaries(console, sub)
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
@@ -139,7 +131,7 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None) ->
             why = last_error_line(sub, int(t))
             if why:
                 console.print(f"  task {t}: {why}", highlight=False, markup=False)
-        console.print(f"logs: {sub.folder}", highlight=False, markup=False)
+        console.print(f"logs: {sub.folder}  (errors by rank: swiftslurm logs {_q(sub.output_dir)} --errors)" if sub.output_dir else f"logs: {sub.folder}", highlight=False)
         return 1
     console.print(f"[green]all {len(states)} task(s) COMPLETED[/]")
     return 0
@@ -179,32 +171,14 @@ def _job_sort_key(job_id: str) -> tuple[int, int]:
     return (int(base) if base.isdigit() else 0, int(idx) if idx.isdigit() else -1)
 
 
-def status_command(console: Console, target: str, as_json: bool) -> int:
+def status_command(console: Console, target: str, as_json: bool, follow_: bool = False, interval_s: float | None = None) -> int:
+    """One look (a table with progress, or JSON); with ``follow_`` the live view until the job ends (exit 1 if a task failed)."""
+    from .watch_cmd import status_view
+
     sub = _target(target)
-    rows = sub.statuses(with_checkpoints=bool(sub.output_dir))
-    if as_json:
-        out = {
-            "executor": sub.executor,
-            "job_ids": sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids,
-            "output_dir": sub.output_dir or None,
-            "tasks": [
-                {"task": r.task, "job_id": r.job_id, "state": r.state, "nodes": r.nodes, "restarts": r.restarts,
-                 "elapsed": r.elapsed, "output_dir": r.output_dir or None, "latest_checkpoint": r.checkpoint,
-                 "last_save": r.last_save, "stop_reason": r.stop_reason}
-                for r in rows
-            ],
-        }
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
-        return 0
-    console.print(status_table(rows, f"{sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids[:4])}", with_checkpoint=bool(sub.output_dir)))
-    for r in rows[:MAX_ROWS]:
-        if r.stop_reason:
-            console.print(f"task {r.task}: {r.stop_reason}", highlight=False, markup=False)
-    for r in rows:
-        if r.last_save and r.last_save.get("advice"):
-            where = f"task {r.task}: " if len(rows) > 1 else ""
-            console.print(f"[yellow]warning:[/] {where}{escape(str(r.last_save['advice']))}", highlight=False)
-    return 0
+    if follow_:
+        return follow(console, sub, interval_s=interval_s)
+    return status_view(console, sub, as_json)
 
 
 def cancel_command(console: Console, target: str) -> int:

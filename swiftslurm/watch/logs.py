@@ -1,0 +1,277 @@
+"""The logs of a task's ranks: where they are, one time-ordered stream, and the errors in them.
+
+Where each rank writes (docs/ARCHITECTURE.md):
+
+- submitit's per-rank files ``<submitit folder>/<job id>_<rank>_log.out|err``: rank 0's runtime log, every
+  rank's own stdout/stderr (the in-process trainer, a crash of the runtime, submitit's wrapper);
+- ``<task dir>/logs/rank-<r>.log`` (r > 0): the runtime's log lines and a ``train.command``'s output;
+- ``<task dir>/slurm-*.out``: the Slurm log of a script submitted by hand (``swiftslurm render``).
+
+Lines are stamped with the first timestamp they carry (the runtime's ``2024-05-01 12:00:00,123``,
+DeepSpeed's ``[2024-05-01 ...]``, submitit's ``(2024-05-01 ...)``); a line without one (a traceback, a
+``print``) takes the next stamp of its file, or the file's last write after the last stamp. Every function here but the readers
+is pure; nothing prints.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+STAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[,.](\d{1,6}))?")
+RANK_TAG = re.compile(r"\[rank (\d+) ([^\]\s]+)\]")  # the runtime's "[rank 3 node2]"
+TORCH_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch.distributed's "[rank1]: " before a child's traceback
+SUBMITIT_LOG = re.compile(r"^(?P<job>.+)_(?P<rank>\d+)_log\.(?P<stream>out|err)$")
+RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+ERROR_LINE = re.compile(
+    r"\b(ERROR|CRITICAL|FATAL|Fatal Python error)\b|\b\w*(Error|Exception):|(?i:\berror:|segmentation fault|"
+    r"out of memory|core dumped|\bkilled\b|oom-kill|nccl warn)"
+)
+# an exception line whose traceback is submitit's wrapper around a failed rank: the line says all of it
+WRAPPER_EXCEPTIONS = ("TaskFailed",)
+SCAN_BYTES = 8 << 20  # a log is read from at most its last 8 MiB (a 3-day job's log can be huge)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One log file and the rank (of one task) that wrote it."""
+
+    path: Path
+    task: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class LogLine:
+    time: float
+    task: int
+    rank: int
+    node: str
+    text: str
+    order: int = 0  # position in its file: keeps a file's lines in order when times tie
+
+    def prefix(self, with_task: bool = False) -> str:
+        return f"[{'task ' + str(self.task) + ' ' if with_task else ''}rank {self.rank} {self.node or '?'}]"
+
+
+@dataclass
+class ErrorReport:
+    """One error, as first printed (rank, node, time, its lines), and the other ranks that printed it too."""
+
+    task: int
+    rank: int
+    node: str
+    time: float
+    lines: list[str]
+    also: list[int] = field(default_factory=list)  # other ranks of the same task with the same error
+
+    @property
+    def headline(self) -> str:
+        return self.lines[-1] if self.lines else ""
+
+
+# ---------------------------------------------------------------- where the logs are (reads directories)
+
+
+def sources(task: int, task_dir: str, folder: str = "", job_id: str = "") -> list[Source]:
+    """Every log file of one task: submitit's per-rank files of ``job_id``, the task dir's rank logs and Slurm logs."""
+    found: list[Source] = []
+    if folder and job_id:
+        for path in sorted(Path(folder).glob(f"{_glob_escape(job_id)}_*_log.*")):
+            m = SUBMITIT_LOG.match(path.name)
+            if m and m.group("job") == job_id:
+                found.append(Source(path, task, int(m.group("rank"))))
+    if task_dir:
+        logs = Path(task_dir, "logs")
+        for path in sorted(logs.glob("rank-*.log")) if logs.is_dir() else []:
+            m = RANK_LOG.match(path.name)
+            if m:
+                found.append(Source(path, task, int(m.group(1))))
+        found += [Source(p, task, 0) for p in sorted(Path(task_dir).glob("slurm-*.out"))]
+    return found
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_text(path: Path, offset: int = 0, max_bytes: int = SCAN_BYTES) -> tuple[str, int]:
+    """Complete lines of ``path`` from ``offset`` (at most the last ``max_bytes``): (text, new offset)."""
+    try:
+        size = path.stat().st_size
+        if size < offset:  # truncated or replaced: start over
+            offset = 0
+        with path.open("rb") as fh:
+            start = max(offset, size - max_bytes)
+            fh.seek(start)
+            chunk = fh.read(size - start)
+    except OSError:
+        return "", offset
+    if start > offset:  # skipped ahead: drop the partial first line
+        cut = chunk.find(b"\n") + 1
+        chunk, start = chunk[cut:], start + cut
+    end = chunk.rfind(b"\n") + 1
+    return chunk[:end].decode("utf-8", "replace"), start + end
+
+
+def stamp_of(text: str) -> float | None:
+    """Epoch seconds of the first timestamp in the head of a log line (local time, as loggers write it)."""
+    m = STAMP.search(text[:64])
+    if not m:
+        return None
+    try:
+        whole = time.mktime(time.strptime(f"{m.group(1)} {m.group(2)}", "%Y-%m-%d %H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
+    return whole + (int(m.group(3)) / 10 ** len(m.group(3)) if m.group(3) else 0.0)
+
+
+def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str], first_order: int = 0) -> list[LogLine]:
+    """A file's lines with times and nodes, and ``nodes`` (rank -> latest node) filled from the runtime's rank tags.
+
+    A line without a stamp (a traceback, a print) takes the next stamp in the file, or ``end_time`` (the
+    file's mtime) after the last one: never earlier than it was written, so a crash is not placed before
+    another rank's earlier one.
+    """
+    raw = text.splitlines()
+    stamps = [stamp_of(line) for line in raw]
+    line_nodes, node = [], ""
+    for line in raw:  # a requeued rank may come back on another node: each line has the node of the last tag before it
+        tag = RANK_TAG.search(line[:96])
+        if tag:
+            nodes[int(tag.group(1))] = tag.group(2)
+            if int(tag.group(1)) == source.rank:
+                node = tag.group(2)
+        line_nodes.append(node)
+    known = [s for s in stamps if s is not None]
+    current = max([end_time, *known[-1:]])
+    times = []
+    for stamp in reversed(stamps):
+        current = stamp if stamp is not None else current
+        times.append(current)
+    times.reverse()
+    return [LogLine(t, source.task, source.rank, n, line, first_order + i) for i, (line, t, n) in enumerate(zip(raw, times, line_nodes))]
+
+
+def with_nodes(lines: Iterable[LogLine], nodes: dict[tuple[int, int], str], default: dict[int, str]) -> list[LogLine]:
+    """Lines without a node (none tagged before them in their file) get their rank's: (task, rank) -> node, else the
+    task's one node, else ""."""
+    return [ln if ln.node else LogLine(ln.time, ln.task, ln.rank, nodes.get((ln.task, ln.rank)) or default.get(ln.task, ""), ln.text, ln.order)
+            for ln in lines]
+
+
+def interleave(per_source: list[list[LogLine]]) -> list[LogLine]:
+    """All lines by time; a file's own lines keep their order (a stable sort of already ordered files)."""
+    merged = [(ln.time, i, ln.order, ln) for i, lines in enumerate(per_source) for ln in lines]
+    merged.sort(key=lambda x: x[:3])
+    return [x[3] for x in merged]
+
+
+def select(lines: list[LogLine], rank: int | None = None, node: str | None = None, task: int | None = None) -> list[LogLine]:
+    return [ln for ln in lines if (rank is None or ln.rank == rank) and (node is None or ln.node == node) and (task is None or ln.task == task)]
+
+
+class Reader:
+    """The logs of a submission's tasks, read once or as they grow (each call returns what is new)."""
+
+    def __init__(self, tasks: list[tuple[int, str, str, str]], task_nodes: dict[int, str] | None = None) -> None:
+        """``tasks``: (task index, task dir, submitit folder, job id) each; ``task_nodes``: the one node a task ran on."""
+        self.tasks = tasks
+        self.task_nodes = task_nodes or {}
+        self.offsets: dict[Path, int] = {}
+        self.orders: dict[Path, int] = {}
+        self.nodes: dict[tuple[int, int], str] = {}
+
+    def new_lines(self, max_bytes: int = SCAN_BYTES) -> list[list[LogLine]]:
+        """Per log file, the complete lines added since the last call (the first call: the last ``max_bytes``)."""
+        per_source = []
+        for task, task_dir, folder, job_id in self.tasks:
+            for src in sources(task, task_dir, folder, job_id):
+                first = src.path not in self.offsets
+                text, self.offsets[src.path] = read_text(src.path, self.offsets.get(src.path, 0), max_bytes if first else SCAN_BYTES)
+                if not text:
+                    continue
+                try:
+                    mtime = src.path.stat().st_mtime
+                except OSError:
+                    mtime = time.time()
+                if not first:
+                    mtime = time.time()  # appended lines of a follow: written just now
+                ranks: dict[int, str] = {}
+                lines = stamp_lines(text, src, mtime, ranks, self.orders.get(src.path, 0))
+                self.orders[src.path] = self.orders.get(src.path, 0) + len(lines)
+                for rank, node in ranks.items():
+                    self.nodes[(task, rank)] = node
+                per_source.append(lines)
+        return [with_nodes(lines, self.nodes, self.task_nodes) for lines in per_source]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _bare(text: str) -> str:
+    return TORCH_PREFIX.sub("", text)
+
+
+def error_blocks(lines: list[LogLine]) -> list[tuple[LogLine, list[str]]]:
+    """Tracebacks (whole, chained ones together) and single error lines of ONE source, in order."""
+    out: list[tuple[LogLine, list[str]]] = []
+    i = 0
+    while i < len(lines):
+        text = _bare(lines[i].text)
+        if text.strip() == TRACEBACK:
+            start, block, i = lines[i], [text], i + 1
+            while i < len(lines):
+                t = _bare(lines[i].text)
+                block.append(t)
+                i += 1
+                if t and not t[0].isspace() and t.strip() != TRACEBACK:
+                    # the exception line ends it, unless a chained traceback follows
+                    nxt = next((_bare(x.text) for x in lines[i:i + 3] if _bare(x.text).strip()), "")
+                    if nxt.startswith(CHAINED) or nxt.strip() == TRACEBACK:
+                        continue
+                    if t.startswith(CHAINED):
+                        continue
+                    break
+            block = [b for b in block if b.strip()]
+            if block and any(block[-1].split(":")[0].endswith(w) for w in WRAPPER_EXCEPTIONS):
+                block = block[-1:]
+            out.append((start, block))
+            continue
+        if ERROR_LINE.search(text):
+            out.append((lines[i], [text]))
+        i += 1
+    return out
+
+
+def _key(text: str) -> str:
+    """What makes two ranks' errors the same: the text without stamps, rank tags, numbers of ranks or pids."""
+    text = STAMP.sub("", _bare(text))
+    text = RANK_TAG.sub("", text)
+    return re.sub(r"\b(rank|pid|Rank)\s*\d+", r"\1 N", text).strip()
+
+
+def find_errors(per_source: list[list[LogLine]]) -> list[ErrorReport]:
+    """Errors of every source, the same error printed by several ranks reported once, by the rank that
+    printed it first (earliest time); reports ordered by that time (the first one is likely the cause)."""
+    reports: dict[tuple[int, str], ErrorReport] = {}
+    for lines in per_source:
+        for first, block in error_blocks(lines):
+            key = (first.task, _key(block[-1]))
+            seen = reports.get(key)
+            if seen is None:
+                reports[key] = ErrorReport(first.task, first.rank, first.node, first.time, block)
+            elif first.time < seen.time or (first.time == seen.time and first.rank < seen.rank):
+                others = sorted(set(seen.also) | {seen.rank} - {first.rank})
+                reports[key] = ErrorReport(first.task, first.rank, first.node, first.time, block, others)
+            elif first.rank != seen.rank and first.rank not in seen.also:
+                seen.also = sorted({*seen.also, first.rank})
+    return sorted(reports.values(), key=lambda r: (r.time, r.task, r.rank))
