@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
+# transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -198,6 +200,12 @@ class TrainTable(_Table):
     lora_target_modules: Union[str, list[str]] = "all-linear"
     report_to: list[Literal["tensorboard", "none"]] = Field(default_factory=lambda: ["tensorboard"])
     command: list[str] = Field(default_factory=list)
+    packing: bool = True
+    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = "auto"
+    use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
+    dataset_num_proc: int = Field(1, ge=1, le=256)
+    dataloader_num_workers: int = Field(0, ge=0, le=64)
+    dataloader_pin_memory: bool = True
 
     @field_validator("dataset", mode="before")
     @classmethod
