@@ -234,6 +234,13 @@ class TrainTable(_Table):
             raise ValueError(f"a preset ({', '.join(presets)}) or a path to a .json file.{hint}")
         return v
 
+    @field_validator("use_liger_kernel", mode="before")
+    @classmethod
+    def _liger(cls, v: Any) -> Any:
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError('true, false, or "auto" (on GPUs where liger-kernel is installed)')
+
     @model_validator(mode="after")
     def _cross(self) -> "TrainTable":
         if self.bf16 and self.fp16:
