@@ -35,7 +35,8 @@ def make_spec(args, out: str):
                                                      str(ROOT / "examples/data/messages_demo.jsonl")],
                   "train_type": "full", "deepspeed": args.deepspeed, "gradient_checkpointing": False,
                   "per_device_train_batch_size": 8, "learning_rate": 1e-3, "lr_scheduler_type": "constant",
-                  "max_steps": args.steps, "save_steps": args.steps, "logging_steps": 10, "max_length": 128},
+                  "max_steps": args.steps, "save_steps": args.steps, "logging_steps": 10, "max_length": 128,
+                  "packing": False},  # the bare arm pads per batch: compare the trainers, not the batching
         "checkpoint": {"keep": 2, "forced_save_fractions": []},
     })
 

@@ -25,6 +25,7 @@ META_KEY = "spec_fingerprint"
 OPERATIONAL_TRAIN_KEYS = frozenset({
     "logging_steps", "save_steps", "report_to", "command", "dataloader_num_workers", "dataloader_pin_memory",
     "dataset_num_proc", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
+    "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
+# transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
@@ -218,6 +220,12 @@ class TrainTable(_Table):
     lora_target_modules: Union[str, list[str]] = "all-linear"
     report_to: list[Literal["tensorboard", "none"]] = Field(default_factory=lambda: ["tensorboard"])
     command: list[str] = Field(default_factory=list)
+    packing: bool = True
+    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = "auto"
+    use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
+    dataset_num_proc: int = Field(1, ge=1, le=256)
+    dataloader_num_workers: int = Field(0, ge=0, le=64)
+    dataloader_pin_memory: bool = True
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -257,6 +265,13 @@ class TrainTable(_Table):
             hint = f" {close[0].upper()}{close[1:]}" if close else ""
             raise ValueError(f"a preset ({', '.join(presets)}) or a path to a .json file.{hint}")
         return v
+
+    @field_validator("use_liger_kernel", mode="before")
+    @classmethod
+    def _liger(cls, v: Any) -> Any:
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError('true, false, or "auto" (on GPUs where liger-kernel is installed)')
 
     @model_validator(mode="after")
     def _cross(self) -> "TrainTable":

@@ -137,25 +137,42 @@ class SFTDataset:
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         return self.examples[i]
 
+    def lengths(self) -> list[int]:
+        return [len(ex["input_ids"]) for ex in self.examples]
 
-def load_dataset(paths: list[str], tokenizer, max_length: int) -> SFTDataset:
-    """Read and encode every record of every file, in file order (the Trainer's sampler shuffles by seed)."""
+
+def ensure_chat_template(tokenizer) -> None:
+    """Tokenizers without a chat template (base models, the tiny one) get the tiny model's plain one."""
     if tokenizer.chat_template is None:
         from .tinymodel import CHAT_TEMPLATE
 
         tokenizer.chat_template = CHAT_TEMPLATE
-    examples, dropped = [], 0
+
+
+def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
+    """(kind, body) of every record of every file, in file order; a malformed one raises DataError."""
     for path in paths:
         for line, rec in read_records(path):
-            kind, body = _check_record(Path(path), line, rec)
-            ex = encode(kind, body, tokenizer, max_length)
-            if ex is None:
-                dropped += 1
-            else:
-                examples.append(ex)
+            yield _check_record(Path(path), line, rec)
+
+
+def no_example_error(paths: list[str], dropped: int) -> DataError:
+    return DataError("no trainable example in the dataset", f"{len(paths)} file(s), {dropped} dropped by max_length",
+                     "check train.dataset, or raise train.max_length so responses are not cut off")
+
+
+def load_dataset(paths: list[str], tokenizer, max_length: int) -> SFTDataset:
+    """Read and encode every record of every file, in file order (the Trainer's sampler shuffles by seed)."""
+    ensure_chat_template(tokenizer)
+    examples, dropped = [], 0
+    for kind, body in checked_records(paths):
+        ex = encode(kind, body, tokenizer, max_length)
+        if ex is None:
+            dropped += 1
+        else:
+            examples.append(ex)
     if not examples:
-        raise DataError("no trainable example in the dataset", f"{len(paths)} file(s), {dropped} dropped by max_length",
-                        "check train.dataset, or raise train.max_length so responses are not cut off")
+        raise no_example_error(paths, dropped)
     return SFTDataset(examples, dropped)
 
 

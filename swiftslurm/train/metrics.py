@@ -12,8 +12,13 @@ assumes the answer (docs/training.md says how each is measured):
   as the kernel is queued, so wall time would only measure the launch: there each collective is
   bracketed by CUDA events on the stream it was issued on, and the events are read (one
   synchronize) only at logging steps, so the measurement adds no sync to the step.
-- tokens / samples: non-padding tokens (attention_mask) and rows of the batches actually fetched,
-  summed over ranks with one all-reduce per logging step.
+- tokens / samples, summed over ranks with one all-reduce per logging step, of the batches actually fetched:
+  ``total_tokens`` = every position of every row (padding included: what the GPU computes);
+  ``useful_tokens`` = positions holding a real sample token (prompt and response alike, i.e. not padding;
+  the label-bearing ones are a subset); ``padding_ratio`` = 1 - useful / total; samples = training
+  examples (a packed row holds several). ``tokens_per_s`` and ``useful_tokens_per_s`` are the same number
+  (useful tokens per second of step time); MFU is computed from it. A packed batch carries its counts
+  under ``STATS_PREFIX`` keys; a padded one is counted from its ``attention_mask``.
 - memory: CPU RSS (VmRSS) always; GPU allocated / peak from the CUDA caching allocator on GPUs.
 - MFU (GPU only, peak FLOPs from a table): model FLOPs per token x measured tokens/s / peak.
 """
@@ -27,6 +32,8 @@ from typing import Any
 
 # dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of torch.cuda.get_device_name()
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "V100": 125.0}
+
+STATS_PREFIX = "swiftslurm_stat_"  # batch keys the collators add for the meter; taken out before forward
 
 COMM_FUNCTIONS = (
     "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
@@ -142,7 +149,8 @@ class StepMeter:
         self.step_s = 0.0
         self.data_s = 0.0
         self.comm_s = 0.0
-        self.tokens = 0
+        self.tokens = 0  # useful (non-padding) tokens
+        self.total_tokens = 0  # every position, padding included
         self.samples = 0
 
     def begin_step(self) -> None:
@@ -153,11 +161,17 @@ class StepMeter:
                 self.comm.in_step = True
 
     def add_batch(self, batch: dict[str, Any], fetch_s: float) -> None:
+        """Count one fetched batch; removes the collator's ``STATS_PREFIX`` keys (the model takes no such input)."""
         self.data_s += fetch_s
+        stats = {k[len(STATS_PREFIX):]: batch.pop(k) for k in [k for k in batch if k.startswith(STATS_PREFIX)]}
         mask = batch.get("attention_mask")
         ids = batch["input_ids"]
-        self.tokens += int(mask.sum()) if mask is not None else int(ids.numel())
-        self.samples += int(ids.shape[0])
+        if "real_tokens" in stats:
+            self.tokens += int(stats["real_tokens"].sum())
+        else:
+            self.tokens += int(mask.sum()) if mask is not None else int(ids.numel())
+        self.total_tokens += int(ids.numel())
+        self.samples += int(stats["samples"].sum()) if "samples" in stats else int(ids.shape[0])
 
     def end_step(self) -> None:
         if self._step_start is None:
@@ -171,7 +185,7 @@ class StepMeter:
         self._step_start = None
 
     def summary(self, world_tokens: int, world_samples: int, flops_per_token: float | None = None,
-                world_size: int = 1) -> dict[str, float]:
+                world_size: int = 1, world_total_tokens: int | None = None) -> dict[str, float]:
         """The logged values for the steps since the last summary (then reset)."""
         import torch
 
@@ -181,10 +195,15 @@ class StepMeter:
         if self.steps and self.step_s > 0:
             out["step_time_s"] = self.step_s / self.steps
             out["tokens_per_s"] = world_tokens / self.step_s
+            out["useful_tokens_per_s"] = out["tokens_per_s"]
             out["samples_per_s"] = world_samples / self.step_s
             out["data_wait_ratio"] = self.data_s / self.step_s
             if self.comm is not None:
                 out["comm_wait_ratio"] = self.comm_s / self.step_s
+        if world_total_tokens:
+            out["useful_tokens"] = float(world_tokens)
+            out["total_tokens"] = float(world_total_tokens)
+            out["padding_ratio"] = 1.0 - world_tokens / world_total_tokens
         out["cpu_rss_mb"] = cpu_rss_mb()
         if torch.cuda.is_available():
             out["gpu_mem_allocated_mb"] = torch.cuda.memory_allocated() / 2**20

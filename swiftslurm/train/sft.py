@@ -21,6 +21,7 @@ from ..errors import SwiftSlurmError
 
 log = logging.getLogger("swiftslurm.train")
 SUMMARY_FILE = "train-summary.json"
+CACHE_DIR = ".swiftslurm-cache/tokenized"  # under output_dir: a requeue finds the tokens there
 
 
 @dataclass
@@ -35,6 +36,13 @@ class TrainResult:
     metrics_file: str | None = None
     wall_s: float = 0.0
     optimizer: str = ""
+    useful_tokens: int = 0  # non-padding tokens trained on in this run (all ranks; since the start or resume)
+    total_tokens: int = 0  # every position computed, padding included
+    useful_tokens_per_s: float | None = None
+    padding_ratio: float | None = None
+    attn_implementation: str = ""
+    liger: bool = False
+    packing: bool = False
 
 
 class ModelUnavailable(SwiftSlurmError):
@@ -51,7 +59,7 @@ def _prepare_device_env() -> bool:
     return cuda
 
 
-def load_model_and_tokenizer(spec, cuda: bool):
+def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"):
     """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
     import torch
 
@@ -60,7 +68,9 @@ def load_model_and_tokenizer(spec, cuda: bool):
         from .tinymodel import build_model, build_tokenizer
 
         tok = build_tokenizer()
-        return build_model(len(tok), train.max_length, train.seed), tok
+        model = build_model(len(tok), train.max_length, train.seed)
+        model.set_attn_implementation(attn_implementation)
+        return model, tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
@@ -69,7 +79,8 @@ def load_model_and_tokenizer(spec, cuda: bool):
     for local_only in (True, False) if not offline else (True,):
         try:
             tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
-            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only,
+                                                         attn_implementation=attn_implementation)
             return model, tok
         except (OSError, ValueError) as exc:
             last = exc
@@ -95,7 +106,7 @@ def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:
     return section.get("device") in ("cpu", "nvme")
 
 
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool):
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False):
     from transformers import TrainingArguments
 
     t = spec.train
@@ -125,7 +136,9 @@ def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: b
         use_cpu=not cuda,
         report_to=report or "none",
         remove_unused_columns=False,
-        dataloader_num_workers=0,
+        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_pin_memory=t.dataloader_pin_memory and cuda,
+        use_liger_kernel=liger,
         disable_tqdm=True,
         save_only_model=False,
     )
@@ -146,19 +159,21 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     cuda = _prepare_device_env()
     import transformers
 
-    from . import nvme_swap, resume
-    from .data import Collator, load_dataset
+    from . import kernels, nvme_swap, resume
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
+    node = kernels.node_facts(cuda)
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, spec.train.packing, node)
+    liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
-    args = training_arguments(spec, output_dir, ds_config, cuda)  # before the model: ZeRO-3 init needs it
+    args = training_arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_spec_drift(resume_from, spec, planned_ds_config, log)
-    model, tok = load_model_and_tokenizer(spec, cuda)
+    model, tok = load_model_and_tokenizer(spec, cuda, attn)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     total_params = sum(p.numel() for p in model.parameters())
@@ -167,10 +182,11 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         if spec.train.gradient_checkpointing:
             model.enable_input_require_grads()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dataset = load_dataset(spec.train.dataset, tok, spec.train.max_length)
-    if dataset.dropped and dist.rank == 0:
-        log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
-                    dataset.dropped, spec.train.max_length)
+    dataset, collator = _data(spec, args, tok, model, attn, output_dir)
+    if dist.rank == 0:
+        log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", attn, attn_why, "on" if liger else "off",
+                    liger_why, f"on: {len(dataset)} rows of {spec.train.max_length} tokens, {dataset.padding_ratio():.1%} padding"
+                    if spec.train.packing else "off (each micro-batch padded to its longest sample)")
 
     comm = CommTimer().install()
     meter = StepMeter(comm)
@@ -182,9 +198,9 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
            "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
-           "spec_fingerprint": fingerprint}
+           "spec_fingerprint": fingerprint, "packing": spec.train.packing}
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, data_collator=Collator(tok.pad_token_id),
+        model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
         flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
@@ -193,7 +209,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     finally:
         comm.uninstall()
         nvme_swap.cleanup(swap_folders, dist.rank)
-    result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank)
+    kernels_used = {"attn_implementation": attn, "liger": liger, "packing": spec.train.packing}
+    result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
     # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
     trainer.accelerator.free_memory()
@@ -228,10 +245,43 @@ def shut_down_distributed() -> None:
     gc.collect()
 
 
-def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: float, rank: int) -> TrainResult:
+def _zero_stage(ds_config: dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0) or 0)
+
+
+def _data(spec, args, tok, model, attn: str, output_dir: str):
+    """(train dataset, collator): tokenized once into the cache (rank 0 first, the others read it), then
+    packed rows (``train.packing``) or single samples padded per micro-batch."""
+    from .data import Collator
+    from .datacache import cached_dataset
+
+    t = spec.train
+    with args.main_process_first(local=False, desc="tokenizing the dataset"):
+        samples = cached_dataset(t.dataset, tok, t.max_length, Path(output_dir) / CACHE_DIR, t.dataset_num_proc)
+    if args.process_index == 0:
+        if samples.tokenized_now:
+            log.warning("tokenized %d example(s) into %s", len(samples), samples.directory)
+        if samples.dropped:
+            log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
+                        samples.dropped, t.max_length)
+    if not t.packing:
+        return samples, Collator(tok.pad_token_id)
+    from . import packing
+
+    packing.prepare_model(model)
+    rows = packing.PackedDataset(samples, t.max_length, t.seed)
+    return rows, packing.PackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"))
+
+
+def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: float, rank: int,
+            kernels_used: dict[str, Any]) -> TrainResult:
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     speeds = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
+    useful = int(sum(h.get("useful_tokens", 0) for h in history))
+    total = int(sum(h.get("total_tokens", 0) for h in history))
+    step_s = sum(h["useful_tokens"] / h["useful_tokens_per_s"] for h in history
+                 if h.get("useful_tokens") and h.get("useful_tokens_per_s"))
     runs = Path(output_dir) / "runs"
     result = TrainResult(
         global_step=trainer.state.global_step,
@@ -244,6 +294,11 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         metrics_file=str(metrics_path) if rank == 0 else None,
         wall_s=wall_s,
         optimizer=trainer.optimizer_name,
+        useful_tokens=useful,
+        total_tokens=total,
+        useful_tokens_per_s=useful / step_s if step_s > 0 else None,
+        padding_ratio=1.0 - useful / total if total else None,
+        **kernels_used,
     )
     if rank == 0:
         text = summary(result, output_dir, losses[0] if losses else None)
@@ -276,7 +331,11 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     lines = [
         f"swiftslurm: training {how} at step {result.global_step} in {result.wall_s:.1f} s",
         f"  loss: first {fmt(first_loss)} -> final {fmt(result.final_loss)}",
-        f"  throughput: {fmt(result.tokens_per_s, '.1f')} tokens/s (all ranks); optimizer {result.optimizer or '?'}",
+        f"  throughput: {fmt(result.useful_tokens_per_s, '.1f')} useful tokens/s (all ranks, padding excluded; "
+        f"{result.useful_tokens} of {result.total_tokens} positions, padding {fmt(result.padding_ratio, '.1%')}); "
+        f"optimizer {result.optimizer or '?'}",
+        f"  kernels: attention {result.attn_implementation or '?'}, Liger {'on' if result.liger else 'off'}, "
+        f"packing {'on' if result.packing else 'off'}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]

@@ -109,8 +109,9 @@ class SFTTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
-            tokens, samples = _all_reduce([self.meter.tokens, self.meter.samples], tdist.ReduceOp.SUM, self.args.device)
-            logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size))
+            tokens, samples, total = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens],
+                                                 tdist.ReduceOp.SUM, self.args.device)
+            logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
         super().log(logs, start_time)
 
     # ---- verified checkpoints
@@ -145,7 +146,8 @@ class SFTTrainer(Trainer):
             except OSError:
                 pass
             meta = {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
-                    "data_position": {"epoch": self.state.epoch, "samples": step * self.job["global_batch"]},
+                    "data_position": {"epoch": self.state.epoch,
+                                      ("packed_rows" if self.job.get("packing") else "samples"): step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"],
                     "spec_fingerprint": self.job.get("spec_fingerprint")}
             final = ck.final_dir(out, step)

@@ -1,0 +1,175 @@
+"""Tokenize once: the encoded dataset as flat arrays on disk, memory-mapped by every rank.
+
+``cached_dataset(paths, tokenizer, max_length, cache_root, num_proc)`` returns a ``CachedDataset``
+(map-style, same items as ``data.SFTDataset``). The cache directory is named by a key over
+everything that changes the tokens: each file's content (sha256, not its mtime), the tokenizer
+(its serialized vocabulary/rules, special tokens and chat template), ``max_length`` and the prompt
+templates of ``data``. A requeue, or a second run on the same data, finds the directory and
+tokenizes nothing; a changed file, tokenizer or ``max_length`` is a new key.
+
+Layout of ``<cache_root>/<key>/``: ``input_ids.bin`` and ``labels.bin`` (int32, every example back to
+back), ``offsets.npy`` (int64, n + 1), ``meta.json`` (written last: a directory without it is not a
+cache, and the directory is built under a temporary name and renamed into place, so a reader never
+sees half of one). The HF ``datasets`` library is not a dependency; this is the small part of it we need.
+
+Records are checked in this process, in file order (a malformed record names its file and line);
+with ``num_proc > 1`` the encoding runs in that many worker processes, chunk by chunk, in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from itertools import islice
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import data
+
+FORMAT = 1
+CHUNK = 2048  # records per work unit
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    except FileNotFoundError:
+        raise data.DataError("dataset file not found", path, "check train.dataset; paths are relative to where you submit") from None
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of what decides the tokens: vocabulary and rules, special tokens, chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    h.update(body.encode())
+    extra = [type(tokenizer).__name__, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+             list(tokenizer.all_special_tokens)]
+    h.update(json.dumps(extra, default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key(paths: list[str], tokenizer, max_length: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"format": FORMAT, "max_length": max_length, "tokenizer": tokenizer_fingerprint(tokenizer),
+                         "templates": [data.ALPACA_PROMPT, data.ALPACA_PROMPT_INPUT],
+                         "files": [_file_digest(p) for p in paths]}).encode())
+    return h.hexdigest()[:24]
+
+
+class CachedDataset:
+    """Encoded examples read from the cache's memory-mapped arrays (no per-example Python objects held)."""
+
+    def __init__(self, directory: Path) -> None:
+        import numpy as np
+
+        self.directory = directory
+        self.meta = json.loads((directory / "meta.json").read_text())
+        self.offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        count = int(self.offsets[-1])
+        self.input_ids = np.memmap(directory / "input_ids.bin", dtype=np.int32, mode="r", shape=(count,)) if count else np.zeros(0, np.int32)
+        self.labels = np.memmap(directory / "labels.bin", dtype=np.int32, mode="r", shape=(count,)) if count else np.zeros(0, np.int32)
+        self.dropped = int(self.meta["dropped"])
+        self.tokenized_now = False  # set by cached_dataset when this process built it
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        ids = self.input_ids[lo:hi].tolist()
+        return {"input_ids": ids, "labels": self.labels[lo:hi].tolist(), "attention_mask": [1] * len(ids)}
+
+    def lengths(self) -> list[int]:
+        import numpy as np
+
+        return np.diff(self.offsets).tolist()
+
+
+_worker_tokenizer = None
+_worker_max_length = 0
+
+
+def _init_worker(tokenizer, max_length: int) -> None:
+    global _worker_tokenizer, _worker_max_length
+    _worker_tokenizer, _worker_max_length = tokenizer, max_length
+
+
+def _encode_chunk(records: list[tuple[str, Any]]) -> list[dict[str, list[int]] | None]:
+    return [data.encode(kind, body, _worker_tokenizer, _worker_max_length) for kind, body in records]
+
+
+def _chunks(records: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
+    while chunk := list(islice(records, CHUNK)):
+        yield chunk
+
+
+def _encoded_chunks(paths: list[str], tokenizer, max_length: int, num_proc: int):
+    chunks = _chunks(data.checked_records(paths))
+    if num_proc <= 1:
+        _init_worker(tokenizer, max_length)
+        yield from map(_encode_chunk, chunks)
+        return
+    # spawn, not fork: this process may already hold torch threads and a process group
+    with ProcessPoolExecutor(num_proc, mp_context=get_context("spawn"), initializer=_init_worker,
+                             initargs=(tokenizer, max_length)) as pool:
+        yield from pool.map(_encode_chunk, chunks)
+
+
+def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_proc: int) -> None:
+    import numpy as np
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        offsets, dropped = [0], 0
+        with open(tmp / "input_ids.bin", "wb") as ids_fh, open(tmp / "labels.bin", "wb") as labels_fh:
+            for encoded in _encoded_chunks(paths, tokenizer, max_length, num_proc):
+                for ex in encoded:
+                    if ex is None:
+                        dropped += 1
+                        continue
+                    ids_fh.write(np.asarray(ex["input_ids"], dtype=np.int32).tobytes())
+                    labels_fh.write(np.asarray(ex["labels"], dtype=np.int32).tobytes())
+                    offsets.append(offsets[-1] + len(ex["input_ids"]))
+            for fh in (ids_fh, labels_fh):
+                fh.flush()
+                os.fsync(fh.fileno())
+        if len(offsets) == 1:
+            raise data.no_example_error(paths, dropped)
+        np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "examples": len(offsets) - 1, "dropped": dropped,
+                                                   "tokens": offsets[-1], "files": paths, "max_length": max_length}))
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # another process renamed its copy first: keep that one
+            if not (directory / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_dataset(paths: list[str], tokenizer, max_length: int, cache_root: str | Path,
+                   num_proc: int = 1) -> CachedDataset:
+    """The encoded dataset from ``cache_root/<key>``, tokenizing (and caching) it first when absent."""
+    data.ensure_chat_template(tokenizer)
+    directory = Path(cache_root) / cache_key(paths, tokenizer, max_length)
+    built = False
+    if not (directory / "meta.json").exists():
+        _build(directory, paths, tokenizer, max_length, num_proc)
+        built = True
+    dataset = CachedDataset(directory)
+    dataset.tokenized_now = built
+    return dataset

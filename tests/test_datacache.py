@@ -1,0 +1,68 @@
+"""The tokenized-data cache: same tokens as the plain reader, no second tokenization, a new key when a
+file, the tokenizer or max_length changes, parallel tokenization gives the same arrays."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from swiftslurm.train import datacache
+from swiftslurm.train.data import DataError, load_dataset
+from swiftslurm.train.tinymodel import build_tokenizer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
+FILES = [str(EXAMPLES / "alpaca_demo.jsonl"), str(EXAMPLES / "messages_demo.jsonl")]
+
+
+@pytest.fixture()
+def tok():
+    return build_tokenizer()
+
+
+def test_cache_holds_what_the_reader_encodes_and_is_read_back_without_tokenizing(tmp_path, tok, monkeypatch):
+    built = datacache.cached_dataset(FILES, tok, 128, tmp_path)
+    assert built.tokenized_now
+    plain = load_dataset(FILES, tok, 128)
+    assert len(built) == len(plain) == 60 and [built[i] for i in range(60)] == plain.examples
+    assert built.lengths() == plain.lengths()
+    calls = []
+    monkeypatch.setattr(datacache.data, "encode", lambda *a: calls.append(a))  # a second run must not encode
+    again = datacache.cached_dataset(FILES, tok, 128, tmp_path)
+    assert not again.tokenized_now and calls == [] and again.directory == built.directory
+    assert [again[i] for i in range(60)] == plain.examples
+
+
+def test_a_changed_file_tokenizer_or_max_length_is_a_new_cache(tmp_path, tok):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    root = tmp_path / "cache"
+    key = datacache.cache_key([str(data)], tok, 64)
+    assert datacache.cache_key([str(data)], tok, 64) == key
+    assert datacache.cache_key([str(data)], tok, 65) != key
+    other = build_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert datacache.cache_key([str(data)], other, 64) != key
+    first = datacache.cached_dataset([str(data)], tok, 64, root)
+    time.sleep(0.01)
+    data.write_text('{"instruction": "a", "output": "c"}\n')  # same size, same name, new content
+    second = datacache.cached_dataset([str(data)], tok, 64, root)
+    assert second.tokenized_now and second.directory != first.directory
+    assert tok.decode(second[0]["input_ids"]).endswith("c</s>")
+
+
+def test_parallel_tokenization_gives_the_same_cache(tmp_path, tok):
+    one = datacache.cached_dataset(FILES, tok, 128, tmp_path / "a", num_proc=1)
+    two = datacache.cached_dataset(FILES, tok, 128, tmp_path / "b", num_proc=2)
+    assert (one.directory / "input_ids.bin").read_bytes() == (two.directory / "input_ids.bin").read_bytes()
+    assert (one.directory / "labels.bin").read_bytes() == (two.directory / "labels.bin").read_bytes()
+
+
+def test_malformed_record_still_names_file_and_line_and_leaves_no_cache(tmp_path, tok):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": 3}\n')
+    with pytest.raises(DataError) as info:
+        datacache.cached_dataset([str(bad)], tok, 64, tmp_path / "cache")
+    assert f"{bad}, line 2" in info.value.what
+    assert not list((tmp_path / "cache").iterdir())

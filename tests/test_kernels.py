@@ -1,0 +1,63 @@
+"""train.attn_implementation / train.use_liger_kernel: what "auto" picks on each kind of node, and the
+one-message refusals (pure decisions over NodeFacts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swiftslurm.errors import SwiftSlurmError
+from swiftslurm.spec import validate_spec
+from swiftslurm.train.kernels import KernelError, NodeFacts, resolve_attention, resolve_liger
+
+CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
+GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
+
+
+@pytest.mark.parametrize("node,packing,expected", [
+    (CPU, True, "sdpa"), (CPU, False, "sdpa"),
+    (GPU, True, "flex_attention"),  # packed rows have one static shape: flex compiles once
+    (GPU, False, "sdpa"),  # padded batches change shape every step: flex would recompile
+    (GPU_ALL, True, "flash_attention_2"), (NodeFacts(cuda=False, flash_attn=True), True, "sdpa"),
+])
+def test_auto_attention(node, packing, expected):
+    assert resolve_attention("auto", packing, node)[0] == expected
+
+
+def test_explicit_attention_is_kept_or_refused_with_a_reason():
+    assert resolve_attention("eager", True, CPU)[0] == "eager"
+    with pytest.raises(KernelError, match="needs a CUDA GPU"):
+        resolve_attention("flash_attention_2", True, CPU)
+    with pytest.raises(KernelError, match="needs the flash_attn package") as info:
+        resolve_attention("flash_attention_2", True, GPU)
+    assert isinstance(info.value, SwiftSlurmError) and info.value.hint
+
+
+@pytest.mark.parametrize("node,stage,expected", [
+    (CPU, 2, False), (GPU, 2, False), (GPU_ALL, 2, True), (GPU_ALL, 3, False), (NodeFacts(cuda=False, liger=True), 2, False),
+])
+def test_auto_liger(node, stage, expected):
+    assert resolve_liger("auto", stage, node)[0] is expected
+
+
+@pytest.mark.parametrize("node,stage,what", [
+    (GPU, 2, "liger-kernel is not installed"), (CPU, 2, "liger-kernel is not installed"),
+    (NodeFacts(cuda=False, liger=True), 2, "needs a CUDA GPU"), (GPU_ALL, 3, "does not work under ZeRO-3"),
+])
+def test_liger_true_where_it_cannot_run_is_one_clear_error(node, stage, what):
+    with pytest.raises(KernelError, match=what):
+        resolve_liger(True, stage, node)
+    assert resolve_liger(False, stage, node)[0] is False
+
+
+def spec_with(**train):
+    return {"job": {"name": "k"}, "train": {"model": "tiny-llama", "dataset": ["d.jsonl"], **train}}
+
+
+def test_spec_defaults_and_rejections():
+    t = validate_spec(spec_with()).train
+    assert (t.packing, t.attn_implementation, t.use_liger_kernel) == (True, "auto", "auto")
+    assert (t.dataset_num_proc, t.dataloader_num_workers, t.dataloader_pin_memory) == (1, 0, True)
+    for bad in ({"attn_implementation": "flash"}, {"use_liger_kernel": "yes"}, {"dataset_num_proc": 0},
+                {"dataloader_num_workers": -1}, {"packing": "true"}):
+        with pytest.raises(SwiftSlurmError):
+            validate_spec(spec_with(**bad))
