@@ -72,14 +72,14 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "") -> Path:
+def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local"):
     out = tmp_path / "out"
     text = f"""
 [job]
 name = "doctor"
 output_dir = {json.dumps(str(out))}
 [slurm]
-nodes = 1
+nodes = {nodes}
 tasks_per_node = {ranks}
 time = "00:05:00"
 [train]
@@ -91,9 +91,9 @@ checks = []
 """
     raw = parse_toml(text)
     plan = make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="doctor.toml")
-    sub = submit_plan(plan, executor="local")
+    sub = submit_plan(plan, executor=executor)
     sub.wait(timeout_s=WAIT_S, poll_s=0.5)
-    return out
+    return out if executor == "local" else (out, sub)
 
 
 def cli(*args):
@@ -158,3 +158,144 @@ def test_hang_names_the_rank_the_others_wait_for(tmp_path, mode):
     if mode == "die":
         assert any(f["code"] == "node_failure" and f["ranks"] == [2] for f in findings), findings
     assert any(f["code"] == "nccl_timeout" for f in findings)
+
+
+@pytest.mark.slurm
+def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
+    out, sub = run_local(tmp_path, ["sleep", "2", "6"], ranks=2, nodes=2, executor="slurm")
+    findings = doctor_json(Path(sub.job_ids[0]))  # by job id: found through the paths Slurm recorded
+    hang = findings[0]
+    assert hang["code"] == "hang" and hang["ranks"] == [2], findings
+    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    assert hang["nodes"] == [node_of_2] and f"rank 2 ({node_of_2})" in hang["what"]
+
+
+# ---------------------------------------------------------------- stack dumps (real faulthandler output)
+
+DUMPER = textwrap.dedent(r"""
+    import datetime, faulthandler, os, signal, sys, time
+    import torch, torch.distributed as dist
+    rank = int(sys.argv[1])
+    log = open(sys.argv[2], "a")
+    log.write(f"2026-12-01 05:00:00,000 [rank {rank} node{rank + 1}] INFO rank {rank}/2 (local 0/1, node {rank}/2 node{rank + 1})\n")
+    log.flush()
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # what node/banner.enable_stack_dumps does
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[3]}",
+                            timeout=datetime.timedelta(seconds=60))
+    open(sys.argv[2] + ".ready", "w").close()
+    if rank == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(2))
+""")
+
+
+def test_stack_dumps_name_the_rank_outside_the_collective(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    port = str(20000 + os.getpid() % 10000)
+    procs = [subprocess.Popen([sys.executable, "-c", DUMPER, str(r), str(logs / f"rank-{r}.log"), port]) for r in (0, 1)]
+    try:
+        deadline = time.time() + 90
+        while not all((logs / f"rank-{r}.log.ready").exists() for r in (0, 1)):
+            assert time.time() < deadline, "the two ranks did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 enters the all-reduce
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r in (0, 1):
+        (logs / f"rank-{r}.log.ready").unlink()
+    run = read_task(0, str(tmp_path))
+    dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
+    assert dumps[0].in_collective and not dumps[1].in_collective
+    assert "sleep" in dumps[1].top() or "<module>" in dumps[1].top()
+    found = culprits(run)
+    assert found.ranks == (1,) and found.waiting == (0,) and "stack" in found.how
+    hang = [f for f in diagnose_task(run) if f.code == "hang"][0]
+    assert hang.ranks == (1,) and hang.nodes == ("node2",) and hang.evidence[0].file == "logs/rank-1.log"
+
+
+# ---------------------------------------------------------------- metrics, requeues, preflight (written as the writers write)
+
+
+def write_metrics(root: Path, rows: list[dict]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN, as the trainer does
+
+
+def rows(n: int, start: float = 1000.0, **extra) -> list[dict]:
+    return [{"step": s, "time": start + s, "loss": 2.0, "grad_norm": 1.0, "step_time_s": 1.0, **extra} for s in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("bad,found", [(10, True), (9, False)])
+def test_nan_grad_norm_after_ten_consecutive_logged_steps(tmp_path, bad, found):
+    data = rows(5) + [{**r, "grad_norm": float("nan"), "loss": float("inf") if i % 2 else 3.0} for i, r in enumerate(rows(bad, 1005.0))]
+    for i, r in enumerate(data):
+        r["step"] = i + 1
+    data.insert(8, {"step": 8, "time": 1008.5, "checkpoint": "checkpoint-8"})  # a save row in between: not a training row
+    write_metrics(tmp_path, data + [{"step": 99, "time": 2000.0, "loss": 1.0, "grad_norm": 1.0}])
+    codes = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "nan_grad_norm"]
+    assert bool(codes) is found
+    if found:
+        assert codes[0].evidence[0].file == "metrics.jsonl" and codes[0].evidence[0].step == 6 and "train.max_grad_norm" in codes[0].keys
+
+
+def test_speed_diagnosis_in_its_steps(tmp_path):
+    busy = tmp_path / "busy"
+    write_metrics(busy, rows(8, comm_wait_ratio=0.1, data_wait_ratio=0.05, gpu_util=97.0))
+    assert diagnose_task(read_task(0, str(busy))) == []
+    comm = tmp_path / "comm"
+    write_metrics(comm, [{**r, "comm_wait_ratio": 0.9} for r in rows(1)] + rows(8, 1001.0, comm_wait_ratio=0.45, data_wait_ratio=0.02, gpu_util=0.6))
+    assert [f.code for f in diagnose_task(read_task(0, str(comm)))] == ["low_gpu_util", "comm_bound"]
+    data = tmp_path / "data"
+    write_metrics(data, rows(8, comm_wait_ratio=0.05, data_wait_ratio=0.5, gpu_util=40))
+    found = diagnose_task(read_task(0, str(data)))
+    assert [f.code for f in found] == ["low_gpu_util", "data_bound"] and "data loader" in found[0].cause
+    assert "train.dataloader_num_workers" in found[1].keys
+    warm = tmp_path / "warm"  # only the warm-up row is slow: not comm-bound
+    write_metrics(warm, [{**r, "comm_wait_ratio": 0.9} for r in rows(1)] + rows(6, 1001.0, comm_wait_ratio=0.1))
+    assert diagnose_task(read_task(0, str(warm))) == []
+
+
+def test_walltime_loop_from_the_requeue_records_and_the_save_record(tmp_path):
+    from swiftslurm.checkpoint.savetime import record_save
+
+    records = [{"job_id": "77", "restart_count": i, "global_step": step, "requeued": True, "outcome": "requeued", "message": "m"}
+               for i, step in enumerate([10, 40, 40, 40])]
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "requeues.json").write_text(json.dumps(records))
+    record_save(tmp_path, 40, save_s=200.0, phases_s={"write": 150.0}, step_s=5.0, signal_grace_s=120)
+    found = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "walltime_loop"]
+    assert len(found) == 1 and "3 times" in found[0].what and "step 40" in found[0].what
+    assert "slurm.signal_grace_s = 260" in found[0].cause and "slurm.signal_grace_s" in found[0].keys
+    (tmp_path / "requeues.json").write_text(json.dumps(records[:2]))  # progress between the stops: no loop
+    assert not [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "walltime_loop"]
+
+
+def test_preflight_failures_blame_the_node(tmp_path):
+    from swiftslurm.preflight.report import build_report, write_report
+    from swiftslurm.preflight.results import CheckResult, decide
+
+    results = [CheckResult("ports", "node1->node3", False, "connection refused", "open", "open the port range"),
+               CheckResult("ports", "node2->node3", False, "connection refused", "open", "open the port range"),
+               CheckResult("ports", "node1->node2", True, "open")]
+    write_report(tmp_path, build_report(results, decide(results, "abort", ["node1", "node2", "node3"]), {}))
+    found = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "node_failure"]
+    assert len(found) == 1 and found[0].nodes == ("node3",) and "abort" in found[0].what
+    assert found[0].evidence[0].file == "preflight/report.json" and "connection refused" in found[0].evidence[0].text
+
+
+def test_a_stalled_run_is_a_hang_even_without_a_culprit(tmp_path):
+    write_metrics(tmp_path, rows(20))
+    run = read_task(0, str(tmp_path), state="TIMEOUT")
+    run.end_time = 1020.0 + 600.0
+    found = diagnose_task(run)
+    assert [f.code for f in found] == ["hang"] and "after step 20" in found[0].what and "USR1" in found[0].fix
+    run.end_time = 1020.0 + 5.0  # the usual pace: not stalled
+    assert diagnose_task(run) == []
+    run.end_time, run.summary = 1020.0 + 600.0, {"global_step": 20}  # it finished
+    assert diagnose_task(run) == []
