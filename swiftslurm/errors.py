@@ -17,6 +17,11 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
+# `swiftslurm doctor` found something (not an error of swiftslurm's: the job's). SPEC.md's exit codes:
+# 1 job failed, 2 bad spec, 3 submission refused, 4 preflight failed, 5 checkpoint damaged, 6 doctor findings.
+FINDINGS_EXIT = 6
+
+
 class SwiftSlurmError(Exception):
     """Base of every user-facing error. ``exit_code`` follows SPEC.md."""
 

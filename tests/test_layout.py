@@ -25,8 +25,9 @@ LAYERS = {
     "node": 6,
     "submit": 7,
     "watch": 8,
-    "cli": 9,
-    "__main__": 10,
+    "doctor": 9,
+    "cli": 10,
+    "__main__": 11,
 }
 
 

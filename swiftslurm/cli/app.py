@@ -292,6 +292,19 @@ def plot(
 
 @app.command()
 @guarded
+def doctor(
+    target: str = typer.Argument(..., metavar="OUTPUT_DIR|TASK_DIR|JOB_ID"),
+    as_json: bool = typer.Option(False, "--json", help="Print the findings as a JSON list, each with a stable `code`."),
+) -> int:
+    """Read what a job left (rank logs, metrics, preflight report, requeues, Slurm state) and say what went wrong:
+    each finding with its evidence (file, line, rank, node, step), cause and fix. Exit 0 nothing found, 6 findings."""
+    from .doctor_cmd import doctor_command
+
+    return doctor_command(console, target, as_json)
+
+
+@app.command()
+@guarded
 def cancel(target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR")) -> int:
     """Cancel a job (all its array tasks)."""
     from .submit_cmd import cancel_command

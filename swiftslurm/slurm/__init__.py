@@ -37,6 +37,7 @@ from .commands import (
     required_among,
     merge_exclude,
     exclude_and_requeue,
+    job_paths,
 )
 
 __all__ = [
@@ -71,4 +72,5 @@ __all__ = [
     'required_among',
     'merge_exclude',
     'exclude_and_requeue',
+    'job_paths',
 ]

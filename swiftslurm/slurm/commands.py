@@ -361,3 +361,20 @@ def exclude_and_requeue(job_id: str, nodes: list[str]) -> str:
             "it reruns without the exclusion; set slurm.exclude in the spec and resubmit",
         ) from None
     return merged
+
+
+# ---------------------------------------------------------------- where a job wrote (doctor JOB_ID)
+
+
+def job_paths(job_id: str) -> list[str]:
+    """Paths a job wrote to or ran in (StdErr, StdOut, WorkDir), from ``scontrol show job`` while slurmctld
+    remembers it, else sacct's WorkDir; [] when neither knows the job."""
+    show = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+    paths: list[str] = []
+    if show.returncode == 0:
+        for fields in parse_scontrol_job(show.stdout):
+            paths += [fields[k] for k in ("StdErr", "StdOut", "WorkDir") if fields.get(k)]
+    if not paths:
+        acc = _run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=WorkDir"], check=False)
+        paths = [ln.strip() for ln in acc.stdout.splitlines() if ln.strip()] if acc.returncode == 0 else []
+    return list(dict.fromkeys(paths))

@@ -1,0 +1,26 @@
+"""Every rule over every task: the findings of a TARGET, most important first."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .evidence import TaskRun
+from .findings import Finding, ordered
+from .hang import hang
+from .jobrules import node_failure, walltime_loop
+from .logrules import ckpt_missing_keys, cuda_oom, device_mismatch, host_oom, nccl_timeout
+from .metricrules import nan_grad_norm, speed
+
+RULES: tuple[Callable[[TaskRun], list[Finding]], ...] = (
+    hang, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
+    walltime_loop, speed,
+)
+
+
+def diagnose_task(run: TaskRun) -> list[Finding]:
+    """The findings of one task (pure over what was read)."""
+    return ordered([f for rule in RULES for f in rule(run)])
+
+
+def diagnose(runs: list[TaskRun]) -> list[Finding]:
+    return ordered([f for run in runs for f in diagnose_task(run)])

@@ -1,0 +1,181 @@
+"""The reading edge: one task's files as plain values (``TaskRun``), tolerant of every file being absent or torn.
+
+Rank logs are stamped and tagged with their node by ``watch.logs``; every line keeps its file and line number,
+so a finding can point at it. Only lines written by the latest submission count (a task dir's rank logs grow
+across resubmissions). Everything else here is a JSON file the runtime, the trainer or the preflight wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.savetime import read_save
+from ..node.requeue import read_requeues
+from ..submit import TASK_SPEC_FILE
+from ..train.sft import SUMMARY_FILE
+from ..watch import logs as L
+from ..watch.progress import METRICS_FILE
+
+PREFLIGHT_REPORT = ("preflight", "report.json")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One log line with where it is: file (as shown), 1-based line number, rank, node, time."""
+
+    file: str
+    number: int
+    rank: int
+    node: str
+    time: float
+    text: str
+
+
+@dataclass
+class TaskRun:
+    """What one task left, as values: the rules are pure over it."""
+
+    task: int
+    task_dir: str
+    state: str = ""  # Slurm's (or the local executor's) state; "" unknown
+    nodes: str = ""  # the allocation's hostlist, as Slurm says it
+    job_id: str = ""
+    end_time: float | None = None  # when the run stopped (a running one: now)
+    lines: list[list[Line]] = field(default_factory=list)  # per log file, in file order
+    metrics: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (line number, row)
+    summary: dict[str, Any] | None = None
+    preflight: dict[str, Any] | None = None
+    requeues: list[dict[str, Any]] = field(default_factory=list)
+    save: dict[str, Any] | None = None
+    spec: dict[str, Any] = field(default_factory=dict)  # the task's resolved spec (spec.json), {} when absent
+    restarts: int = 0
+
+    @property
+    def all_lines(self) -> list[Line]:
+        return [ln for lines in self.lines for ln in lines]
+
+    def rank_nodes(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for ln in self.all_lines:
+            if ln.node:
+                out[ln.rank] = ln.node
+        return out
+
+    def step_at(self, when: float) -> int | None:
+        """The last step rank 0 logged at or before ``when`` (None before the first)."""
+        step = None
+        for _, row in self.metrics:
+            t, s = row.get("time"), row.get("step")
+            if isinstance(t, (int, float)) and isinstance(s, int) and t <= when:
+                step = s
+        return step
+
+    def train(self, key: str, default: Any = None) -> Any:
+        return (self.spec.get("train") or {}).get(key, default)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def read_metrics(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """Rows of metrics.jsonl with their line numbers; torn or foreign lines are skipped."""
+    rows = []
+    try:
+        with path.open("rb") as fh:
+            for number, raw in enumerate(fh, start=1):
+                try:
+                    row = json.loads(raw)
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if isinstance(row, dict):
+                    rows.append((number, row))
+    except OSError:
+        return []
+    return rows
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """How many lines a log has before byte ``offset`` (only counted when the head was skipped)."""
+    count = 0
+    with path.open("rb") as fh:
+        while fh.tell() < offset:
+            chunk = fh.read(min(1 << 20, offset - fh.tell()))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+    return count
+
+
+def read_log(src: L.Source, root: Path, since: float | None, nodes: dict[int, str]) -> list[Line]:
+    """A log file's lines (its last ``SCAN_BYTES``), stamped, with file and line number; lines older than ``since`` dropped."""
+    text, end = L.read_text(src.path)
+    if not text:
+        return []
+    try:
+        mtime = src.path.stat().st_mtime
+        first = 1 + (_lines_before(src.path, end - len(text.encode("utf-8", "replace"))) if src.path.stat().st_size > L.SCAN_BYTES else 0)
+    except OSError:
+        mtime, first = time.time(), 1
+    try:
+        shown = str(src.path.relative_to(root))
+    except ValueError:
+        shown = str(src.path)
+    stamped = L.stamp_lines(text, src, mtime, nodes)
+    return [Line(shown, first + i, ln.rank, ln.node, ln.time, ln.text) for i, ln in enumerate(stamped)
+            if since is None or ln.time >= since]
+
+
+def submitit_sources(task: int, task_dir: str, folder: str, job_id: str) -> list[L.Source]:
+    """Log files of a task; without a submission record, the newest submitit folder's files under the task dir."""
+    found = L.sources(task, task_dir, folder, job_id)
+    if folder:
+        return found
+    base = Path(task_dir, "logs", "submitit")
+    folders = sorted([p for p in base.iterdir() if p.is_dir()] if base.is_dir() else [])
+    for candidate in ([folders[-1]] if folders else []) + [base]:
+        for path in sorted(candidate.glob("*_log.*")):
+            m = L.SUBMITIT_LOG.match(path.name)
+            if m:
+                found.append(L.Source(path, task, int(m.group("rank"))))
+    return found
+
+
+def read_task(task: int, task_dir: str, folder: str = "", job_id: str = "", since: float | None = None,
+              state: str = "", nodes: str = "", restarts: int = 0) -> TaskRun:
+    """Everything one task left under ``task_dir`` (and in its submitit logs)."""
+    root = Path(task_dir)
+    run = TaskRun(task, task_dir, state=state, nodes=nodes, job_id=job_id, restarts=restarts)
+    rank_nodes: dict[int, str] = {}
+    per_file = [read_log(src, root, since, rank_nodes) for src in submitit_sources(task, task_dir, folder, job_id)]
+    # a line before its file's first rank tag has no node yet: its rank's node from any file
+    run.lines = [[ln if ln.node else Line(ln.file, ln.number, ln.rank, rank_nodes.get(ln.rank, ""), ln.time, ln.text) for ln in lines]
+                 for lines in per_file if lines]
+    run.metrics = read_metrics(root / METRICS_FILE)
+    summary = read_json(root / SUMMARY_FILE)
+    run.summary = summary if isinstance(summary, dict) else None
+    report = read_json(root.joinpath(*PREFLIGHT_REPORT))
+    run.preflight = report if isinstance(report, dict) else None
+    run.requeues = read_requeues(task_dir)
+    run.save = read_save(task_dir)
+    spec = read_json(root / TASK_SPEC_FILE)
+    run.spec = spec.get("spec") or {} if isinstance(spec, dict) else {}
+    run.end_time = time.time() if state in ("RUNNING", "COMPLETING") else _last_write(run)
+    return run
+
+
+def _last_write(run: TaskRun) -> float | None:
+    """When the run last wrote anything: its logs' and metrics' newest line."""
+    times = [lines[-1].time for lines in run.lines if lines]
+    times += [float(r["time"]) for _, r in run.metrics[-1:] if isinstance(r.get("time"), (int, float))]
+    return max(times) if times else None

@@ -1,0 +1,136 @@
+"""Findings from metrics.jsonl: NaN/inf losses and grad norms, and the speed diagnosis in its steps:
+(1) are the GPUs busy (``low_gpu_util``)? if not, (2) do collectives eat the step (``comm_bound``)?
+(3) does the data loader keep them waiting (``data_bound``)? (4) otherwise the step itself is the cost
+(micro-batch, sequence length, kernels): no finding, ``plan``'s estimate and the MFU in the metrics say how far."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from .evidence import TaskRun
+from .findings import Evidence, Finding
+from ..watch.progress import METRICS_FILE
+
+NAN_STEPS = 10  # consecutive logged steps with a non-finite loss or grad_norm
+GPU_UTIL_MIN = 0.85
+COMM_RATIO_MAX = 0.30
+DATA_RATIO_MAX = 0.20
+WARMUP_ROWS = 1  # the first logged rows hold compilation, allocator warm-up, the first all-gathers
+MIN_ROWS = 3  # fewer steady rows than this say nothing about speed
+GPU_UTIL_KEYS = ("gpu_util", "gpu_utilization", "gpu_util_mean", "gpu_util_pct", "gpu_util_percent")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, str):  # some writers spell them out
+        return value.strip().lower() in ("nan", "inf", "-inf", "infinity", "-infinity")
+    x = _number(value)
+    return x is not None and not math.isfinite(x)
+
+
+def _evidence(row: tuple[int, dict[str, Any]], key: str) -> Evidence:
+    number, data = row
+    step = data.get("step") if isinstance(data.get("step"), int) else None
+    return Evidence(METRICS_FILE, number, 0, "", step, f"{key} = {data.get(key)!r}")
+
+
+def nan_grad_norm(run: TaskRun) -> list[Finding]:
+    """A run of NAN_STEPS consecutive logged training rows whose loss or grad_norm is NaN/inf."""
+    streak: list[tuple[int, dict[str, Any]]] = []
+    best: list[tuple[int, dict[str, Any]]] = []
+    for number, row in run.metrics:
+        if "loss" not in row and "grad_norm" not in row:
+            continue  # a save or an eval row
+        if _non_finite(row.get("loss")) or _non_finite(row.get("grad_norm")):
+            streak.append((number, row))
+            best = streak if len(streak) > len(best) else best
+        else:
+            streak = []
+    if len(best) < NAN_STEPS:
+        return []
+    key = "grad_norm" if _non_finite(best[0][1].get("grad_norm")) else "loss"
+    lr = run.train("learning_rate")
+    return [Finding(
+        "nan_grad_norm", f"{key} was NaN/inf for {len(best)} consecutive logged steps from step {best[0][1].get('step')}",
+        "the updates diverged: the learning rate is too high for this model and batch, or fp16 overflowed "
+        "(bf16 does not), or a bad sample (empty labels) produced an undefined loss",
+        f"lower train.learning_rate{f' (now {lr:g})' if isinstance(lr, (int, float)) else ''}, clip gradients harder "
+        "(train.max_grad_norm = 0.5), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
+        ("train.learning_rate", "train.max_grad_norm", "train.bf16", "train.fp16"),
+        (_evidence(best[0], key), _evidence(best[-1], key)), run.task, (0,))]
+
+
+def _steady(run: TaskRun) -> list[tuple[int, dict[str, Any]]]:
+    rows = [(n, r) for n, r in run.metrics if "loss" in r or "step_time_s" in r]
+    return rows[WARMUP_ROWS:] if len(rows) > WARMUP_ROWS + MIN_ROWS - 1 else rows
+
+
+def _median(rows: list[tuple[int, dict[str, Any]]], keys: tuple[str, ...], scale_pct: bool = False) -> tuple[float, tuple[int, dict[str, Any]], str] | None:
+    """The median over the rows carrying one of ``keys`` (first key found per row) and the row nearest it."""
+    values = []
+    for row in rows:
+        for key in keys:
+            x = _number(row[1].get(key))
+            if x is not None and math.isfinite(x):
+                if scale_pct and x > 1.0:
+                    x /= 100.0  # a percentage
+                values.append((x, row, key))
+                break
+    if len(values) < MIN_ROWS:
+        return None
+    med = statistics.median(v for v, _, _ in values)
+    x, row, key = min(values, key=lambda v: abs(v[0] - med))
+    return med, row, key
+
+
+def gpu_util(run: TaskRun) -> float | None:
+    found = _median(_steady(run), GPU_UTIL_KEYS, scale_pct=True)
+    return found[0] if found else None
+
+
+def speed(run: TaskRun) -> list[Finding]:
+    rows = _steady(run)
+    out: list[Finding] = []
+    util = _median(rows, GPU_UTIL_KEYS, scale_pct=True)
+    comm = _median(rows, ("comm_wait_ratio",))
+    data = _median(rows, ("data_wait_ratio",))
+    idle = util is not None and util[0] < GPU_UTIL_MIN
+    if idle:
+        why = []
+        if comm and comm[0] > COMM_RATIO_MAX:
+            why.append("collectives (comm_bound below)")
+        if data and data[0] > DATA_RATIO_MAX:
+            why.append("the data loader (data_bound below)")
+        out.append(Finding(
+            "low_gpu_util", f"the GPUs were busy {util[0]:.0%} of the time (median over {len(rows)} logged steps; below {GPU_UTIL_MIN:.0%})",
+            "the GPUs wait for " + (" and ".join(why) if why else "something outside the step: host-side work between kernels, "
+                                    "small micro-batches, CPU offload"),
+            "follow the next findings; with none, raise train.per_device_train_batch_size (GPU memory allowing) and avoid CPU offload",
+            ("train.per_device_train_batch_size", "train.deepspeed"), (_evidence(util[1], util[2]),), run.task))
+    if comm and comm[0] > COMM_RATIO_MAX:
+        preset = str(run.train("deepspeed", "") or "")
+        out.append(Finding(
+            "comm_bound", f"collectives took {comm[0]:.0%} of each step (median comm_wait_ratio; above {COMM_RATIO_MAX:.0%})",
+            "gradients and parameters cross the network each step faster than the GPUs compute: small buckets, a slow or "
+            "TCP-only interconnect (InfiniBand off, wrong interface), or ZeRO-3 gathering every layer",
+            ("train.deepspeed = \"zero2_fast\" (larger buckets)" if preset != "zero2_fast" else "larger buckets in [deepspeed]")
+            + "; more train.gradient_accumulation_steps (fewer gradient syncs per sample); check the NCCL environment "
+            "(env.NCCL_IB_DISABLE = \"0\", env.NCCL_SOCKET_IFNAME) and the preflight's allreduce and iperf3 findings on the topology",
+            ("train.deepspeed", "train.gradient_accumulation_steps", "env.NCCL_IB_DISABLE", "env.NCCL_SOCKET_IFNAME"),
+            (_evidence(comm[1], comm[2]),), run.task))
+    if data and data[0] > DATA_RATIO_MAX and (util is None or idle):
+        out.append(Finding(
+            "data_bound", f"the step waited for data {data[0]:.0%} of the time (median data_wait_ratio; above {DATA_RATIO_MAX:.0%})",
+            "batches are built in the training process (tokenizing, collating, reading) while the GPUs idle",
+            "more loader processes (train.dataloader_num_workers), pinned memory (train.dataloader_pin_memory = true), "
+            "tokenize once and cache (train.dataset_num_proc; packing's cache)",
+            ("train.dataloader_num_workers", "train.dataloader_pin_memory", "train.dataset_num_proc"),
+            (_evidence(data[1], data[2]),), run.task))
+    return out

@@ -1,0 +1,301 @@
+"""`swiftslurm doctor` (issue 14): findings from what real runs left, and from realistically written files.
+
+Real local-executor runs whose ``train.command`` fails the way training fails (rank 1 raising a captured GPU
+error text, ranks waiting in a real gloo all-reduce for a rank that sleeps, spins or dies) are read by the
+real CLI; the metrics, requeue and preflight rules run on files written as the trainer, the runtime and the
+preflight write them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from swiftslurm.doctor import diagnose, diagnose_task
+from swiftslurm.doctor.evidence import TaskRun, read_task
+from swiftslurm.doctor.hang import culprits, stack_dumps
+from swiftslurm.doctor.target import runs_of
+from swiftslurm.plan import make_plan
+from swiftslurm.spec import parse_toml, validate_spec
+from swiftslurm.submit import submit_plan
+
+HEALTHY_RUN = Path(__file__).parent / "data" / "watch_run"  # the quickstart model, 12 steps, 2 ranks (local)
+WAIT_S = 180
+
+# Captured from GPU runs (torch 2.x on H100s / A100s): the texts the rules must recognise. Marked as captured:
+# this machine has no GPU to make them.
+CAPTURED_CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity "
+                     "of 79.10 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.03 GiB memory "
+                     "in use. Of the allocated memory 75.61 GiB is allocated by PyTorch, and 1.71 GiB is reserved by PyTorch "
+                     "but unallocated.")
+CAPTURED_DEVICE_MISMATCH = ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+                            "cuda:1 and cpu! (when checking argument for argument mat2 in method wrapper_CUDA_mm)")
+CAPTURED_MISSING_KEYS = ("RuntimeError: Error(s) in loading state_dict for PeftModelForCausalLM:\n\tMissing key(s) in "
+                         "state_dict: \"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight\".")
+
+# train.command: every rank starts; ``fail``: rank BAD fails with the text in file ARG; ``sleep``/``spin``/``die``: every rank joins a
+# gloo all-reduce, then rank BAD sleeps, spins or SIGKILLs itself before the second one, which the others wait in.
+WORKER = textwrap.dedent(r"""
+    import datetime, os, signal, sys, time
+    mode, bad, arg = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank = int(os.environ["RANK"])
+    print(f"worker rank {rank} up", flush=True)
+    if mode == "fail":  # the traceback a failing trainer prints, ending with the text captured in file ARG
+        if rank == bad:
+            text = open(arg).read()
+            sys.stderr.write('Traceback (most recent call last):\n  File "train.py", line 12, in <module>\n    step()\n' + text + "\n")
+            sys.exit(1)
+        sys.exit(0)
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(arg)))
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    print(f"rank {rank} joined the first all-reduce", flush=True)
+    if rank == bad:
+        if mode == "sleep":
+            time.sleep(4 * float(arg))
+        elif mode == "spin":
+            end = time.time() + 4 * float(arg)
+            while time.time() < end:
+                pass
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+""")
+
+
+def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local"):
+    out = tmp_path / "out"
+    text = f"""
+[job]
+name = "doctor"
+output_dir = {json.dumps(str(out))}
+[slurm]
+nodes = {nodes}
+tasks_per_node = {ranks}
+time = "00:05:00"
+[train]
+command = {json.dumps([sys.executable, "-c", WORKER, *args])}
+per_device_train_batch_size = 4
+{spec_extra}
+[preflight]
+checks = []
+"""
+    raw = parse_toml(text)
+    plan = make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="doctor.toml")
+    sub = submit_plan(plan, executor=executor)
+    sub.wait(timeout_s=WAIT_S, poll_s=0.5)
+    return out if executor == "local" else (out, sub)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def doctor_json(target: Path) -> list[dict]:
+    proc = cli("doctor", str(target), "--json")
+    assert proc.returncode == 6, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+# ---------------------------------------------------------------- a healthy run
+
+
+def test_a_healthy_quickstart_run_has_nothing_wrong():
+    proc = cli("doctor", str(HEALTHY_RUN))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nothing wrong found" in proc.stdout
+    assert json.loads(cli("doctor", str(HEALTHY_RUN), "--json").stdout) == []
+
+
+# ---------------------------------------------------------------- errors from real runs (captured texts raised)
+
+
+@pytest.mark.parametrize("code,text,keys", [
+    ("cuda_oom", CAPTURED_CUDA_OOM, "train.per_device_train_batch_size"),
+    ("device_mismatch", CAPTURED_DEVICE_MISMATCH, "train.deepspeed"),
+    ("ckpt_missing_keys", CAPTURED_MISSING_KEYS, "train.resume_weights_only"),
+])
+def test_a_failing_rank_is_named_with_file_line_and_fix(tmp_path, code, text, keys):
+    (tmp_path / "captured.txt").write_text(text)
+    out = run_local(tmp_path, ["fail", "1", str(tmp_path / "captured.txt")], ranks=2, spec_extra='deepspeed = "zero3_offload"')
+    findings = doctor_json(out)
+    mine = [f for f in findings if f["code"] == code]
+    assert mine, findings
+    f = mine[0]
+    assert f["ranks"] == [1] and keys in f["keys"]
+    ev = f["evidence"][0]
+    assert ev["rank"] == 1 and ev["node"] and ev["file"] == "logs/rank-1.log" and ev["line"] >= 1
+    lines = (out / ev["file"]).read_text().splitlines()
+    assert lines[ev["line"] - 1].strip() == ev["text"] and ev["text"] in text  # the line the evidence points at
+    if code == "device_mismatch":
+        assert "optimizer on cpu" in f["cause"]  # offload on, from the task's spec
+    assert [x["code"] for x in findings].count(code) == 1
+    human = cli("doctor", str(out))
+    assert human.returncode == 6 and code in human.stdout and "fix" in human.stdout
+
+
+# ---------------------------------------------------------------- hangs from real gloo collectives
+
+
+@pytest.mark.parametrize("mode", ["sleep", "die", "spin"])
+def test_hang_names_the_rank_the_others_wait_for(tmp_path, mode):
+    out = run_local(tmp_path, [mode, "2", "6"], ranks=4)
+    findings = doctor_json(out)
+    assert findings[0]["code"] == "hang", findings
+    hang = findings[0]
+    assert hang["ranks"] == [2] and hang["nodes"] == ["localhost"], hang
+    assert "rank 2 (localhost)" in hang["what"] and "never joined" in hang["what"]
+    if mode == "die":
+        assert any(f["code"] == "node_failure" and f["ranks"] == [2] for f in findings), findings
+    assert any(f["code"] == "nccl_timeout" for f in findings)
+
+
+@pytest.mark.slurm
+def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
+    out, sub = run_local(tmp_path, ["sleep", "2", "6"], ranks=2, nodes=2, executor="slurm")
+    findings = doctor_json(Path(sub.job_ids[0]))  # by job id: found through the paths Slurm recorded
+    hang = findings[0]
+    assert hang["code"] == "hang" and hang["ranks"] == [2], findings
+    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    assert hang["nodes"] == [node_of_2] and f"rank 2 ({node_of_2})" in hang["what"]
+
+
+# ---------------------------------------------------------------- stack dumps (real faulthandler output)
+
+DUMPER = textwrap.dedent(r"""
+    import datetime, faulthandler, os, signal, sys, time
+    import torch, torch.distributed as dist
+    rank = int(sys.argv[1])
+    log = open(sys.argv[2], "a")
+    log.write(f"2026-12-01 05:00:00,000 [rank {rank} node{rank + 1}] INFO rank {rank}/2 (local 0/1, node {rank}/2 node{rank + 1})\n")
+    log.flush()
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # what node/banner.enable_stack_dumps does
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[3]}",
+                            timeout=datetime.timedelta(seconds=60))
+    open(sys.argv[2] + ".ready", "w").close()
+    if rank == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(2))
+""")
+
+
+def test_stack_dumps_name_the_rank_outside_the_collective(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    port = str(20000 + os.getpid() % 10000)
+    procs = [subprocess.Popen([sys.executable, "-c", DUMPER, str(r), str(logs / f"rank-{r}.log"), port]) for r in (0, 1)]
+    try:
+        deadline = time.time() + 90
+        while not all((logs / f"rank-{r}.log.ready").exists() for r in (0, 1)):
+            assert time.time() < deadline, "the two ranks did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 enters the all-reduce
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r in (0, 1):
+        (logs / f"rank-{r}.log.ready").unlink()
+    run = read_task(0, str(tmp_path))
+    dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
+    assert dumps[0].in_collective and not dumps[1].in_collective
+    assert "sleep" in dumps[1].top() or "<module>" in dumps[1].top()
+    found = culprits(run)
+    assert found.ranks == (1,) and found.waiting == (0,) and "stack" in found.how
+    hang = [f for f in diagnose_task(run) if f.code == "hang"][0]
+    assert hang.ranks == (1,) and hang.nodes == ("node2",) and hang.evidence[0].file == "logs/rank-1.log"
+
+
+# ---------------------------------------------------------------- metrics, requeues, preflight (written as the writers write)
+
+
+def write_metrics(root: Path, rows: list[dict]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN, as the trainer does
+
+
+def rows(n: int, start: float = 1000.0, **extra) -> list[dict]:
+    return [{"step": s, "time": start + s, "loss": 2.0, "grad_norm": 1.0, "step_time_s": 1.0, **extra} for s in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("bad,found", [(10, True), (9, False)])
+def test_nan_grad_norm_after_ten_consecutive_logged_steps(tmp_path, bad, found):
+    data = rows(5) + [{**r, "grad_norm": float("nan"), "loss": float("inf") if i % 2 else 3.0} for i, r in enumerate(rows(bad, 1005.0))]
+    for i, r in enumerate(data):
+        r["step"] = i + 1
+    data.insert(8, {"step": 8, "time": 1008.5, "checkpoint": "checkpoint-8"})  # a save row in between: not a training row
+    write_metrics(tmp_path, data + [{"step": 99, "time": 2000.0, "loss": 1.0, "grad_norm": 1.0}])
+    codes = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "nan_grad_norm"]
+    assert bool(codes) is found
+    if found:
+        assert codes[0].evidence[0].file == "metrics.jsonl" and codes[0].evidence[0].step == 6 and "train.max_grad_norm" in codes[0].keys
+
+
+def test_speed_diagnosis_in_its_steps(tmp_path):
+    busy = tmp_path / "busy"
+    write_metrics(busy, rows(8, comm_wait_ratio=0.1, data_wait_ratio=0.05, gpu_util=97.0))
+    assert diagnose_task(read_task(0, str(busy))) == []
+    comm = tmp_path / "comm"
+    write_metrics(comm, [{**r, "comm_wait_ratio": 0.9} for r in rows(1)] + rows(8, 1001.0, comm_wait_ratio=0.45, data_wait_ratio=0.02, gpu_util=0.6))
+    assert [f.code for f in diagnose_task(read_task(0, str(comm)))] == ["low_gpu_util", "comm_bound"]
+    data = tmp_path / "data"
+    write_metrics(data, rows(8, comm_wait_ratio=0.05, data_wait_ratio=0.5, gpu_util=40))
+    found = diagnose_task(read_task(0, str(data)))
+    assert [f.code for f in found] == ["low_gpu_util", "data_bound"] and "data loader" in found[0].cause
+    assert "train.dataloader_num_workers" in found[1].keys
+    warm = tmp_path / "warm"  # only the warm-up row is slow: not comm-bound
+    write_metrics(warm, [{**r, "comm_wait_ratio": 0.9} for r in rows(1)] + rows(6, 1001.0, comm_wait_ratio=0.1))
+    assert diagnose_task(read_task(0, str(warm))) == []
+
+
+def test_walltime_loop_from_the_requeue_records_and_the_save_record(tmp_path):
+    from swiftslurm.checkpoint.savetime import record_save
+
+    records = [{"job_id": "77", "restart_count": i, "global_step": step, "requeued": True, "outcome": "requeued", "message": "m"}
+               for i, step in enumerate([10, 40, 40, 40])]
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "requeues.json").write_text(json.dumps(records))
+    record_save(tmp_path, 40, save_s=200.0, phases_s={"write": 150.0}, step_s=5.0, signal_grace_s=120)
+    found = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "walltime_loop"]
+    assert len(found) == 1 and "3 times" in found[0].what and "step 40" in found[0].what
+    assert "slurm.signal_grace_s = 260" in found[0].cause and "slurm.signal_grace_s" in found[0].keys
+    (tmp_path / "requeues.json").write_text(json.dumps(records[:2]))  # progress between the stops: no loop
+    assert not [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "walltime_loop"]
+
+
+def test_preflight_failures_blame_the_node(tmp_path):
+    from swiftslurm.preflight.report import build_report, write_report
+    from swiftslurm.preflight.results import CheckResult, decide
+
+    results = [CheckResult("ports", "node1->node3", False, "connection refused", "open", "open the port range"),
+               CheckResult("ports", "node2->node3", False, "connection refused", "open", "open the port range"),
+               CheckResult("ports", "node1->node2", True, "open")]
+    write_report(tmp_path, build_report(results, decide(results, "abort", ["node1", "node2", "node3"]), {}))
+    found = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "node_failure"]
+    assert len(found) == 1 and found[0].nodes == ("node3",) and "abort" in found[0].what
+    assert found[0].evidence[0].file == "preflight/report.json" and "connection refused" in found[0].evidence[0].text
+
+
+def test_a_stalled_run_is_a_hang_even_without_a_culprit(tmp_path):
+    write_metrics(tmp_path, rows(20))
+    run = read_task(0, str(tmp_path), state="TIMEOUT")
+    run.end_time = 1020.0 + 600.0
+    found = diagnose_task(run)
+    assert [f.code for f in found] == ["hang"] and "after step 20" in found[0].what and "USR1" in found[0].fix
+    run.end_time = 1020.0 + 5.0  # the usual pace: not stalled
+    assert diagnose_task(run) == []
+    run.end_time, run.summary = 1020.0 + 600.0, {"global_step": 20}  # it finished
+    assert diagnose_task(run) == []
