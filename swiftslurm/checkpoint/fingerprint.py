@@ -26,6 +26,7 @@ OPERATIONAL_TRAIN_KEYS = frozenset({
     "logging_steps", "save_steps", "report_to", "command", "dataloader_num_workers", "dataloader_pin_memory",
     "dataset_num_proc", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
     "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
+    "max_steps", "num_train_epochs",  # how long: extending a run is normal (a schedule over max_steps then stretches)
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (
