@@ -49,6 +49,9 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
     spec = task.spec
+    if mode == "train" and not spec.has_training:
+        raise RuntimeEnvError("the plan's spec has no [train] table: nothing to train", plan_path,
+                              "add [train] to the spec and submit again; `swiftslurm preflight SPEC` runs a spec without it")
     distenv.check_spec_env(spec.env)
     # MASTER_ADDR/MASTER_PORT: the spec's [env] is the one explicit choice; inherited ones are ignored
     dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)

@@ -12,7 +12,7 @@ from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # 
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
@@ -372,7 +372,9 @@ class ContainerTable(_Table):
 class JobSpec(_Table):
     job: JobTable = Field(default_factory=JobTable)
     slurm: SlurmTable = Field(default_factory=SlurmTable)
-    train: TrainTable = Field(default_factory=TrainTable)
+    # No [train] table: an empty, unvalidated TrainTable (``has_training`` False), a spec for `swiftslurm preflight`
+    # only. A [train] table that is present is validated in full (model or command required).
+    train: TrainTable = Field(default_factory=TrainTable.model_construct)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     checkpoint: CheckpointTable = Field(default_factory=CheckpointTable)
     preflight: PreflightTable = Field(default_factory=PreflightTable)
@@ -415,3 +417,15 @@ class JobSpec(_Table):
     @property
     def world_size(self) -> int:
         return self.slurm.nodes * self.slurm.ranks_per_node
+
+    @property
+    def has_training(self) -> bool:
+        """Whether the spec has a [train] table (a validated one always names a model or a command)."""
+        return bool(self.train.command) or self.train.model is not None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.has_training:
+            data.pop("train", None)  # no [train] stays no [train] through the plan file (an empty one is invalid)
+        return data
