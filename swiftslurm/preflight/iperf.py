@@ -11,11 +11,14 @@ import json
 import subprocess
 import time
 
+from . import bounded
 from .ports import resolve
 from .results import CheckResult, missing_tool, which
 
-DURATION_S = 2
+DURATION_S = 3
+STREAMS = 8
 CONNECT_RETRY_S = 3.0
+CLIENT_GRACE_S = 15  # on top of the duration: connect, the omitted warm-up, the JSON
 
 
 def ring_target(node: str, nodes: list[str]) -> str:
@@ -46,20 +49,14 @@ def start_server(node: str, port: int) -> tuple[subprocess.Popen | None, CheckRe
     addr, err = resolve(node)
     if addr is None:
         return None, CheckResult("iperf3", node, False, f"node name '{node}' does not resolve: {err}", "a resolvable node name", "fix /etc/hosts or DNS")
-    proc = subprocess.Popen(["iperf3", "-s", "-B", addr, "-p", str(port), "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = bounded.spawn(["iperf3", "-s", "-B", addr, "-p", str(port), "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, None
 
 
 def stop_server(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Bounded: a server stuck in the kernel is left behind, not waited for."""
+    if proc is not None:
+        bounded.stop(proc)
 
 
 def measure(src: str, dst: str, port: int, min_gbps: float) -> CheckResult:
@@ -70,13 +67,11 @@ def measure(src: str, dst: str, port: int, min_gbps: float) -> CheckResult:
         return missing_tool("iperf3", pair, "iperf3")
     src_addr, _ = resolve(src)
     argv = ["iperf3", "-c", dst, "-p", str(port), "-t", str(DURATION_S), "-J"] + (["-B", src_addr] if src_addr else [])
+    limit = DURATION_S + CLIENT_GRACE_S
     deadline = time.monotonic() + CONNECT_RETRY_S
     while True:
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=DURATION_S + 15)
-            gbps, err = parse_iperf3_json(proc.stdout or proc.stderr)
-        except subprocess.TimeoutExpired:
-            gbps, err = None, f"iperf3 did not finish within {DURATION_S + 15} s"
+        proc = bounded.run(argv, limit)
+        gbps, err = (None, proc.describe_timeout("iperf3", limit)) if proc.timed_out else parse_iperf3_json(proc.stdout or proc.stderr)
         if gbps is not None or "connect" not in err or time.monotonic() >= deadline:
             break
         time.sleep(0.2)

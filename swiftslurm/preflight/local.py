@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
+from . import bounded
 from .results import CheckResult, missing_tool, which
 
 FIO_RUNTIME_S = 3
@@ -51,7 +51,7 @@ def parse_fio_json(text: str) -> tuple[float | None, str]:
     return float(job["read"]["iops"]), ""
 
 
-def check_nvme(node: str, path: str, min_iops: int) -> list[CheckResult]:
+def check_nvme(node: str, path: str, min_iops: int, timeout_s: float = FIO_RUNTIME_S + 60) -> list[CheckResult]:
     expected = f">= {min_iops} IOPS (4k random read)"
     if which("fio") is None:
         return [missing_tool("nvme", node, "fio")]
@@ -65,12 +65,13 @@ def check_nvme(node: str, path: str, min_iops: int) -> list[CheckResult]:
         "--output-format=json",
     ]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=FIO_RUNTIME_S + 60)
-        iops, err = parse_fio_json(proc.stdout)
-        if iops is None and proc.stderr.strip():
-            err += f" ({proc.stderr.strip()[:160]})"
-    except subprocess.TimeoutExpired:
-        iops, err = None, "fio did not finish in time"
+        proc = bounded.run(argv, timeout_s)
+        if proc.timed_out:
+            iops, err = None, proc.describe_timeout("fio", timeout_s)
+        else:
+            iops, err = parse_fio_json(proc.stdout)
+            if iops is None and proc.stderr.strip():
+                err += f" ({proc.stderr.strip()[:160]})"
     finally:
         try:
             target.unlink()
@@ -123,15 +124,15 @@ def judge_gpus(node: str, gpus: list[dict], gpus_per_node: int) -> list[CheckRes
     return [CheckResult("gpu", node, True, observed, expected)]
 
 
-def check_gpu(node: str, gpus_per_node: int) -> list[CheckResult]:
+def check_gpu(node: str, gpus_per_node: int, timeout_s: float = 30) -> list[CheckResult]:
     if gpus_per_node == 0:
         return [CheckResult("gpu", node, True, "no GPUs expected (slurm.gpus_per_node = 0)", "none")]
     if which("nvidia-smi") is None:
         return [missing_tool("gpu", node, "nvidia-smi")]
-    try:
-        proc = subprocess.run(["nvidia-smi", f"--query-gpu={NVSMI_QUERY}", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return [CheckResult("gpu", node, False, "nvidia-smi hung for 30 s", f"{gpus_per_node} GPU(s)", "a hung nvidia-smi usually means a GPU fault: drain the node")]
+    proc = bounded.run(["nvidia-smi", f"--query-gpu={NVSMI_QUERY}", "--format=csv,noheader,nounits"], timeout_s)
+    if proc.timed_out:
+        return [CheckResult("gpu", node, False, proc.describe_timeout("nvidia-smi", timeout_s), f"{gpus_per_node} GPU(s)",
+                            "a hung nvidia-smi usually means a GPU fault (Xid in dmesg): drain the node")]
     if proc.returncode != 0:
         return [CheckResult("gpu", node, False, f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:160]}", f"{gpus_per_node} GPU(s)", "is the driver loaded? check `nvidia-smi` on this node")]
     return judge_gpus(node, parse_nvidia_smi(proc.stdout), gpus_per_node)

@@ -99,6 +99,9 @@ def failed(results: Iterable[CheckResult]) -> list[CheckResult]:
     return [r for r in results if not r.ok]
 
 
+FATAL_CHECKS = ("process-group",)  # failures no on_failure may train past
+
+
 def decide(results: list[CheckResult], on_failure: str, nodes: Iterable[str], mode: str = "train") -> Decision:
     """The gate's decision over the results (pure). ``nodes``: the job's allocation."""
     bad = failed(results)
@@ -107,6 +110,8 @@ def decide(results: list[CheckResult], on_failure: str, nodes: Iterable[str], mo
     summary = "; ".join(f"{r.check} {r.node}: {r.observed}" for r in bad[:6]) + (f"; (+{len(bad) - 6} more)" if len(bad) > 6 else "")
     if mode == "preflight":
         return Decision("abort", False, reason=f"{len(bad)} check(s) failed: {summary}")
+    if any(r.check in FATAL_CHECKS for r in bad):
+        return Decision("abort", False, reason=f"{len(bad)} check(s) failed, one that no on_failure trains past: {summary}")
     if on_failure == "warn":
         return Decision("warn", True, reason=f"{len(bad)} check(s) failed, training anyway (on_failure = 'warn'): {summary}")
     if on_failure == "exclude":

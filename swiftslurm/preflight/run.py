@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import allreduce, iperf, local, ports
+from . import allreduce, bounded, iperf, local, ports
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
 
@@ -46,16 +45,21 @@ class Outcome:
     meta: dict[str, Any]
 
 
-def _node_checks_local(pool: ThreadPoolExecutor, checks: list[str], node: str, spec: Any, output_dir: str) -> list:
-    futures = []
+def node_checks_s(timeout_s: float) -> float:
+    """How long the node checks may take, from the "ready" barrier (pure): each tool is killed after
+    ``timeout_s``, then bounded.stop's grace; a check function still running after that is reported as hung."""
+    return timeout_s + bounded.TERM_GRACE_S + bounded.KILL_WAIT_S + 1
+
+
+def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str) -> None:
     pf = spec.preflight
+    tool_s = float(pf.timeout_s)
     if "nvme" in checks:
-        futures.append(pool.submit(local.check_nvme, node, pf.nvme_path, pf.min_nvme_iops))
+        calls.start("nvme", node, lambda: local.check_nvme(node, pf.nvme_path, pf.min_nvme_iops, tool_s))
     if "gpu" in checks:
-        futures.append(pool.submit(local.check_gpu, node, spec.slurm.gpus_per_node))
+        calls.start("gpu", node, lambda: local.check_gpu(node, spec.slurm.gpus_per_node, tool_s))
     if "disk" in checks:
-        futures.append(pool.submit(local.check_disk, node, output_dir, pf.min_disk_free_gb))
-    return futures
+        calls.start("disk", node, lambda: local.check_disk(node, output_dir, pf.min_disk_free_gb))
 
 
 def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None) -> Outcome:
@@ -92,8 +96,7 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
 
     mine: list[CheckResult] = []
     listener = server = None
-    pool = ThreadPoolExecutor(max_workers=4)
-    local_futures: list = []
+    calls = bounded.Calls()  # daemon threads: a check stuck in the kernel is reported, never waited for
     if leader:
         if "ports" in checks and ("no-listener", node) not in faults:
             listener, bad = ports.open_listener(node, port["test"])
@@ -101,32 +104,34 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
         if "iperf3" in checks:
             server, bad = iperf.start_server(node, port["iperf3"])
             mine += [bad] if bad else []
-        local_futures = _node_checks_local(pool, checks, node, spec, output_dir)
+        _start_local_checks(calls, checks, node, spec, output_dir)
     if rank == 0 and "ports" in checks:  # the rank that will host the rendezvous on MASTER_PORT
         mine.append(ports.check_master_port(node, dist.master_port, ports.ephemeral_range()))
 
     missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
     phase("connect")
+    checks_done = time.monotonic() + node_checks_s(timeout_s)  # the same bound on every node
     try:
         if leader:
-            net = []
             if "ports" in checks:
-                net.append(pool.submit(ports.check_ports, node, nodes, port["test"], nodes[0]))
+                calls.start("ports", node, lambda: ports.check_ports(node, nodes, port["test"], nodes[0]))
             if "iperf3" in checks:
-                net.append(pool.submit(lambda: [iperf.measure(node, iperf.ring_target(node, nodes), port["iperf3"], pf.min_iperf3_gbps)]))
+                target = iperf.ring_target(node, nodes)
+                calls.start("iperf3", f"{node}->{target}", lambda: [iperf.measure(node, target, port["iperf3"], pf.min_iperf3_gbps)])
             if "sharedfs" in checks:
                 nonce = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
-                mine += local.read_nonce(node, sharedfs_file, nonce) if nonce else [
-                    CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log")]
-            for f in net + local_futures:
-                mine += f.result()
-        coord.barrier("network-done", time.monotonic() + timeout_s)
+                if nonce:
+                    calls.start("sharedfs", node, lambda: local.read_nonce(node, sharedfs_file, nonce))
+                else:
+                    mine.append(CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log"))
+            mine += calls.collect(checks_done)
+        # everyone waits for the slowest node's bounded checks, then a timeout more for a rank that is late
+        coord.barrier("network-done", checks_done + timeout_s)
         phase("node_checks")
     finally:
         if listener:
             listener.close()
         iperf.stop_server(server)
-        pool.shutdown(wait=False)
     if leader:
         coord.put(f"node-results/{node}", [r.to_json() for r in mine])
 
@@ -161,6 +166,7 @@ def _gather(coord: Coordinator, checks: list[str], nodes: list[str], world: int,
         views, missing = coord.gather("allreduce", list(range(world)), deadline)
         progress, _ = coord.gather("ar-progress", list(range(world)), time.monotonic())
         results += allreduce.judge({int(k): v for k, v in views.items()}, missing, rank_nodes, min_busbw, timeout_s, progress)
+        results += allreduce.unreleased({int(k): v for k, v in views.items()}, rank_nodes)
     try:
         sharedfs_file.unlink()
     except OSError:
