@@ -69,7 +69,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     banner.print_banner(dist, spec, out_dir, mode, shown)
 
     if spec.preflight.checks or mode == "preflight":
-        if not _preflight(dist, spec, out_dir, mode, log):
+        if not _preflight(dist, spec, out_dir, mode, log, ds_config):
             return PreflightFailed.exit_code
         if mode == "preflight":
             return 0
@@ -118,13 +118,13 @@ def _resume_point(out_dir: str, log) -> str | None:
     return f"the newest verified, chosen by rank 0 at train start (newest here: {listed[0]})" if listed else None
 
 
-def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
+def _preflight(dist, spec, out_dir: str, mode: str, log, ds_config=None) -> bool:
     try:
         from ..preflight import gate
     except ImportError:
         log.info("preflight module not installed: skipping preflight checks")
         return True
-    return bool(gate(dist, spec, out_dir, mode))
+    return bool(gate(dist, spec, out_dir, mode, ds_config))
 
 
 def check_master_port(dist, log) -> None:

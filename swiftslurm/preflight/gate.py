@@ -35,8 +35,9 @@ def checks_for(spec: Any, mode: str) -> list[str]:
     return checks
 
 
-def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
-    """True to go on training. ``mode`` is "train" (on_failure applies) or "preflight" (report only)."""
+def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train", ds_config: dict | None = None) -> bool:
+    """True to go on training. ``mode`` is "train" (on_failure applies) or "preflight" (report only).
+    ``ds_config``: the task's DeepSpeed config (the nvme check tests its NVMe offload path)."""
     checks = checks_for(spec, mode)
     if not checks:
         return True
@@ -45,7 +46,7 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
         import os
 
         # [env] reaches os.environ through the launcher; read it from the spec too (test hooks live there)
-        outcome = run_checks(dist, spec, output_dir, checks, env={**os.environ, **spec.env})
+        outcome = run_checks(dist, spec, output_dir, checks, env={**os.environ, **spec.env}, ds_config=ds_config)
     except CoordinationError as exc:
         print(f"swiftslurm preflight: rank {dist.rank} on {dist.node}: {exc}", file=sys.stderr, flush=True)
         return False

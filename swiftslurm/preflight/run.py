@@ -51,18 +51,27 @@ def node_checks_s(timeout_s: float) -> float:
     return timeout_s + bounded.TERM_GRACE_S + bounded.KILL_WAIT_S + 1
 
 
-def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str) -> None:
+def node_checks_budget(pf: Any, checks: list[str]) -> float:
+    """The node checks' bound for a [preflight] table: the iperf3 run itself is on top of timeout_s (pure)."""
+    return node_checks_s(float(pf.timeout_s)) + (pf.iperf3_duration_s + iperf.CLIENT_GRACE_S if "iperf3" in checks else 0)
+
+
+def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str, ds_config: dict | None,
+                        env: Any) -> None:
     pf = spec.preflight
     tool_s = float(pf.timeout_s)
     if "nvme" in checks:
-        calls.start("nvme", node, lambda: local.check_nvme(node, pf.nvme_path, pf.min_nvme_iops, tool_s))
+        path = pf.nvme_path or local.nvme_target(ds_config, output_dir)[0]
+        floor, binding = pf.nvme_floor
+        calls.start("nvme", node, lambda: local.check_nvme(node, path, floor, tool_s, binding))
     if "gpu" in checks:
-        calls.start("gpu", node, lambda: local.check_gpu(node, spec.slurm.gpus_per_node, tool_s))
+        calls.start("gpu", node, lambda: local.check_gpu(node, spec.slurm.gpus_per_node, tool_s, dict(env)))
     if "disk" in checks:
         calls.start("disk", node, lambda: local.check_disk(node, output_dir, pf.min_disk_free_gb))
 
 
-def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None) -> Outcome:
+def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
+               ds_config: dict | None = None) -> Outcome:
     env = os.environ if env is None else env
     faults = parse_faults(env.get(FAULT_ENV, ""))
     pf = spec.preflight
@@ -95,29 +104,36 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
         coord.put("sharedfs/nonce", nonce)
 
     mine: list[CheckResult] = []
-    listener = server = None
+    listener = server = addr = None
+    iface = ""
     calls = bounded.Calls()  # daemon threads: a check stuck in the kernel is reported, never waited for
     if leader:
         if "ports" in checks and ("no-listener", node) not in faults:
             listener, bad = ports.open_listener(node, port["test"])
             mine += [bad] if bad else []
         if "iperf3" in checks:
-            server, bad = iperf.start_server(node, port["iperf3"])
+            addr, iface, bad = iperf.local_address(node, dict(env))
+            if addr is not None:
+                coord.put(f"iperf-addr/{node}", [addr, iface])  # before "ready": the client of this node reads it
+                server, bad = iperf.start_server(node, port["iperf3"], addr)
             mine += [bad] if bad else []
-        _start_local_checks(calls, checks, node, spec, output_dir)
+        _start_local_checks(calls, checks, node, spec, output_dir, ds_config, env)
     if rank == 0 and "ports" in checks:  # the rank that will host the rendezvous on MASTER_PORT
         mine.append(ports.check_master_port(node, dist.master_port, ports.ephemeral_range()))
 
     missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
     phase("connect")
-    checks_done = time.monotonic() + node_checks_s(timeout_s)  # the same bound on every node
+    checks_done = time.monotonic() + node_checks_budget(pf, checks)  # the same bound on every node
     try:
         if leader:
             if "ports" in checks:
                 calls.start("ports", node, lambda: ports.check_ports(node, nodes, port["test"], nodes[0]))
-            if "iperf3" in checks:
+            if "iperf3" in checks and addr is not None:
                 target = iperf.ring_target(node, nodes)
-                calls.start("iperf3", f"{node}->{target}", lambda: [iperf.measure(node, target, port["iperf3"], pf.min_iperf3_gbps)])
+                dst = coord.get(f"iperf-addr/{target}", time.monotonic() + 1.0) or [None, ""]
+                floor, binding = pf.iperf3_floor
+                calls.start("iperf3", f"{node}->{target}", lambda: [iperf.measure(
+                    node, target, port["iperf3"], floor, binding, pf.iperf3_streams, pf.iperf3_duration_s, addr, dst[0], iface)])
             if "sharedfs" in checks:
                 nonce = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
                 if nonce:
