@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import Problem, SpecError
-from .spec.load import JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
+from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
 
 PLAN_FILE = "swiftslurm-plan.json"
@@ -296,7 +296,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
                 problems += exc.problems
         task_spec = _resolve_paths(task_spec, base_dir)
         ds, warns = None, []
-        if not task_spec.train.command:
+        if task_spec.has_training and not task_spec.train.command:  # no [train]: no DeepSpeed either
             try:
                 ds, warns = dsconfig.build_for_spec(task_spec)
             except SpecError as exc:
@@ -311,6 +311,8 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             if w not in warnings:
                 warnings.append(w)
     _raise_collected(source, failing, len(combos))
+    if not spec.has_training:
+        warnings.append(NO_TRAIN_NOTE)
     return Plan(
         source=source,
         spec=spec,

@@ -232,14 +232,14 @@ def test_parse_iperf3():
 
 def test_iperf3_loopback_pass_and_threshold_above_loopback():
     port = free_port("127.0.0.2")
-    server, bad = iperf.start_server("node2", port)
+    server, bad = iperf.start_server("node2", port, "127.0.0.2")
     assert bad is None
     try:
         good = iperf.measure("node1", "node2", port, 0.5)
     finally:
         iperf.stop_server(server)
     assert good.ok and good.node == "node1->node2" and good.data["gbps"] > 0.5
-    server, _ = iperf.start_server("node2", port)
+    server, _ = iperf.start_server("node2", port, "127.0.0.2")
     try:
         slow = iperf.measure("node1", "node2", port, 100_000)
     finally:

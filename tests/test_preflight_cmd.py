@@ -21,8 +21,6 @@ tasks_per_node = {tasks}
 time = "00:05:00"
 signal_grace_s = 30
 {partition}
-[train]
-command = ["true"]
 [preflight]
 checks = ["ports", "allreduce", "iperf3", "nvme", "disk", "sharedfs"]
 min_iperf3_gbps = {iperf}

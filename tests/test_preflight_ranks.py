@@ -31,7 +31,7 @@ checks = ["ports", "allreduce", "iperf3", "nvme", "disk", "sharedfs", "gpu"]
 min_iperf3_gbps = {iperf}
 min_nvme_iops = {iops}
 nvme_path = "{out}"
-timeout_s = 30
+timeout_s = {preflight_timeout}
 {extra}
 """
 
@@ -48,11 +48,13 @@ def have_node_addresses() -> bool:
 pytestmark = pytest.mark.skipif(not have_node_addresses(), reason="needs node1..node4 -> 127.0.0.1-4 in /etc/hosts (tests/cluster/up.sh adds them)")
 
 
-def launch(tmp_path: Path, nodes=NODES, iperf=0.1, iops=100, extra="", env_by_rank=None, job_id=None, timeout_s=120):
+def launch(tmp_path: Path, nodes=NODES, iperf=0.1, iops=100, extra="", env_by_rank=None, job_id=None, timeout_s=120,
+           preflight_timeout=30, program=("-m", "swiftslurm.preflight"), args=()):
+    """Every rank runs ``python <program> SPEC OUT --mode train <args>``; (exit codes, report, outputs, wall)."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC.format(out=out, n=len(nodes), iperf=iperf, iops=iops, extra=extra))
+    spec.write_text(SPEC.format(out=out, n=len(nodes), iperf=iperf, iops=iops, extra=extra, preflight_timeout=preflight_timeout))
     # a job id above Slurm's MaxJobId: an exclude+requeue can never touch a real job; ports from the pid
     job_id = job_id or "99999999"
     master_port = str(20000 + zlib.crc32(str(tmp_path).encode()) % 40000)
@@ -63,7 +65,7 @@ def launch(tmp_path: Path, nodes=NODES, iperf=0.1, iops=100, extra="", env_by_ra
                    SLURM_JOB_NODELIST=",".join(nodes), SLURMD_NODENAME=node, SLURM_NODEID=str(r), SLURM_LOCALID="0", SLURM_STEP_ID="0",
                    SLURM_TASKS_PER_NODE=f"1(x{len(nodes)})", **((env_by_rank or {}).get(r, {})))
         env["MASTER_PORT"] = master_port
-        procs.append(subprocess.Popen([sys.executable, "-m", "swiftslurm.preflight", str(spec), str(out), "--mode", "train"],
+        procs.append(subprocess.Popen([sys.executable, *program, str(spec), str(out), "--mode", "train", *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     codes, logs = [], []
     for p in procs:

@@ -75,7 +75,7 @@ BROKEN = [
     ("malformed-toml", GOOD + "[train\n", "line"),
     ("unterminated-string", 'name = "abc\n', "line 1"),
     ("duplicate-key", GOOD + "[job]\nname='x'\n", "line"),
-    ("empty-file", "", "train.model"),
+    ("empty-train-table", "[train]\n", "train.model"),  # a [train] table is validated in full; no table at all is not (below)
     ("table-is-scalar", "train = 3\n", "train"),
 ]
 
@@ -252,3 +252,59 @@ def test_unknown_executor_is_a_usage_error(monkeypatch):
     monkeypatch.chdir(ROOT)
     r = CliRunner().invoke(app, ["submit", "examples/quickstart.toml", "--executor", "nope"])
     assert r.exit_code == 2 and "'nope' is not one of" in r.output
+
+
+# ------------------------------------------------------------------ a spec without [train] (preflight only)
+
+NO_TRAIN = """
+[job]
+name = "pf"
+output_dir = "out"
+[slurm]
+nodes = 2
+[preflight]
+checks = ["ports"]
+"""
+
+
+@pytest.mark.parametrize("text", [NO_TRAIN, ""], ids=["preflight-only", "empty-file"])
+def test_spec_without_train_validates_with_a_note_and_plans_no_deepspeed(in_tmp, text):
+    path = _write(in_tmp, "pf", text)
+    r = CliRunner().invoke(app, ["validate", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "no [train] table" in r.output and "submit" in r.output
+    r = CliRunner().invoke(app, ["plan", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert "train" not in data["spec"] and data["deepspeed"] == [None]
+    assert any("no [train] table" in w for w in data["warnings"])
+
+
+@pytest.mark.parametrize("command", [["submit", "--executor", "local"], ["render"]])
+def test_submit_and_render_refuse_a_spec_without_train(in_tmp, command):
+    path = _write(in_tmp, "pf", NO_TRAIN)
+    r = CliRunner().invoke(app, [*command, str(path)])
+    assert r.exit_code == 2, r.output
+    assert "no [train] table" in r.output and "swiftslurm preflight" in r.output and "Traceback" not in r.output
+    assert not (in_tmp / "out").exists()  # nothing written, nothing sent
+
+
+def test_spec_without_train_survives_the_plan_file(in_tmp):
+    from swiftslurm.plan import read_plan_task, write_plan
+
+    spec = parse_spec(NO_TRAIN)
+    assert not spec.has_training and parse_spec(GOOD).has_training
+    plan = make_plan(spec, load_raw(_write(in_tmp, "pf", NO_TRAIN)), base_dir=str(in_tmp))
+    _, task, ds = read_plan_task(write_plan(plan), 0)
+    assert not task.spec.has_training and ds is None and task.spec.preflight.checks == ["ports"]
+
+
+def test_runtime_refuses_to_train_a_spec_without_train(in_tmp):
+    from swiftslurm.errors import RuntimeEnvError
+    from swiftslurm.node.runtime import run_task
+    from swiftslurm.plan import write_plan
+
+    spec = parse_spec(NO_TRAIN)
+    plan = make_plan(spec, load_raw(_write(in_tmp, "pf", NO_TRAIN)), base_dir=str(in_tmp))
+    with pytest.raises(RuntimeEnvError, match="no \\[train\\] table"):
+        run_task(str(write_plan(plan)), 0, mode="train")

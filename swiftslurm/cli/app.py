@@ -109,18 +109,21 @@ def guarded(fn):
     return wrapper
 
 
-def load_plan(spec_path: Path):
+def load_plan(spec_path: Path, training: bool = False):
     """Every check of a spec file, then its plan: the one first step of validate, plan, render, submit and preflight.
 
     Loading validates the spec and every sweep combination; ``make_plan(check_disk=True)`` checks each
     task's files and merges and checks its DeepSpeed config; rendering the sbatch script checks what
-    must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed.
+    must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed. ``training``
+    (submit, render): a spec without [train] is refused; validate, plan and preflight accept it with a note.
     """
     from ..plan import make_plan
     from ..slurm.render import render_all
-    from ..spec import load_raw, load_spec
+    from ..spec import load_raw, load_spec, require_training
 
     spec = load_spec(spec_path)
+    if training:
+        require_training(spec, str(spec_path))
     the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
     render_all(the_plan)  # every group's script: what goes on #SBATCH lines
     return the_plan
@@ -189,7 +192,7 @@ def render(
     """
     from ..slurm.render import render_all, render_sbatch, script_names
 
-    the_plan = load_plan(spec_path)
+    the_plan = load_plan(spec_path, training=True)
     limits = _limits(max_array_size)
     parts = the_plan.arrays(limits)
     if out is None:
@@ -235,7 +238,7 @@ def submit(
     """Submit the job (one job, or one sbatch array per allocation of a sweep); print job id(s) and where outputs go."""
     from .submit_cmd import submit_command
 
-    return submit_command(console, load_plan(spec_path), executor=executor.value, wait=wait)
+    return submit_command(console, load_plan(spec_path, training=True), executor=executor.value, wait=wait)
 
 
 @app.command()

@@ -84,6 +84,7 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     for t in plan.tasks:
         tr = t.spec.train
         what = " ".join(tr.command) if tr.command else f"{tr.train_type} {tr.model} ds={tr.deepspeed}"
+        what = what if t.spec.has_training else "- (no [train]: preflight only)"
         overrides = ", ".join(f"{k}={v}" for k, v in t.overrides.items()) or "-"
         table.add_row(str(t.index), Text(overrides), Text(t.output_dir), Text(what))  # Text: user strings, not markup
     console.print(table)

@@ -76,6 +76,8 @@ def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str, en
     """What the banner shows, as (label, value) rows (pure; ``env`` is the rank's environment)."""
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
+    if not spec.has_training:
+        what = "- (no [train]: preflight only)"
     return [
         ("job", f"{spec.job.name} {job} [{dist.executor}]"),
         ("nodes", f"{hostlist.collect_hostlist(list(dist.nodes))} ({dist.nnodes})"),
@@ -84,7 +86,7 @@ def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str, en
         ("gpus", ",".join(dist.gpus) if dist.gpus else "none (CPU, gloo)"),
         ("mode", mode),
         ("runs", what),
-        ("deepspeed", "-" if spec.train.command else spec.train.deepspeed),
+        ("deepspeed", spec.train.deepspeed if spec.has_training and not spec.train.command else "-"),
         ("resume from", resume),
         ("output", output_dir),
         *([("container", container_row(spec.container, env or {}))] if getattr(spec, "container", None) is not None else []),

@@ -49,6 +49,9 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
     spec = task.spec
+    if mode == "train" and not spec.has_training:
+        raise RuntimeEnvError("the plan's spec has no [train] table: nothing to train", plan_path,
+                              "add [train] to the spec and submit again; `swiftslurm preflight SPEC` runs a spec without it")
     distenv.check_spec_env(spec.env)
     # MASTER_ADDR/MASTER_PORT: the spec's [env] is the one explicit choice; inherited ones are ignored
     dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
@@ -66,7 +69,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     banner.print_banner(dist, spec, out_dir, mode, shown)
 
     if spec.preflight.checks or mode == "preflight":
-        if not _preflight(dist, spec, out_dir, mode, log):
+        if not _preflight(dist, spec, out_dir, mode, log, ds_config):
             return PreflightFailed.exit_code
         if mode == "preflight":
             return 0
@@ -115,13 +118,13 @@ def _resume_point(out_dir: str, log) -> str | None:
     return f"the newest verified, chosen by rank 0 at train start (newest here: {listed[0]})" if listed else None
 
 
-def _preflight(dist, spec, out_dir: str, mode: str, log) -> bool:
+def _preflight(dist, spec, out_dir: str, mode: str, log, ds_config=None) -> bool:
     try:
         from ..preflight import gate
     except ImportError:
         log.info("preflight module not installed: skipping preflight checks")
         return True
-    return bool(gate(dist, spec, out_dir, mode))
+    return bool(gate(dist, spec, out_dir, mode, ds_config))
 
 
 def check_master_port(dist, log) -> None:

@@ -48,7 +48,12 @@ def iterations(size: int, backend: str) -> int:
     return 10 if size <= 2**20 else 3
 
 
-def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: float, local_rank: int, fault: str, on_progress: Any) -> dict[str, Any]:
+class Abandoned(Exception):
+    """The watchdog gave up on this sweep: stop before touching the process group again."""
+
+
+def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: float, local_rank: int, fault: str, on_progress: Any,
+           abandoned: threading.Event) -> dict[str, Any]:
     import torch
     import torch.distributed as tdist
 
@@ -57,6 +62,9 @@ def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: floa
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if abandoned.is_set():  # init finished after the watchdog released the group: leave none behind
+        tdist.destroy_process_group()
+        raise Abandoned()
     group = tdist.group.WORLD
     sizes = GPU_SIZES if backend == "nccl" else CPU_SIZES
     out: dict[str, Any] = {"sizes": [], "algbw_gbps": [], "busbw_gbps": [], "backend": backend}
@@ -70,6 +78,8 @@ def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: floa
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: a rank dies mid-sweep
         if fault == "hang" and k == 1:
             time.sleep(10**6)  # test hook: a rank hangs mid-sweep
+        if abandoned.is_set():  # the watchdog gave up on this sweep: no more collectives on the released group
+            raise Abandoned()
         on_progress(k)  # "entered size k": a rank that stalls before a collective is the one the others wait for
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
         tdist.all_reduce(x, group=group)  # warm-up
@@ -89,18 +99,21 @@ def _sweep(rank: int, world_size: int, backend: str, store: Any, timeout_s: floa
 
 def run_allreduce(rank: int, world_size: int, backend: str, store: Any, timeout_s: float, local_rank: int = 0, fault: str = "",
                   on_progress: Any = lambda k: None) -> dict[str, Any]:
-    """This rank's view of the sweep: ``{"ok", "error", "sizes", "algbw_gbps", "busbw_gbps", "wall_s"}``.
+    """This rank's view of the sweep: ``{"ok", "error", "sizes", "algbw_gbps", "busbw_gbps", "wall_s", "released"}``.
 
-    The process group is destroyed afterwards when the sweep finished, so the trainer can init its own.
+    The preflight's process group is released afterwards whatever happened (finished, failed, or given up
+    on by the watchdog with a collective still hung in it), so the trainer inits a fresh one instead of
+    reusing a poisoned group; ``released`` says whether that worked.
     """
-    import torch.distributed as tdist
-
     box: dict[str, Any] = {}
+    abandoned = threading.Event()
     t0 = time.monotonic()
 
     def work() -> None:
         try:
-            box["result"] = _sweep(rank, world_size, backend, store, timeout_s, local_rank, fault, on_progress)
+            box["result"] = _sweep(rank, world_size, backend, store, timeout_s, local_rank, fault, on_progress, abandoned)
+        except Abandoned:
+            pass
         except Exception as exc:  # gloo: "Connection closed by peer", timeouts, NCCL errors
             box["error"] = short_error(exc)
 
@@ -109,20 +122,49 @@ def run_allreduce(rank: int, world_size: int, backend: str, store: Any, timeout_
     thread.join(timeout=timeout_s + 5)  # the watchdog
     wall = round(time.monotonic() - t0, 2)
     if thread.is_alive():
-        return {"ok": False, "error": f"all-reduce did not finish within {timeout_s:.0f} s (a peer is dead or hung)", "wall_s": wall}
-    if "error" in box:
-        _destroy(tdist)
-        return {"ok": False, "error": box["error"], "wall_s": wall}
-    _destroy(tdist)
-    return {"ok": True, "error": "", "wall_s": wall, **box["result"]}
+        abandoned.set()
+        view = {"ok": False, "error": f"all-reduce did not finish within {timeout_s:.0f} s (a peer is dead or hung)", "wall_s": wall}
+    elif "error" in box:
+        view = {"ok": False, "error": box["error"], "wall_s": wall}
+    else:
+        view = {"ok": True, "error": "", "wall_s": wall, **box["result"]}
+    view["released"] = release_process_group()
+    return view
 
 
-def _destroy(tdist: Any) -> None:
+RELEASE_WAIT_S = 10.0
+
+
+def release_process_group(wait_s: float = RELEASE_WAIT_S) -> bool:
+    """Destroy this process's default process group (NCCL communicators aborted first), bounded: True when
+    none is left. A collective still hung in it then fails, instead of the trainer inheriting the group."""
     try:
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-    except Exception:
-        pass
+        import torch.distributed as tdist
+    except ImportError:
+        return True
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return True
+
+    def destroy() -> None:
+        try:
+            if tdist.get_backend() == "nccl":
+                from torch.distributed import distributed_c10d
+
+                abort = getattr(distributed_c10d, "_abort_process_group", None)
+                if abort is not None:
+                    abort()
+        except Exception:
+            pass
+        try:
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+        except Exception:
+            pass
+
+    worker = threading.Thread(target=destroy, name="preflight-release-group", daemon=True)
+    worker.start()
+    worker.join(timeout=wait_s)
+    return not tdist.is_initialized()
 
 
 def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: list[str], min_busbw_gbps: float, timeout_s: float,
@@ -178,3 +220,19 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
     hint = "" if ok else "the collective is slower than required: check NCCL_DEBUG=INFO for the transport used (IB/RoCE vs sockets), NCCL_IB_HCA, NCCL_SOCKET_IFNAME"
     data = {"sizes": sizes, "algbw_gbps": algbw, "busbw_gbps": busbw, "backend": view.get("backend"), "world_size": n}
     return [CheckResult("allreduce", "all", ok, observed, expected, hint, data)]
+
+
+def unreleased(per_rank: dict[int, dict[str, Any]], rank_nodes: list[str]) -> list:
+    """A failed ``process-group`` result for each rank that could not release the preflight's group (pure).
+    Fatal whatever on_failure says (results.FATAL_CHECKS): training there would inherit a hung collective."""
+    from .results import CheckResult
+
+    out = []
+    for r, view in sorted(per_rank.items()):
+        if view.get("released") is False:
+            node = rank_nodes[r] if r < len(rank_nodes) else "?"
+            out.append(CheckResult(
+                "process-group", node, False, f"rank {r} on {node} could not destroy the preflight's process group (a collective is hung in it)",
+                "released before training", f"the trainer would inherit the hung group: resubmit; if it recurs, drain {node} (GPU or NIC fault?)",
+            ))
+    return out

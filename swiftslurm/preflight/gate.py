@@ -35,8 +35,9 @@ def checks_for(spec: Any, mode: str) -> list[str]:
     return checks
 
 
-def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
-    """True to go on training. ``mode`` is "train" (on_failure applies) or "preflight" (report only)."""
+def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train", ds_config: dict | None = None) -> bool:
+    """True to go on training. ``mode`` is "train" (on_failure applies) or "preflight" (report only).
+    ``ds_config``: the task's DeepSpeed config (the nvme check tests its NVMe offload path)."""
     checks = checks_for(spec, mode)
     if not checks:
         return True
@@ -45,7 +46,7 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
         import os
 
         # [env] reaches os.environ through the launcher; read it from the spec too (test hooks live there)
-        outcome = run_checks(dist, spec, output_dir, checks, env={**os.environ, **spec.env})
+        outcome = run_checks(dist, spec, output_dir, checks, env={**os.environ, **spec.env}, ds_config=ds_config)
     except CoordinationError as exc:
         print(f"swiftslurm preflight: rank {dist.rank} on {dist.node}: {exc}", file=sys.stderr, flush=True)
         return False
@@ -53,18 +54,40 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train") -> bool:
     if dist.rank != 0:
         if coord is None:
             return False
-        try:
-            d = coord.get("decision", time.monotonic() + spec.preflight.timeout_s + GATHER_GRACE_S)
-            excluding = bool(d and d.get("action") == "exclude")
-            if excluding:  # deaf to the requeue's SIGTERM before rank 0 may send it (it waits for this ack)
-                _ignore_term()
-            coord.put(f"ack/{dist.rank}", 1)  # rank 0 keeps the store up until everyone has the decision
-            if excluding:
-                _wait_for_exclusion(coord, dist.rank)
-        except CoordinationError:
-            d = None
-        return bool(d and d.get("proceed"))
+        return _fresh_group_for_training(_follow(coord, dist, spec), dist)
+    return _fresh_group_for_training(_lead(outcome, dist, spec, output_dir, mode, t0), dist)
 
+
+def _fresh_group_for_training(proceed: bool, dist: Any) -> bool:
+    """Training must init its own process group: never go on with the preflight's still alive in this
+    process (it may hold a hung collective). The all-reduce released it already; this is the last word."""
+    from .allreduce import release_process_group
+
+    if proceed and not release_process_group():
+        print(f"swiftslurm preflight: rank {dist.rank} on {dist.node}: the preflight's process group could not be released "
+              "(a collective is hung in it); not training on it", file=sys.stderr, flush=True)
+        return False
+    return proceed
+
+
+def _follow(coord: Any, dist: Any, spec: Any) -> bool:
+    """A rank other than 0: what rank 0 decided (False when it cannot be heard from in time)."""
+    try:
+        d = coord.get("decision", time.monotonic() + spec.preflight.timeout_s + GATHER_GRACE_S)
+        excluding = bool(d and d.get("action") == "exclude")
+        if excluding:  # deaf to the requeue's SIGTERM before rank 0 may send it (it waits for this ack)
+            _ignore_term()
+        coord.put(f"ack/{dist.rank}", 1)  # rank 0 keeps the store up until everyone has the decision
+        if excluding:
+            _wait_for_exclusion(coord, dist.rank)
+    except CoordinationError:
+        d = None
+    return bool(d and d.get("proceed"))
+
+
+def _lead(outcome: Any, dist: Any, spec: Any, output_dir: str, mode: str, t0: float) -> bool:
+    """Rank 0: decide, write the report, tell the other ranks, act on the decision."""
+    coord = outcome.coord
     decision = exclusion_allowed(decide(outcome.results, spec.preflight.on_failure, dist.nodes, mode), dist, spec)
     meta = {
         "job_id": dist.job_id, "mode": mode, "on_failure": spec.preflight.on_failure,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
+from . import bounded
 from .results import CheckResult, missing_tool, which
 
 FIO_RUNTIME_S = 3
@@ -51,8 +51,20 @@ def parse_fio_json(text: str) -> tuple[float | None, str]:
     return float(job["read"]["iops"]), ""
 
 
-def check_nvme(node: str, path: str, min_iops: int) -> list[CheckResult]:
-    expected = f">= {min_iops} IOPS (4k random read)"
+def nvme_target(ds_config: dict | None, output_dir: str) -> tuple[str, str]:
+    """(directory, why) the nvme check tests when preflight.nvme_path is unset (pure): the NVMe offload path of
+    the DeepSpeed config (what ZeRO-Infinity swaps to), else the checkpoint directory (what every save writes)."""
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme" and section.get("nvme_path"):
+            return str(section["nvme_path"]), f"the DeepSpeed {key} nvme_path"
+    return output_dir, "the checkpoint dir"
+
+
+def check_nvme(node: str, path: str, min_iops: int, timeout_s: float = FIO_RUNTIME_S + 60, binding: bool = True) -> list[CheckResult]:
+    """fio 4k random reads in ``path``; a miss of a floor that is not ``binding`` (the default one) only warns."""
+    expected = f">= {min_iops} IOPS (4k random read)" + ("" if binding else " (default floor: warns only)")
     if which("fio") is None:
         return [missing_tool("nvme", node, "fio")]
     if not Path(path).is_dir():
@@ -65,12 +77,13 @@ def check_nvme(node: str, path: str, min_iops: int) -> list[CheckResult]:
         "--output-format=json",
     ]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=FIO_RUNTIME_S + 60)
-        iops, err = parse_fio_json(proc.stdout)
-        if iops is None and proc.stderr.strip():
-            err += f" ({proc.stderr.strip()[:160]})"
-    except subprocess.TimeoutExpired:
-        iops, err = None, "fio did not finish in time"
+        proc = bounded.run(argv, timeout_s)
+        if proc.timed_out:
+            iops, err = None, proc.describe_timeout("fio", timeout_s)
+        else:
+            iops, err = parse_fio_json(proc.stdout)
+            if iops is None and proc.stderr.strip():
+                err += f" ({proc.stderr.strip()[:160]})"
     finally:
         try:
             target.unlink()
@@ -80,13 +93,36 @@ def check_nvme(node: str, path: str, min_iops: int) -> list[CheckResult]:
         return [CheckResult("nvme", node, False, f"fio failed on {path}: {err}", expected, "run the fio command by hand on this node; is the filesystem full or read-only?")]
     mode = "direct I/O" if direct else f"BUFFERED, O_DIRECT not supported here ({why}): page-cache speed, not the disk's"
     ok = iops >= min_iops
-    hint = "" if ok else f"{path} on {node} is slower than required: is it really the local NVMe? check `nvme smart-log`, or lower preflight.min_nvme_iops"
-    return [CheckResult("nvme", node, ok, f"{iops:,.0f} IOPS on {path} ({mode})", expected, hint, {"iops": round(iops), "direct": direct})]
+    hint = "" if ok else (f"{path} on {node} is slower than expected: is it really the local NVMe? check `nvme smart-log`; "
+                          + ("or lower preflight.min_nvme_iops" if binding else "set preflight.nvme_path to the local NVMe, or preflight.min_nvme_iops"))
+    return [CheckResult("nvme", node, ok, f"{iops:,.0f} IOPS on {path} ({mode})", expected, hint, {"iops": round(iops), "direct": direct},
+                        warn_only=not ok and not binding)]
 
 
 # ------------------------------------------------------------------ gpu
 
-NVSMI_QUERY = "index,name,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
+NVSMI_QUERY = "index,name,memory.total,memory.used,ecc.errors.uncorrected.volatile.total,uuid"
+GPU_ENV = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")  # the job's GPUs on this node, most specific first
+
+
+def job_gpu_ids(env: dict[str, str]) -> list[str] | None:
+    """The GPU indices or UUIDs this job was given on this node, None where nothing says (pure)."""
+    for name in GPU_ENV:
+        value = (env.get(name) or "").strip()
+        if value and value not in ("NoDevFiles", "void"):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    return None
+
+
+def own_gpus(gpus: list[dict], ids: list[str] | None) -> list[dict]:
+    """The rows of nvidia-smi that are this job's GPUs (pure). Matched by index or UUID; where none match but the
+    counts agree (cgroups show only the job's GPUs, renumbered), all rows are."""
+    if ids is None:
+        return gpus
+    mine = [g for g in gpus if g["index"] in ids or g.get("uuid") in ids]
+    if not mine and len(gpus) == len(ids):
+        return gpus
+    return mine
 
 
 def parse_nvidia_smi(text: str) -> list[dict]:
@@ -102,6 +138,7 @@ def parse_nvidia_smi(text: str) -> list[dict]:
             "memory_total_mib": int(parts[2]) if parts[2].isdigit() else None,
             "memory_used_mib": int(parts[3]) if parts[3].isdigit() else None,
             "ecc_uncorrected": int(ecc) if ecc.isdigit() else 0,
+            "uuid": parts[5] if len(parts) > 5 else "",
         })
     return gpus
 
@@ -123,18 +160,19 @@ def judge_gpus(node: str, gpus: list[dict], gpus_per_node: int) -> list[CheckRes
     return [CheckResult("gpu", node, True, observed, expected)]
 
 
-def check_gpu(node: str, gpus_per_node: int) -> list[CheckResult]:
+def check_gpu(node: str, gpus_per_node: int, timeout_s: float = 30, env: dict[str, str] | None = None) -> list[CheckResult]:
+    """nvidia-smi on this node, judged over the job's own GPUs only (``env``: where Slurm names them)."""
     if gpus_per_node == 0:
         return [CheckResult("gpu", node, True, "no GPUs expected (slurm.gpus_per_node = 0)", "none")]
     if which("nvidia-smi") is None:
         return [missing_tool("gpu", node, "nvidia-smi")]
-    try:
-        proc = subprocess.run(["nvidia-smi", f"--query-gpu={NVSMI_QUERY}", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return [CheckResult("gpu", node, False, "nvidia-smi hung for 30 s", f"{gpus_per_node} GPU(s)", "a hung nvidia-smi usually means a GPU fault: drain the node")]
+    proc = bounded.run(["nvidia-smi", f"--query-gpu={NVSMI_QUERY}", "--format=csv,noheader,nounits"], timeout_s)
+    if proc.timed_out:
+        return [CheckResult("gpu", node, False, proc.describe_timeout("nvidia-smi", timeout_s), f"{gpus_per_node} GPU(s)",
+                            "a hung nvidia-smi usually means a GPU fault (Xid in dmesg): drain the node")]
     if proc.returncode != 0:
         return [CheckResult("gpu", node, False, f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:160]}", f"{gpus_per_node} GPU(s)", "is the driver loaded? check `nvidia-smi` on this node")]
-    return judge_gpus(node, parse_nvidia_smi(proc.stdout), gpus_per_node)
+    return judge_gpus(node, own_gpus(parse_nvidia_smi(proc.stdout), job_gpu_ids(dict(os.environ) if env is None else env)), gpus_per_node)
 
 
 # ------------------------------------------------------------------ disk

@@ -8,10 +8,10 @@ MASTER_ADDR is reachable without touching MASTER_PORT, which the trainer binds l
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from . import bounded
 from .results import CheckResult, missing_tool, which
 
 NC_WAIT_S = 2
@@ -111,11 +111,8 @@ def probe(src: str, dst: str, port: int, is_master: bool = False) -> CheckResult
     """``nc -z -w 2 dst port`` from this node."""
     pair = f"{src}->{dst}"
     target = f"{dst}:{port}" + (" (MASTER_ADDR)" if is_master else "")
-    try:
-        proc = subprocess.run(["nc", "-z", "-w", str(NC_WAIT_S), dst, str(port)], capture_output=True, text=True, timeout=NC_WAIT_S + 3)
-        ok, detail = proc.returncode == 0, (proc.stderr or proc.stdout).strip()
-    except subprocess.TimeoutExpired:
-        ok, detail = False, "nc timed out"
+    proc = bounded.run(["nc", "-z", "-w", str(NC_WAIT_S), dst, str(port)], NC_WAIT_S + 3)
+    ok, detail = proc.returncode == 0, "nc timed out" if proc.timed_out else (proc.stderr or proc.stdout).strip()
     if ok:
         return CheckResult("ports", pair, True, f"{target} reachable", "reachable")
     return CheckResult(

@@ -24,8 +24,9 @@ def build_report(results: list[CheckResult], decision: Decision, meta: dict[str,
     return {
         "version": 1,
         **meta,
-        "ok": all(r.ok for r in results),
-        "failed": sum(not r.ok for r in results),
+        "ok": not any(r.blocking for r in results),
+        "failed": sum(r.blocking for r in results),
+        "warnings": sum(r.warn_only and not r.ok for r in results),
         "decision": decision.to_json(),
         "results": [r.to_json() for r in results],
         "busbw": sweep,
@@ -79,7 +80,7 @@ def results_table(results: list[dict[str, Any]], title: str = "preflight") -> An
     for col, style in (("check", "bold"), ("node", ""), ("", ""), ("observed", ""), ("expected", "dim"), ("hint", "yellow")):
         table.add_column(col, style=style or None, overflow="fold")
     for r in results:
-        mark = "[green]ok[/]" if r["ok"] else "[bold red]FAIL[/]"
+        mark = "[green]ok[/]" if r["ok"] else "[yellow]WARN[/]" if r.get("warn_only") else "[bold red]FAIL[/]"
         cells = (r["check"], r["node"], r["observed"], r.get("expected", ""), r.get("hint", "") if not r["ok"] else "")
         check, node, observed, expected, hint = (escape(str(c)) for c in cells)
         table.add_row(check, node, mark, observed, expected, hint)
@@ -92,7 +93,10 @@ def print_report(console: Any, report: dict[str, Any], title: str | None = None)
     console.print(results_table(report["results"], title or f"preflight: {', '.join(report.get('nodes', []))}"))
     d = report.get("decision", {})
     colour = "green" if report.get("ok") else "red"
-    console.print(f"[{colour}]{'all checks passed' if report.get('ok') else str(report.get('failed')) + ' check(s) failed'}[/]"
+    verdict = "all checks passed" if report.get("ok") else f"{report.get('failed')} check(s) failed"
+    if report.get("warnings"):
+        verdict += f", {report['warnings']} warning(s)"
+    console.print(f"[{colour}]{verdict}[/]"
                   f" - decision: {escape(d.get('action', '?'))}: {escape(d.get('reason', ''))}", highlight=False)
     if report.get("wall_s") is not None:
         console.print(f"preflight wall time {report['wall_s']:.1f} s", highlight=False)

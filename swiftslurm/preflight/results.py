@@ -31,13 +31,20 @@ class CheckResult:
     expected: str = ""
     hint: str = ""
     data: dict[str, Any] = field(default_factory=dict)  # numbers for plots/JSON (e.g. the busbw sweep)
+    warn_only: bool = False  # a miss of a floor the spec did not set: reported, never a reason to stop
+
+    @property
+    def blocking(self) -> bool:
+        """A failure that on_failure acts on (not a warning)."""
+        return not self.ok and not self.warn_only
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "CheckResult":
-        return cls(d["check"], d["node"], bool(d["ok"]), d["observed"], d.get("expected", ""), d.get("hint", ""), d.get("data") or {})
+        return cls(d["check"], d["node"], bool(d["ok"]), d["observed"], d.get("expected", ""), d.get("hint", ""), d.get("data") or {},
+                   bool(d.get("warn_only", False)))
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -66,7 +73,7 @@ def blamed_nodes(results: Iterable[CheckResult]) -> list[str]:
     single: set[str] = set()
     pair_score: Counter[str] = Counter()
     for r in results:
-        if r.ok:
+        if not r.blocking:
             continue
         names = r.nodes
         if len(names) == 1:
@@ -96,17 +103,31 @@ class Decision:
 
 
 def failed(results: Iterable[CheckResult]) -> list[CheckResult]:
-    return [r for r in results if not r.ok]
+    """The failures on_failure acts on (warnings left out)."""
+    return [r for r in results if r.blocking]
+
+
+def _summary(bad: list[CheckResult]) -> str:
+    return "; ".join(f"{r.check} {r.node}: {r.observed}" for r in bad[:6]) + (f"; (+{len(bad) - 6} more)" if len(bad) > 6 else "")
+
+
+FATAL_CHECKS = ("process-group",)  # failures no on_failure may train past
 
 
 def decide(results: list[CheckResult], on_failure: str, nodes: Iterable[str], mode: str = "train") -> Decision:
     """The gate's decision over the results (pure). ``nodes``: the job's allocation."""
     bad = failed(results)
     if not bad:
+        warned = [r for r in results if not r.ok]
+        if warned:
+            return Decision("warn", True, reason=f"{len(warned)} check(s) below a default floor, which only warns (set the "
+                            f"preflight.min_* key to make it binding): {_summary(warned)}")
         return Decision("continue", True, reason="all checks passed")
-    summary = "; ".join(f"{r.check} {r.node}: {r.observed}" for r in bad[:6]) + (f"; (+{len(bad) - 6} more)" if len(bad) > 6 else "")
+    summary = _summary(bad)
     if mode == "preflight":
         return Decision("abort", False, reason=f"{len(bad)} check(s) failed: {summary}")
+    if any(r.check in FATAL_CHECKS for r in bad):
+        return Decision("abort", False, reason=f"{len(bad)} check(s) failed, one that no on_failure trains past: {summary}")
     if on_failure == "warn":
         return Decision("warn", True, reason=f"{len(bad)} check(s) failed, training anyway (on_failure = 'warn'): {summary}")
     if on_failure == "exclude":

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import allreduce, iperf, local, ports
+from . import allreduce, bounded, iperf, local, ports
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
 
@@ -46,19 +45,33 @@ class Outcome:
     meta: dict[str, Any]
 
 
-def _node_checks_local(pool: ThreadPoolExecutor, checks: list[str], node: str, spec: Any, output_dir: str) -> list:
-    futures = []
+def node_checks_s(timeout_s: float) -> float:
+    """How long the node checks may take, from the "ready" barrier (pure): each tool is killed after
+    ``timeout_s``, then bounded.stop's grace; a check function still running after that is reported as hung."""
+    return timeout_s + bounded.TERM_GRACE_S + bounded.KILL_WAIT_S + 1
+
+
+def node_checks_budget(pf: Any, checks: list[str]) -> float:
+    """The node checks' bound for a [preflight] table: the iperf3 run itself is on top of timeout_s (pure)."""
+    return node_checks_s(float(pf.timeout_s)) + (pf.iperf3_duration_s + iperf.CLIENT_GRACE_S if "iperf3" in checks else 0)
+
+
+def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str, ds_config: dict | None,
+                        env: Any) -> None:
     pf = spec.preflight
+    tool_s = float(pf.timeout_s)
     if "nvme" in checks:
-        futures.append(pool.submit(local.check_nvme, node, pf.nvme_path, pf.min_nvme_iops))
+        path = pf.nvme_path or local.nvme_target(ds_config, output_dir)[0]
+        floor, binding = pf.nvme_floor
+        calls.start("nvme", node, lambda: local.check_nvme(node, path, floor, tool_s, binding))
     if "gpu" in checks:
-        futures.append(pool.submit(local.check_gpu, node, spec.slurm.gpus_per_node))
+        calls.start("gpu", node, lambda: local.check_gpu(node, spec.slurm.gpus_per_node, tool_s, dict(env)))
     if "disk" in checks:
-        futures.append(pool.submit(local.check_disk, node, output_dir, pf.min_disk_free_gb))
-    return futures
+        calls.start("disk", node, lambda: local.check_disk(node, output_dir, pf.min_disk_free_gb))
 
 
-def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None) -> Outcome:
+def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
+               ds_config: dict | None = None) -> Outcome:
     env = os.environ if env is None else env
     faults = parse_faults(env.get(FAULT_ENV, ""))
     pf = spec.preflight
@@ -91,42 +104,50 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
         coord.put("sharedfs/nonce", nonce)
 
     mine: list[CheckResult] = []
-    listener = server = None
-    pool = ThreadPoolExecutor(max_workers=4)
-    local_futures: list = []
+    listener = server = addr = None
+    iface = ""
+    calls = bounded.Calls()  # daemon threads: a check stuck in the kernel is reported, never waited for
     if leader:
         if "ports" in checks and ("no-listener", node) not in faults:
             listener, bad = ports.open_listener(node, port["test"])
             mine += [bad] if bad else []
         if "iperf3" in checks:
-            server, bad = iperf.start_server(node, port["iperf3"])
+            addr, iface, bad = iperf.local_address(node, dict(env))
+            if addr is not None:
+                coord.put(f"iperf-addr/{node}", [addr, iface])  # before "ready": the client of this node reads it
+                server, bad = iperf.start_server(node, port["iperf3"], addr)
             mine += [bad] if bad else []
-        local_futures = _node_checks_local(pool, checks, node, spec, output_dir)
+        _start_local_checks(calls, checks, node, spec, output_dir, ds_config, env)
     if rank == 0 and "ports" in checks:  # the rank that will host the rendezvous on MASTER_PORT
         mine.append(ports.check_master_port(node, dist.master_port, ports.ephemeral_range()))
 
     missing_ready = coord.barrier("ready", time.monotonic() + timeout_s)
     phase("connect")
+    checks_done = time.monotonic() + node_checks_budget(pf, checks)  # the same bound on every node
     try:
         if leader:
-            net = []
             if "ports" in checks:
-                net.append(pool.submit(ports.check_ports, node, nodes, port["test"], nodes[0]))
-            if "iperf3" in checks:
-                net.append(pool.submit(lambda: [iperf.measure(node, iperf.ring_target(node, nodes), port["iperf3"], pf.min_iperf3_gbps)]))
+                calls.start("ports", node, lambda: ports.check_ports(node, nodes, port["test"], nodes[0]))
+            if "iperf3" in checks and addr is not None:
+                target = iperf.ring_target(node, nodes)
+                dst = coord.get(f"iperf-addr/{target}", time.monotonic() + 1.0) or [None, ""]
+                floor, binding = pf.iperf3_floor
+                calls.start("iperf3", f"{node}->{target}", lambda: [iperf.measure(
+                    node, target, port["iperf3"], floor, binding, pf.iperf3_streams, pf.iperf3_duration_s, addr, dst[0], iface)])
             if "sharedfs" in checks:
                 nonce = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
-                mine += local.read_nonce(node, sharedfs_file, nonce) if nonce else [
-                    CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log")]
-            for f in net + local_futures:
-                mine += f.result()
-        coord.barrier("network-done", time.monotonic() + timeout_s)
+                if nonce:
+                    calls.start("sharedfs", node, lambda: local.read_nonce(node, sharedfs_file, nonce))
+                else:
+                    mine.append(CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log"))
+            mine += calls.collect(checks_done)
+        # everyone waits for the slowest node's bounded checks, then a timeout more for a rank that is late
+        coord.barrier("network-done", checks_done + timeout_s)
         phase("node_checks")
     finally:
         if listener:
             listener.close()
         iperf.stop_server(server)
-        pool.shutdown(wait=False)
     if leader:
         coord.put(f"node-results/{node}", [r.to_json() for r in mine])
 
@@ -161,6 +182,7 @@ def _gather(coord: Coordinator, checks: list[str], nodes: list[str], world: int,
         views, missing = coord.gather("allreduce", list(range(world)), deadline)
         progress, _ = coord.gather("ar-progress", list(range(world)), time.monotonic())
         results += allreduce.judge({int(k): v for k, v in views.items()}, missing, rank_nodes, min_busbw, timeout_s, progress)
+        results += allreduce.unreleased({int(k): v for k, v in views.items()}, rank_nodes)
     try:
         sharedfs_file.unlink()
     except OSError:

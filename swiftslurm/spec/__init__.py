@@ -8,6 +8,7 @@ May import only the base modules (``errors``, ``dsconfig``); everything downstre
 from .load import (
     CHECKS,
     MAX_SPEC_BYTES,
+    NO_TRAIN_NOTE,
     OWNED_SBATCH_OPTIONS,
     TINY_MODELS,
     CheckpointTable,
@@ -22,6 +23,7 @@ from .load import (
     load_spec,
     parse_spec,
     parse_toml,
+    require_training,
     sweep_key_path,
     time_limit_s,
     validate_spec,
@@ -30,5 +32,5 @@ from .load import (
 __all__ = [
     "CHECKS", "MAX_SPEC_BYTES", "OWNED_SBATCH_OPTIONS", "TINY_MODELS", "CheckpointTable", "JobSpec", "JobTable",
     "PreflightTable", "SlurmTable", "TrainTable", "time_limit_s", "apply_overrides", "check_files", "load_raw",
-    "load_spec", "parse_spec", "parse_toml", "sweep_key_path", "validate_spec",
+    "load_spec", "parse_spec", "parse_toml", "require_training", "sweep_key_path", "validate_spec", "NO_TRAIN_NOTE",
 ]

@@ -263,6 +263,19 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return parse_toml(Path(path).read_text("utf-8"), str(path))
 
 
+NO_TRAIN_NOTE = "no [train] table: a spec for `swiftslurm preflight` only; submit and render need [train] (model and dataset, or command)"
+
+
+def require_training(spec: JobSpec, source: str = "spec") -> None:
+    """``submit`` and ``render`` train: a spec without [train] (a preflight-only spec) is a SpecError there."""
+    if not spec.has_training:
+        raise SpecError(source, [Problem(
+            "train", "the spec has no [train] table, so there is nothing to train", "a preflight-only spec",
+            "add [train] with model and dataset (or command = [...] for your own script); "
+            "`swiftslurm preflight SPEC` runs this spec as it is",
+        )])
+
+
 def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -> None:
     """The disk-facing checks: datasets and a user DeepSpeed JSON exist and are readable."""
     from .. import dsconfig

@@ -12,7 +12,7 @@ from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # 
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
@@ -306,22 +306,39 @@ class CheckpointTable(_Table):
         return sorted(set(v))
 
 
+DEFAULT_MIN_IPERF3_GBPS = 20.0  # the floors used when the spec sets none: a miss only warns
+DEFAULT_MIN_NVME_IOPS = 50000
+
+
 class PreflightTable(_Table):
     checks: list[Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]] = Field(
         default_factory=lambda: ["ports", "allreduce", "iperf3", "nvme"]
     )
     min_allreduce_busbw_gbps: float = Field(0.0, ge=0, le=1_000_000)
-    min_iperf3_gbps: float = Field(20.0, ge=0, le=1_000_000)
-    min_nvme_iops: int = Field(50000, ge=0, le=MAX_COUNT)
+    # None: the default floor, which only warns; a value the user sets fails the check (and acts by on_failure)
+    min_iperf3_gbps: float | None = Field(None, ge=0, le=1_000_000)
+    min_nvme_iops: int | None = Field(None, ge=0, le=MAX_COUNT)
     min_disk_free_gb: float = Field(1.0, ge=0, le=1_000_000_000)
-    nvme_path: str = "/tmp"
+    iperf3_streams: int = Field(8, ge=1, le=128)
+    iperf3_duration_s: int = Field(3, ge=1, le=600)
+    nvme_path: str | None = None  # None: the NVMe offload path of the DeepSpeed config, else the checkpoint dir
     on_failure: Literal["abort", "warn", "exclude"] = "abort"
+    timeout_s: int = Field(60, ge=5, le=3600)
 
     @field_validator("nvme_path")
     @classmethod
-    def _nvme(cls, v: str) -> str:
-        return _path(v)
-    timeout_s: int = Field(60, ge=5, le=3600)
+    def _nvme(cls, v: str | None) -> str | None:
+        return None if v is None else _path(v)
+
+    @property
+    def iperf3_floor(self) -> tuple[float, bool]:
+        """(Gbit/s floor, binding): the user's value binds; the default only warns."""
+        return (DEFAULT_MIN_IPERF3_GBPS, False) if self.min_iperf3_gbps is None else (self.min_iperf3_gbps, True)
+
+    @property
+    def nvme_floor(self) -> tuple[int, bool]:
+        """(IOPS floor, binding), as ``iperf3_floor``."""
+        return (DEFAULT_MIN_NVME_IOPS, False) if self.min_nvme_iops is None else (self.min_nvme_iops, True)
 
 
 _MOUNT_RE = re.compile(r"^([^:,\n\r\x00]+):([^:,\n\r\x00]+)(?::([A-Za-z0-9_=+.-]+))?$")
@@ -387,7 +404,9 @@ class ContainerTable(_Table):
 class JobSpec(_Table):
     job: JobTable = Field(default_factory=JobTable)
     slurm: SlurmTable = Field(default_factory=SlurmTable)
-    train: TrainTable = Field(default_factory=TrainTable)
+    # No [train] table: an empty, unvalidated TrainTable (``has_training`` False), a spec for `swiftslurm preflight`
+    # only. A [train] table that is present is validated in full (model or command required).
+    train: TrainTable = Field(default_factory=TrainTable.model_construct)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     checkpoint: CheckpointTable = Field(default_factory=CheckpointTable)
     preflight: PreflightTable = Field(default_factory=PreflightTable)
@@ -430,3 +449,15 @@ class JobSpec(_Table):
     @property
     def world_size(self) -> int:
         return self.slurm.nodes * self.slurm.ranks_per_node
+
+    @property
+    def has_training(self) -> bool:
+        """Whether the spec has a [train] table (a validated one always names a model or a command)."""
+        return bool(self.train.command) or self.train.model is not None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.has_training:
+            data.pop("train", None)  # no [train] stays no [train] through the plan file (an empty one is invalid)
+        return data
