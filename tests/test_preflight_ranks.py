@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from swiftslurm.slurm.distenv import PORT_SLOTS
 from tests.test_preflight import path_without
 
 NODES = ["node1", "node2", "node3", "node4"]
@@ -55,16 +56,15 @@ def launch(tmp_path: Path, nodes=NODES, iperf=0.1, iops=100, extra="", env_by_ra
     out.mkdir(exist_ok=True)
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(out=out, n=len(nodes), iperf=iperf, iops=iops, extra=extra, preflight_timeout=preflight_timeout))
-    # a job id above Slurm's MaxJobId: an exclude+requeue can never touch a real job; ports from the pid
-    job_id = job_id or "99999999"
-    master_port = str(20000 + zlib.crc32(str(tmp_path).encode()) % 40000)
+    # a job id above Slurm's MaxJobId (an exclude+requeue can never touch a real job), one per test: the ports
+    # come from the job id (an inherited MASTER_PORT is ignored), so tests and runs side by side do not share them
+    job_id = job_id or str(99_000_000 + zlib.crc32(str(tmp_path).encode()) % PORT_SLOTS)
     procs = []
     t0 = time.monotonic()
     for r, node in enumerate(nodes):
         env = dict(os.environ, SLURM_JOB_ID=job_id, SLURM_PROCID=str(r), SLURM_NTASKS=str(len(nodes)),
                    SLURM_JOB_NODELIST=",".join(nodes), SLURMD_NODENAME=node, SLURM_NODEID=str(r), SLURM_LOCALID="0", SLURM_STEP_ID="0",
                    SLURM_TASKS_PER_NODE=f"1(x{len(nodes)})", **((env_by_rank or {}).get(r, {})))
-        env["MASTER_PORT"] = master_port
         procs.append(subprocess.Popen([sys.executable, *program, str(spec), str(out), "--mode", "train", *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     codes, logs = [], []
