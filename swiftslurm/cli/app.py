@@ -271,7 +271,7 @@ def logs(
     tail: Optional[int] = typer.Option(None, "--tail", min=0, help="Only the last N lines."),
     errors: bool = typer.Option(False, "--errors", "-E", help="Only tracebacks and error lines, each once, with the rank that printed it first."),
 ) -> int:
-    """The ranks' logs, interleaved by time with a [rank r node] prefix (Slurm and local jobs)."""
+    """The ranks' logs, interleaved by time with a "rank r node" prefix (Slurm and local jobs)."""
     from .watch_cmd import logs_command
 
     if rank is not None and node is not None:
