@@ -188,7 +188,8 @@ def wait_local_job(job, timeout_s: float) -> list:
         return job.results()
     finally:
         if not job.done():
-            job.cancel()
+            job.cancel()  # SIGINT to submitit's controller, which stops the ranks
+            job._process.wait(timeout=30)  # within this test (its traceback in this test's captured output)
 
 
 def submit_local(tmp: Path, plan: Path):
