@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import exit_threads_env, threads_at_exit
@@ -39,22 +40,22 @@ shut_down_distributed()
 """
 
 
-def run_ranks(tmp: Path, script: str, world: int = 2) -> list[subprocess.CompletedProcess]:
+def run_ranks(tmp: Path, script: str, world: int = 2, timeout_s: float = 60) -> list[subprocess.CompletedProcess]:
+    """``script`` as ``world`` gloo ranks on this machine, recording their threads at exit into ``tmp``."""
     (tmp / "rank.py").write_text(script)
-    env_common = {**exit_threads_env(tmp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                  "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(tmp / "rank.py")], cwd=ROOT, env={**os.environ, **env_common, "RANK": str(r)},
+    common = {**os.environ, **exit_threads_env(tmp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(tmp / "rank.py")], cwd=ROOT, env={**common, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    out = []
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            stdout, _ = p.communicate()
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
-    return out
+    deadline = time.monotonic() + timeout_s
+    try:  # one deadline for all ranks; a rank still running after it is killed
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
 
 
 def test_no_process_group_thread_outlives_shut_down_distributed(tmp_path):
