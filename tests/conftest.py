@@ -110,3 +110,26 @@ def wait_for_job(job_id: str, timeout_s: float, *, min_rows: int = 1, poll_s: fl
         if time.monotonic() >= deadline:
             raise TimeoutError(f"Slurm job {job_id} not finished after {timeout_s} s; last sacct rows: {rows}")
         time.sleep(poll_s)
+
+
+EXIT_THREADS_HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_threads")
+
+
+def exit_threads_env(record_dir) -> dict[str, str]:
+    """Env for ranks that record their threads at exit into record_dir (tests/exit_threads/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (EXIT_THREADS_HOOK, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "SWIFTSLURM_TEST_EXIT_THREADS": str(record_dir)}
+
+
+def threads_at_exit(record_dir) -> dict[int, list[str]]:
+    """rank -> names of the threads still running when that rank exited, less those that carry the main thread's
+    name (Python's own and OpenMP's: torch.distributed's C++ threads name themselves, e.g. pt_gloo_runloop)."""
+    import json
+    from pathlib import Path
+
+    found: dict[int, list[str]] = {}
+    for path in sorted(Path(record_dir).glob("rank*-*.json")):
+        record = json.loads(path.read_text())
+        rank = int(path.name[4:].split("-")[0])
+        found[rank] = [name for name in record["threads"] if name != record["main"]]
+    return found

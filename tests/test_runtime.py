@@ -165,23 +165,69 @@ def test_signals_reach_the_command(tmp_path, sig, code):
         assert records == []
 
 
-def test_submitit_local_executor_two_ranks_allreduce(tmp_path):
+def wait_local_job(job, timeout_s: float) -> list:
+    """The results of a submitit local job's ranks. Fails the test as soon as one rank has failed, with that
+    rank's error (its peers may wait out their rendezvous timeout for it: submitit stops no one), and on the
+    deadline with every rank's output; the job is cancelled either way."""
+    from submitit.core.utils import pickle_load
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not job.done():
+            for task in range(job.num_tasks):
+                paths = job.task(task).paths
+                if paths.result_pickle.exists() and paths.result_pickle.stat().st_size:
+                    outcome, value = pickle_load(paths.result_pickle)
+                    if outcome == "error":
+                        pytest.fail(f"rank {task} failed:\n{str(value)[-3000:]}")
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- rank {t}:\n{(job.task(t).stdout() or '')[-1500:]}{(job.task(t).stderr() or '')[-1500:]}"
+                                  for t in range(job.num_tasks))
+                pytest.fail(f"local job did not finish in {timeout_s:.0f} s\n{tails}")
+            time.sleep(0.5)
+        return job.results()
+    finally:
+        if not job.done():
+            job.cancel()  # SIGINT to submitit's controller, which stops the ranks
+            job._process.wait(timeout=30)  # within this test (its traceback in this test's captured output)
+
+
+def submit_local(tmp: Path, plan: Path):
     submitit = pytest.importorskip("submitit")
     from swiftslurm.node.runtime import run_task
 
-    plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2"))
-    executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))
+    executor = submitit.LocalExecutor(folder=str(tmp / "submitit"))
     executor.update_parameters(tasks_per_node=2, nodes=1, timeout_min=2)
-    job = executor.submit(run_task, str(plan), 0)
-    deadline = time.monotonic() + 90
-    while not job.done():
-        assert time.monotonic() < deadline, "local job did not finish in 90 s"
-        time.sleep(0.5)
-    assert job.results() == [0, 0]
+    return executor.submit(run_task, str(plan), 0)
+
+
+def test_submitit_local_executor_two_ranks_allreduce(tmp_path):
+    plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2"))
+    assert wait_local_job(submit_local(tmp_path, plan), 90) == [0, 0]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [r["sum"] for r in ranks] == [3.0, 3.0]
-    assert ranks[0]["MASTER_PORT"] == ranks[1]["MASTER_PORT"]
+    port = int(ranks[0]["MASTER_PORT"])
+    assert ranks[1]["MASTER_PORT"] == str(port) and not 32768 <= port <= 60999  # derived, outside the ephemeral range
     assert (tmp_path / "out" / "logs" / "rank-1.log").exists()
+
+
+def test_submitit_local_rank0_error_is_seen_at_once(tmp_path):
+    """A busy MASTER_PORT: rank 0 refuses before its rendezvous, and the test sees rank 0's error within seconds
+    (rank 1, waiting for that rendezvous, is cancelled), not a timeout that names no one."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        extra = f'[env]\nMASTER_ADDR = "127.0.0.1"\nMASTER_PORT = "{port}"\n'
+        plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2", extra=extra))
+        job = submit_local(tmp_path, plan)
+        started = time.monotonic()
+        with pytest.raises(pytest.fail.Exception, match=f"rank 0 failed:(.|\n)*MASTER_PORT is busy"):
+            wait_local_job(job, 90)
+    assert time.monotonic() - started < 45
+    assert not (tmp_path / "rank-1.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from conftest import exit_threads_env, threads_at_exit
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import launch
 
@@ -68,11 +70,17 @@ def quickstart_spec(tmp: Path, name: str, **train) -> tuple[str, Path]:
 
 
 def run(spec: str, out: Path, **kw) -> list[dict]:
-    procs = launch(spec, str(out), nprocs=2, timeout_s=400, **kw)
+    """Both ranks to completion; their results, rank 0's output, and the threads each rank left at exit."""
+    record_dir = Path(tempfile.mkdtemp(prefix="exit-threads-", dir=out.parent))
+    extra_env = {**kw.pop("extra_env", {}), **exit_threads_env(record_dir)}
+    procs = launch(spec, str(out), nprocs=2, timeout_s=400, extra_env=extra_env, **kw)
     for rank, p in enumerate(procs):
         assert p.returncode == 0, f"rank {rank} failed:\n{p.stdout[-6000:]}"
     results = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
     results[0]["stdout"] = procs[0].stdout
+    left = threads_at_exit(record_dir)
+    for rank, result in enumerate(results):
+        result["threads_at_exit"] = left.get(rank)
     return results
 
 
@@ -167,6 +175,14 @@ def test_walltime_stop_saves_on_every_rank_and_stops(stopped):
     assert all(record[f"{phase}_s"] >= 0 for phase in ck.savetime.PHASES) and record["commit_s"] >= 8
     hint = f"HINT: set slurm.signal_grace_s = {ck.savetime.suggested_grace_s(record['save_s'], record['step_s'])}"
     assert "more than slurm.signal_grace_s = 10 s allows" in results[0]["stdout"] and hint in results[0]["stdout"]
+
+
+def test_no_process_group_thread_outlives_a_run_that_ends_or_stops(demo, stopped):
+    """Every rank leaves its process groups before exit, after the last step and after a walltime save: a gloo
+    worker still running at interpreter exit can abort a rank that trained and saved fine (SIGABRT)."""
+    for results in (demo[0], stopped[0]):
+        assert [r["threads_at_exit"] for r in results] == [[], []]
+        assert "still running after shutdown" not in results[0]["stdout"]
 
 
 def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +160,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
 
     from . import kernels, nvme_swap, resume
     from .metrics import CommTimer, StepMeter, flops_per_token
+    from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
 
     transformers.set_seed(spec.train.seed)
@@ -215,34 +215,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
     trainer.accelerator.free_memory()
     del trainer, model
-    shut_down_distributed()
+    shut_down_distributed()  # no rank may abort at exit: train/shutdown.py says why
     return result
-
-
-def shut_down_distributed() -> None:
-    """After a successful run: every rank leaves together, then the process groups are destroyed (and gloo's
-    worker threads joined) while the interpreter is still alive.
-
-    A process that exits with a gloo group alive can abort: a worker thread still holds the last reference to
-    the finished last collective, whose tensors are Python objects; when it drops it during interpreter
-    finalization it must take the GIL, CPython ends the thread there, and the unwinding through a noexcept C++
-    frame calls std::terminate ("terminate called without an active exception", SIGABRT): a rank that trained
-    and saved fine fails its job step. Not called after an error: a peer may still be inside a collective.
-    """
-    import gc
-
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return
-    tdist.barrier()
-    gc.collect()  # the Trainer's reference cycles: the last Python references to the groups go now
-    dscomm = sys.modules.get("deepspeed.comm")
-    if dscomm is not None and dscomm.is_initialized():
-        dscomm.destroy_process_group()  # torch's destroy, and DeepSpeed's own references to the groups
-    else:
-        tdist.destroy_process_group()
-    gc.collect()
 
 
 def _zero_stage(ds_config: dict[str, Any]) -> int:
