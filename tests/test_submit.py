@@ -171,6 +171,11 @@ def test_sweep_is_one_sbatch_array_cli(tmp_path):
         seen.add((spec["train"]["learning_rate"], spec["train"]["seed"]))
     assert seen == {(1e-4, 1), (1e-4, 2), (2e-4, 1), (2e-4, 2)}
     assert sorted(r["SLURM_ARRAY_TASK_ID"] for r in ranks(tmp_path / "ranks")) == ["0", "1", "2", "3"]
+    from conftest import wait_for_job
+
+    # --wait may end on submitit's result files while slurmdbd still records the tasks' ends: status names
+    # the nodes from sacct, so give accounting its moment (what a user's later `status` sees)
+    wait_for_job(sub.slurm_job_ids[0], timeout_s=60, min_rows=4)
     status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
     assert [t["state"] for t in status["tasks"]] == ["COMPLETED"] * 4
     assert all(t["nodes"] for t in status["tasks"])
