@@ -131,6 +131,20 @@ def test_usr1_dumps_the_rank_stack(tmp_path):
     assert proc.returncode == 7  # still alive after the dump; the TERM ended the command
 
 
+def test_interrupted_rank_stops_its_command(tmp_path):
+    """Ctrl-C on a rank (KeyboardInterrupt while it waits) TERMs the user's command instead of orphaning it."""
+    plan = make_plan_file(tmp_path, command_spec(tmp_path, SIGNALLED, str(tmp_path)))
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(tmp_path / "ready", 30)
+        proc.send_signal(signal.SIGINT)  # to the rank only, not to its process group
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert (tmp_path / "got-SIGTERM").exists(), err[-2000:]
+    assert "stopping train.command" in err
+
+
 def test_spec_env_may_not_set_rank(tmp_path):
     plan = make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), extra='[env]\nRANK = "0"\n'))
     proc = run_cli("--plan", str(plan))

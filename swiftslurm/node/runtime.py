@@ -20,6 +20,7 @@ from ..slurm import distenv
 from ..errors import PreflightFailed, RuntimeEnvError
 
 POLL_S = 0.2
+STOP_GRACE_S = 10.0  # a command asked to stop (TERM) gets this long before KILL
 
 
 # ---------------------------------------------------------------- entry points
@@ -150,6 +151,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
     log_file = None
     if dist.rank != 0:
         log_file = open(banner.rank_log_path(out_dir, dist.rank), "ab")
+    proc = None
     try:
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
@@ -169,6 +171,16 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
                     proc.send_signal(signum)
                 else:
                     log.info("%s received (Slurm delivers it to the command too)", name)
+    except BaseException:  # Ctrl-C, a failed wait, ...: never leave the command running without its rank
+        if proc is not None and proc.poll() is None:
+            log.warning("stopping train.command pid %d: this rank is exiting", proc.pid)
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
     finally:
         if log_file:
             log_file.close()
