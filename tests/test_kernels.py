@@ -7,20 +7,23 @@ import pytest
 
 from swiftslurm.errors import SwiftSlurmError
 from swiftslurm.spec import validate_spec
-from swiftslurm.train.kernels import KernelError, NodeFacts, resolve_attention, resolve_liger
+from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, resolve_attention, resolve_liger
 
 CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
 GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
 
 
-@pytest.mark.parametrize("node,packing,expected", [
-    (CPU, True, "sdpa"), (CPU, False, "sdpa"),
-    (GPU, True, "flex_attention"),  # packed rows have one static shape: flex compiles once
-    (GPU, False, "sdpa"),  # padded batches change shape every step: flex would recompile
-    (GPU_ALL, True, "flash_attention_2"), (NodeFacts(cuda=False, flash_attn=True), True, "sdpa"),
+@pytest.mark.parametrize("node,packing,row,expected", [
+    (CPU, True, 8192, "sdpa"), (CPU, False, 8192, "sdpa"),
+    (GPU, True, 8192, "flex_attention"),  # long packed rows of one static shape: flex skips the masked blocks
+    (GPU, True, FLEX_MIN_ROW, "flex_attention"), (GPU, True, FLEX_MIN_ROW - 1, "sdpa"),
+    (GPU, True, 2048, "sdpa"),  # short packed rows: sdpa with the packed-sequence mask measured faster on an H200
+    (GPU, False, 8192, "sdpa"),  # padded batches change shape every step: flex would recompile
+    (GPU_ALL, True, 2048, "flash_attention_2"), (NodeFacts(cuda=False, flash_attn=True), True, 8192, "sdpa"),
 ])
-def test_auto_attention(node, packing, expected):
-    assert resolve_attention("auto", packing, node)[0] == expected
+def test_auto_attention(node, packing, row, expected):
+    attn, why = resolve_attention("auto", packing, node, row)
+    assert attn == expected and why.startswith("auto")
 
 
 def test_explicit_attention_is_kept_or_refused_with_a_reason():

@@ -1,8 +1,10 @@
 """The baseline: a bare HF Trainer + DeepSpeed script (no swiftslurm runtime, callbacks, metrics or
 checkpoint commit) on the same model dir, the same encoded samples and the same DeepSpeed dict.
 
-torchrun --nproc_per_node=N bare_trainer.py --model DIR --data JSONL --ds DS.json --steps 30 --out DIR [--lora]
-Writes OUT/steps.jsonl (one row per step: step, time, loss) and OUT/summary.json (peak memory).
+torchrun --nproc_per_node=N bare_trainer.py --model DIR --data JSONL --ds DS.json --steps 30 --out DIR [--lora] [--hf-collator]
+Writes OUT/steps.jsonl (one row per step: step, time, loss, useful = this rank's non-padding tokens of
+the step) and OUT/summary.json (peak memory). ``--hf-collator``: HF's own dynamic padding
+(``DataCollatorForSeq2Seq``, pad to the longest sample of each micro-batch) instead of swiftslurm's.
 Data encoding reuses swiftslurm.train.data (the encoded token ids are then identical); everything
 that is timed is plain transformers + DeepSpeed.
 """
@@ -13,21 +15,37 @@ import os
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 from swiftslurm.train.data import Collator, load_dataset
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+class CountingTrainer(Trainer):
+    """Counts the non-padding tokens of every micro-batch it trains on (nothing else changes)."""
+
+    useful = 0
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        mask = inputs.get("attention_mask")
+        self.useful += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
 class StepLog(TrainerCallback):
     def __init__(self, path):
         self.path = path
+        self.trainer = None
+        self.seen = 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
+            useful = self.trainer.useful - self.seen if self.trainer else None
+            self.seen = self.trainer.useful if self.trainer else 0
             with open(self.path, "a") as fh:
-                fh.write(json.dumps({"step": state.global_step, "time": time.time(), "loss": logs["loss"]}) + "\n")
+                fh.write(json.dumps({"step": state.global_step, "time": time.time(), "loss": logs["loss"], "useful": useful}) + "\n")
 
 
 def main():
@@ -41,6 +59,7 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hf-collator", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     with open(a.ds) as fh:
@@ -58,8 +77,11 @@ def main():
         bf16=True, deepspeed=ds_config, report_to="none", remove_unused_columns=False, dataloader_num_workers=0,
         disable_tqdm=True, use_cpu=not torch.cuda.is_available(),  # CPU: a smoke run of this script only
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=Collator(tok.pad_token_id),
-                      callbacks=[StepLog(os.path.join(a.out, "steps.jsonl"))])
+    collator = (DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100) if a.hf_collator
+                else Collator(tok.pad_token_id))
+    log = StepLog(os.path.join(a.out, "steps.jsonl"))
+    trainer = CountingTrainer(model=model, args=args, train_dataset=data, data_collator=collator, callbacks=[log])
+    log.trainer = trainer
     trainer.train()
     if trainer.is_world_process_zero():
         with open(os.path.join(a.out, "summary.json"), "w") as fh:

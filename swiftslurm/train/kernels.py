@@ -1,11 +1,14 @@
 """Which attention kernel and whether Liger: ``train.attn_implementation`` and ``train.use_liger_kernel``.
 
 Pure decisions over what the node has (``cuda``, which packages import), so they are tested on
-plain values; ``node_facts()`` is the one place that looks. Measured on one H200 (docs/benchmarks.md,
-notes/deepspeed-and-gpu.md): packed fixed-size rows run 46k useful tokens/s with flex_attention and
-34k with sdpa; flex recompiles for every new shape, so it is only "auto"'s choice with packing (static
-shapes). flash-attention, where installed, reads packed rows from ``position_ids`` (one flattened row,
-see ``packing``). On the CPU sdpa is the fast correct one.
+plain values; ``node_facts()`` is the one place that looks. Measured on one H200 through ``swiftslurm submit``
+(docs/benchmarks.md, benchmarks/gpu/packing_e2e.py; 0.5B shape, alpaca-length samples): on packed rows of
+2048 tokens sdpa with the packed-sequence mask ran 48.8k useful tokens/s and flex_attention 43.4k (flex
+also lost 9% on unpacked full rows), so "auto" takes sdpa for rows up to ``FLEX_MIN_ROW`` tokens; on longer
+rows the block-diagonal mask leaves most of a row's attention to skip, which flex_attention does and sdpa
+does not, so it takes flex there (flex recompiles for every new shape: only with packing, whose rows have
+one static shape). flash-attention, where installed, reads packed rows from ``position_ids``. On the CPU
+sdpa is the fast correct one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from ..errors import SwiftSlurmError
 
 FLASH = ("flash_attention_2", "flash_attention_3")
+FLEX_MIN_ROW = 4096  # packed rows at least this long go to flex_attention under "auto" (see the docstring)
 FLASH_PACKAGE = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
@@ -41,15 +45,18 @@ def node_facts(cuda: bool) -> NodeFacts:
                      liger=has("liger_kernel"))
 
 
-def resolve_attention(requested: str, packing: bool, node: NodeFacts) -> tuple[str, str]:
-    """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible."""
+def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0) -> tuple[str, str]:
+    """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible.
+    ``row_length``: tokens per packed row (``train.max_length``)."""
     if requested == "auto":
         if not node.cuda:
             return "sdpa", "auto: sdpa on the CPU"
         if node.flash_attn:
             return "flash_attention_2", "auto: flash-attn is installed"
+        if packing and row_length >= FLEX_MIN_ROW:
+            return "flex_attention", f"auto: flex_attention for packed rows of {row_length} tokens (>= {FLEX_MIN_ROW})"
         if packing:
-            return "flex_attention", "auto: flex_attention for packed rows of one static shape"
+            return "sdpa", f"auto: sdpa with the packed-sequence mask for rows of {row_length} tokens (< {FLEX_MIN_ROW})"
         return "sdpa", "auto: sdpa (flex_attention would recompile for every padded batch shape)"
     if requested in FLASH:
         if not node.cuda:

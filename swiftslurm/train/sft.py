@@ -166,7 +166,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     node = kernels.node_facts(cuda)
-    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, spec.train.packing, node)
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, spec.train.packing, node,
+                                                 spec.train.max_length)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     args = training_arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it

@@ -1,0 +1,177 @@
+"""Alpaca-length data end to end (issue 19): swiftslurm with its defaults vs a bare HF Trainer + DeepSpeed
+with HF's default dynamic padding, and the same model on full rows, in the same run, one GPU.
+
+    source benchmarks/gpu/setup.sh
+    python3 benchmarks/gpu/packing_e2e.py --work /tmp/pk --out $OUT [--steps 60]
+    BENCH_CPU=1 .venv/bin/python benchmarks/gpu/packing_e2e.py --tiny --steps 6   # a smoke run of the driver on a CPU
+
+Arms (same model dir: the Qwen2.5-0.5B-shaped Llama of make_assets.py, bf16, ZeRO-2, no gradient
+checkpointing, AdamW, constant lr, the same DeepSpeed dict, which `swiftslurm plan` merged):
+- ``padded``: bare_trainer.py --hf-collator, micro-batch 8 samples, each padded to its batch's longest (sdpa);
+- ``swiftslurm``: ``swiftslurm submit --executor local --wait`` on a spec that sets only what the bare arm
+  sets too (model, data, zero2, bf16, lr, steps, micro-batch 4): packing, attention and kernels are the
+  defaults (rows of ``train.max_length`` = 2048 tokens, 4 rows per micro-batch);
+- ``full_rows``: bare_trainer.py on samples that each fill a whole 2048-token row, micro-batch 4 (no padding).
+
+The samples of ``padded`` and ``swiftslurm`` are the same file: alpaca-like records whose encoded lengths are
+log-normal (median ~220 tokens, capped at 2048). Throughput = useful (non-padding) tokens of steps
+``warmup+1..N`` over the wall time between the logs of step ``warmup`` and step N, the same for every arm.
+MFU = 6 x params x useful tokens/s / 989 TFLOP/s (H200 bf16 dense). Rows go to OUT/packing_e2e.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench import read_jsonl, record, sh  # noqa: E402
+
+H200_BF16_TFLOPS = 989.0
+# swiftslurm arms: what each sets in [train] beyond the common keys (the first is the defaults)
+VARIANTS = {
+    "swiftslurm": lambda assets: {},
+    "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
+    "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
+    "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
+    "swiftslurm_sdpa": lambda assets: {"attn_implementation": '"sdpa"'},  # packed-sequence mask through sdpa
+    "swiftslurm_full_rows": lambda assets: {"dataset": json.dumps([assets["data"]])},  # the full_rows data: our overhead
+}
+
+
+def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
+    """Records whose encoded length (byte-level tokenizer: ~1 token per character, plus the template's) is
+    log-normal with median ~220 and is capped by max_length at encoding time."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz     "
+    with open(path, "w") as fh:
+        for _ in range(n):
+            length = max(16, min(2100, int(rng.lognormvariate(5.4, 0.6))) - 30)
+            prompt = max(4, int(length * 0.3))
+            fh.write(json.dumps({"instruction": "".join(rng.choice(letters) for _ in range(prompt)), "input": "",
+                                 "output": "".join(rng.choice(letters) for _ in range(length - prompt))}) + "\n")
+
+
+def throughput(rows: list[dict], useful_key: str, warmup: int) -> dict:
+    rows = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
+    by_step = {r["step"]: r for r in rows}
+    last = max(by_step, default=0)
+    if warmup not in by_step or last <= warmup:
+        return {}
+    span = [by_step[s] for s in range(warmup + 1, last + 1) if s in by_step]
+    useful = sum(r.get(useful_key) or 0 for r in span)
+    wall = by_step[last]["time"] - by_step[warmup]["time"]
+    return {"steps": len(span), "useful_tokens": int(useful), "wall_s": round(wall, 2),
+            "useful_tokens_s": round(useful / wall) if wall > 0 else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/pk")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/pk-out"))
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=12000)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, {', '.join(VARIANTS)}")
+    a = ap.parse_args()
+    work, out = Path(a.work), Path(a.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    cpu = os.environ.get("BENCH_CPU") == "1"
+    if not (work / "assets.json").exists():
+        argv = [sys.executable, str(HERE / "make_assets.py"), str(work), "--samples", "512"] + (["--tiny"] if a.tiny else [])
+        res = subprocess.run(argv, capture_output=True, text=True, check=True)
+        (work / "assets.json").write_text(res.stdout.strip().splitlines()[-1])
+    assets = json.loads((work / "assets.json").read_text())
+    data = work / "alpaca_like.jsonl"
+    if not data.exists():
+        alpaca_like(data, a.samples)
+
+    from swiftslurm.train.data import load_dataset
+    from transformers import AutoTokenizer
+
+    lengths = load_dataset([str(data)], AutoTokenizer.from_pretrained(assets["model_dir"]), 2048).lengths()
+    record(out, {"what": "data", "samples": len(lengths), "median_tokens": statistics.median(lengths),
+                 "mean_tokens": round(statistics.mean(lengths), 1), "max_tokens": max(lengths)})
+
+    def write_spec(arm: str) -> tuple[Path, Path]:
+        train = {"model": json.dumps(assets["model_dir"]), "dataset": json.dumps([str(data)]), "train_type": '"full"',
+                 "deepspeed": '"zero2"', "bf16": "false" if cpu else "true", "gradient_checkpointing": "false",
+                 "per_device_train_batch_size": "4", "learning_rate": "1e-4", "lr_scheduler_type": '"constant"',
+                 "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": "1"}
+        train.update(VARIANTS[arm](assets))
+        run_dir = work / "runs" / arm
+        spec = work / f"{arm}.toml"
+        spec.write_text(f"""
+[job]
+name = "{arm}"
+output_dir = "{run_dir}"
+[slurm]
+{'tasks_per_node' if cpu else 'gpus_per_node'} = 1
+[train]
+""" + "".join(f"{k} = {v}\n" for k, v in train.items()) + """
+[checkpoint]
+forced_save_fractions = []
+[preflight]
+checks = []
+""")
+        return spec, run_dir
+
+    plan = json.loads(subprocess.run(["swiftslurm", "plan", str(write_spec("swiftslurm")[0]), "--json"], capture_output=True, text=True,
+                                     check=True).stdout)
+    params = assets["params"]
+    results: dict[str, dict] = {}
+    for arm in a.arms.split(","):
+        if arm in VARIANTS:
+            spec, run_dir = write_spec(arm)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            rc = sh(["swiftslurm", "submit", str(spec), "--executor", "local", "--wait"], out / f"pk_{arm}.log", timeout=1200)
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            res = throughput(rows, "useful_tokens", a.warmup)
+            peaks = [r["gpu_mem_peak_mb"] for r in rows if "gpu_mem_peak_mb" in r]
+            pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
+            res.update(rc=rc, peak_mb=round(max(peaks)) if peaks else None,
+                       padding_ratio=round(statistics.median(pads), 4) if pads else None,
+                       )
+            summary = run_dir / "train-summary.json"
+            if summary.exists():
+                res["attn"] = json.loads(summary.read_text()).get("attn_implementation")
+        else:
+            bare_dir = work / "bare" / arm
+            shutil.rmtree(bare_dir, ignore_errors=True)
+            micro = 8 if arm == "padded" else 4
+            ds = dict(plan["deepspeed"][0], train_micro_batch_size_per_gpu=micro, train_batch_size=micro, bf16={"enabled": True})
+            ds_json = work / f"ds_{arm}.json"
+            ds_json.write_text(json.dumps(ds))
+            argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trainer.py"), "--model", assets["model_dir"],
+                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", "2048"]
+            argv += (["--data", str(data), "--hf-collator"] if arm == "padded" else ["--data", assets["data"]]) + ["--micro", str(micro)]
+            rc = sh(argv, out / f"pk_{arm}.log", timeout=1200)
+            res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
+            summ = bare_dir / "summary.json"
+            peak = json.loads(summ.read_text()).get("gpu_mem_peak_mb") if summ.exists() else None
+            res.update(rc=rc, peak_mb=round(peak) if peak else None)
+        if res.get("useful_tokens_s"):
+            res["mfu"] = round(6 * params * res["useful_tokens_s"] / (H200_BF16_TFLOPS * 1e12), 4)
+        results[arm] = res
+        record(out, {"what": "packing_e2e", "arm": arm, **res})
+    ours = results.get("swiftslurm", {}).get("useful_tokens_s")
+    ratios = {}
+    for base in ("padded", "full_rows"):
+        theirs = results.get(base, {}).get("useful_tokens_s")
+        if ours and theirs:
+            ratios[f"swiftslurm_vs_{base}"] = round(ours / theirs, 3)
+    record(out, {"what": "packing_e2e_ratios", **ratios})
+
+
+if __name__ == "__main__":
+    main()
