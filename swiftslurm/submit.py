@@ -72,22 +72,8 @@ class TaskStatus:
     restarts: int = 0
     elapsed: str = ""
     output_dir: str = ""
-    checkpoint: str | None = None
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
-
-
-def newest_checkpoint(task_dir: str) -> str | None:
-    """The newest verified checkpoint of a task (None before the checkpoint module exists or saved one)."""
-    try:
-        from .checkpoint import newest_verified
-    except ImportError:
-        return None
-    try:
-        found = newest_verified(task_dir)
-    except (OSError, SwiftSlurmError):
-        return None
-    return str(found) if found else None
 
 
 def _last_save(task_dir: str) -> dict[str, Any] | None:
@@ -153,14 +139,12 @@ class Submission:
 
     # ---------------------------------------------------------------- status
 
-    def statuses(self, with_checkpoints: bool = False) -> list[TaskStatus]:
+    def statuses(self) -> list[TaskStatus]:
         rows = self._slurm_statuses() if self.executor == "slurm" else self._local_statuses()
         for row in rows:
             requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
             row.restarts = max(row.restarts, requeues)
             row.last_save = _last_save(row.output_dir)  # a small JSON: cheap
-            if with_checkpoints:
-                row.checkpoint = newest_checkpoint(row.output_dir)
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:

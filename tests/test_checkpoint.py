@@ -208,6 +208,18 @@ def test_damage_is_named_and_resume_falls_back(tmp_path, kind):
     assert "Traceback" not in cli.stderr and "newest checkpoint is damaged" in cli.stderr
 
 
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_structural_check_finds_all_but_content_changes(tmp_path, kind):
+    """verify(contents=False), what `status` shows: everything but a same-size content change, without hashing."""
+    damage, _ = DAMAGE[kind]
+    newest = make_checkpoint(tmp_path, 3)
+    assert ck.verify(newest, contents=False).ok
+    damage(newest)
+    quick = ck.verify(newest, contents=False)
+    assert quick.ok is (kind == "flipped byte"), quick.problems
+    assert not ck.verify(newest).ok
+
+
 def test_renamed_checkpoint_dir_is_caught(tmp_path):
     make_checkpoint(tmp_path, 2)
     os.rename(ck.final_dir(tmp_path, 2), ck.final_dir(tmp_path, 9))

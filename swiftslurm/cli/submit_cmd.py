@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -63,19 +63,15 @@ def _q(path: str) -> str:
     return shell_quote(path)
 
 
-def status_table(rows: list[TaskStatus], title: str = "", with_checkpoint: bool = False) -> Table:
+def status_table(rows: list[TaskStatus], title: str = "") -> Table:
     table = Table(title=title or None)
     for col in ("task", "job", "state", "node(s)", "restarts", "elapsed"):
         table.add_column(col, justify="right" if col in ("task", "restarts") else "left")
-    if with_checkpoint:
-        table.add_column("latest verified checkpoint")
     shown = rows if len(rows) <= MAX_ROWS else [r for r in rows if r.state != "COMPLETED"][:MAX_ROWS]
     for r in shown:
         style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
         state = escape(r.state)  # Slurm's words and paths are text, not markup
         cells = [str(r.task), escape(r.job_id), f"[{style}]{state}[/]" if style else state, escape(r.nodes or "-"), str(r.restarts), escape(r.elapsed or "-")]
-        if with_checkpoint:
-            cells.append(escape(str(PurePosixPath(r.checkpoint).name)) if r.checkpoint else "-")
         table.add_row(*cells)
     if len(shown) < len(rows):
         table.caption = counts_caption(rows)
