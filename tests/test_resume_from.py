@@ -3,6 +3,7 @@
   reference  the quickstart spec, 10 steps, checkpoints at 5 and 10
   new run    its own output dir, resume_from = reference/checkpoint-5: continues at step 6 with the reference's
              losses; a walltime stop at step 7, then the restart resumes from ITS OWN checkpoint-7, not resume_from
+  weights    resume_weights_only from reference/checkpoint-10: step 1 again, on the trained weights
   damaged    a resume_from whose shard was overwritten: every rank exits 5 naming the file, no traceback
   imported   a bare HF Trainer + DeepSpeed script's checkpoint-3 (swiftslurm import, then resume_from on the
              HF dir itself): continues at step 4 with the bare run's losses
@@ -75,6 +76,19 @@ def test_a_damaged_resume_from_is_refused_naming_the_file(reference):
         assert "train.resume_from is damaged" in p.stdout and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in p.stdout
         assert "checksum mismatch" in p.stdout and "Traceback" not in p.stdout
     assert not list(out.glob("checkpoint-*"))
+
+
+def test_weights_only_starts_at_step_1_from_the_trained_weights(reference):
+    ref, tmp = reference
+    spec, out = quickstart_spec(tmp, "weights", logging_steps=1, max_steps=2, save_steps=5,
+                                resume_from=str(ref / "checkpoint-10"), resume_weights_only=True)
+    results = run(spec, out, resume="newest")
+    assert [r["global_step"] for r in results] == [2, 2]
+    got, want = losses(out), losses(ref)
+    assert sorted(got) == [1, 2]  # step 0: a fresh optimizer, schedule and data order
+    # the same first batch as the reference's step 1 (fresh data order, same seed), on the weights of step 10
+    assert got[1] < 0.8 * want[1], (got, want)
+    assert ck.verify(out / "checkpoint-2").ok
 
 
 def bare_hf_run(out: Path, steps: int, save_steps: int) -> None:

@@ -50,7 +50,9 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     if resume_arg is not True:  # an explicit path from the local launcher, or None: as before
         found = resume.resolve(resume_arg, output_dir, rank, node)
         return Start(found, False, "explicit" if found else "")
-    own = resume.agreed_resume_point(output_dir, rank, node)
+    fallback = spec.train.resume_from is not None  # then "no checkpoint here: starting fresh" would be wrong
+    say = (lambda msg: None if msg.startswith("swiftslurm: no verified checkpoint") else print(msg)) if fallback else print
+    own = resume.agreed_resume_point(output_dir, rank, node, log=say)
     if own is not None or spec.train.resume_from is None:
         return Start(own, False, "own" if own else "")
     prepared: dict[str, Any] = {}
@@ -98,7 +100,7 @@ def prepare_source(src: str, output_dir: str, spec: Any, world_size: int) -> tup
                         "at step 0 (as train.resume_weights_only = true)", facts.kind)
             weights_only = True
     if not weights_only:
-        _check_world_size(chosen, world_size)
+        _check_fits(chosen, world_size)
     return chosen, weights_only
 
 
@@ -108,11 +110,16 @@ def _damaged(path: Path, problems: list[str]) -> CheckpointDamaged:
                              f"`swiftslurm verify {path}` lists every damaged file; point train.resume_from at a checkpoint that verifies")
 
 
-def _check_world_size(ckpt: Path, here: int) -> None:
-    """DeepSpeed's optimizer shards and the per-rank RNG states fit only the world size that wrote them."""
+def _check_fits(ckpt: Path, here: int) -> None:
+    """A full resume needs DeepSpeed's optimizer shards, and they and the per-rank RNG states fit only the world
+    size that wrote them."""
     manifest = ck.read_manifest(ckpt)
+    if not any(rel.startswith("global_step") for rel in manifest.files):
+        raise RuntimeEnvError(
+            "train.resume_from holds no DeepSpeed optimizer state to resume (written without DeepSpeed)", str(ckpt),
+            "set train.resume_weights_only = true to start from its weights with a fresh optimizer")
     written = manifest.meta.get("world_size")
-    if isinstance(written, int) and written != here and any(rel.startswith("global_step") for rel in manifest.files):
+    if isinstance(written, int) and written != here:
         raise RuntimeEnvError(
             f"train.resume_from was written by {written} data-parallel ranks; this run has {here}",
             str(ckpt),
