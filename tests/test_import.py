@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from swiftslurm import checkpoint as ck
 from swiftslurm.checkpoint.foreign import inspect_dir
 from swiftslurm.checkpoint.importer import ImportRefused, import_dir
-from swiftslurm.errors import CheckpointDamaged, RuntimeEnvError, SpecError
+from swiftslurm.errors import CheckpointDamaged, RuntimeEnvError, SpecError, SwiftSlurmError
 
 
 def hf_trainer_ckpt(root: Path, step: int = 4, ranks: int = 2, stage: int = 2, bf16: bool = True) -> Path:
@@ -175,3 +175,65 @@ def test_spec_keys_are_checked(tmp_path):
     assert problem.found == str(tmp_path / "runs/old/checkpoint-5")
     (tmp_path / "runs/old/checkpoint-5").mkdir(parents=True)
     check_files(spec, tmp_path)
+
+
+# ---------------------------------------------------------------- where a run starts (one rank, no process group)
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "checkpoints" / "v2" / "checkpoint-5"
+
+
+def start_of(tmp_path: Path, resume_from: Path, world_size: int = 2, weights_only: bool = False):
+    from swiftslurm.spec import parse_spec
+    from swiftslurm.train.resume_from import resolve_start
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "alpaca_demo.jsonl"
+    extra = f'resume_from = "{resume_from}"' + ("\nresume_weights_only = true" if weights_only else "")
+    spec = parse_spec(SPEC.format(data=data, extra=extra))
+    return resolve_start(True, spec, str(tmp_path / "new"), 0, "node0", world_size)
+
+
+def test_resume_from_is_verified_and_a_run_with_its_own_checkpoint_ignores_it(tmp_path):
+    import shutil
+
+    first = tmp_path / "first"
+    shutil.copytree(GOLDEN, first / "checkpoint-5")
+    start = start_of(tmp_path, first / "checkpoint-5")
+    assert (start.path, start.full_resume, start.source) == (str(first / "checkpoint-5"),) * 2 + ("resume_from",)
+    shutil.copytree(GOLDEN, first / "checkpoint-9")  # a run's output dir: its newest verified (9 is damaged)
+    (first / "checkpoint-9" / "trainer_state.json").write_text("{}")
+    assert start_of(tmp_path, first).path == str(first / "checkpoint-5")
+    with pytest.raises(SwiftSlurmError, match="written by 2 data-parallel ranks; this run has 4") as exc:
+        start_of(tmp_path, first / "checkpoint-5", world_size=4)
+    assert "train.resume_weights_only = true" in exc.value.hint
+    assert start_of(tmp_path, first / "checkpoint-5", world_size=4, weights_only=True).weights_only
+    shutil.copytree(GOLDEN, tmp_path / "new" / "checkpoint-7")  # a requeue: the run's own checkpoint wins
+    (tmp_path / "new" / "checkpoint-7" / "manifest.json").write_text(
+        (GOLDEN / "manifest.json").read_text())  # step 5 in checkpoint-7: damaged, so resume_from is used again
+    assert start_of(tmp_path, first / "checkpoint-5").source == "resume_from"
+    shutil.rmtree(tmp_path / "new" / "checkpoint-7")
+    shutil.copytree(GOLDEN, tmp_path / "new" / "checkpoint-5")
+    own = start_of(tmp_path, first / "checkpoint-9")  # even with a damaged resume_from: never looked at
+    assert (own.path, own.source) == (str(tmp_path / "new" / "checkpoint-5"), "own")
+
+
+def test_a_damaged_resume_from_is_exit_5_naming_the_file(tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad" / "checkpoint-5"
+    shutil.copytree(GOLDEN, bad)
+    (bad / "rng_state_1.pth").write_bytes(b"x" * 32)
+    with pytest.raises(SwiftSlurmError) as exc:
+        start_of(tmp_path, bad)
+    assert exc.value.exit_code == 5 and "rng_state_1.pth" in exc.value.found and "checksum mismatch" in exc.value.found
+
+
+def test_a_foreign_resume_from_is_imported_into_the_new_run(tmp_path):
+    src = hf_trainer_ckpt(tmp_path / "theirs")
+    start = start_of(tmp_path, src)
+    assert start.path == str(tmp_path / "new" / "resume-source" / "checkpoint-4") and not start.weights_only
+    assert ck.verify(start.path).ok and ck.list_checkpoints(tmp_path / "new") == []  # never the run's own resume point
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
+    assert start_of(tmp_path, model).weights_only  # a model dir holds no training state

@@ -30,7 +30,6 @@ from . import resume
 
 log = logging.getLogger("swiftslurm.train")
 IMPORT_DIR = "resume-source"  # under output_dir: not a checkpoint-N of the run, so never its own resume point
-_ERRORS = {cls.__name__: cls for cls in (CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError)}
 
 
 @dataclass(frozen=True)
@@ -55,22 +54,30 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     own = resume.agreed_resume_point(output_dir, rank, node, log=say)
     if own is not None or spec.train.resume_from is None:
         return Start(own, False, "own" if own else "")
-    prepared: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec, world_size)
-            prepared = {"path": str(path), "weights_only": weights_only}
-        except SwiftSlurmError as exc:  # every rank must stop with the same message, none may wait on rank 0
-            prepared = {"error": [type(exc).__name__, exc.what, exc.found, exc.hint]}
-        except OSError as exc:
-            prepared = {"error": ["CheckpointUnreadable", "cannot read train.resume_from", f"{spec.train.resume_from}: {exc}",
-                                  "check that every node sees it (a shared filesystem) and its permissions"]}
+    prepared = _prepare_on_rank_0(spec, output_dir, world_size) if rank == 0 else {}
     prepared = resume.exchange().broadcast(prepared)
     if "error" in prepared:
-        name, what, found, hint = prepared["error"]
-        raise _ERRORS.get(name, SwiftSlurmError)(what, found, hint)
+        code, what, found, hint = prepared["error"]
+        error = SwiftSlurmError(what, found, hint)
+        error.exit_code = code  # the same message and exit code on every rank (5 for damage)
+        raise error
     chosen = ck.agree_resume_point(output_dir, rank, node, resume.exchange(), lambda: Path(prepared["path"]), log.warning)
     return Start(str(chosen), bool(prepared["weights_only"]), "resume_from")
+
+
+def _prepare_on_rank_0(spec: Any, output_dir: str, world_size: int) -> dict[str, Any]:
+    """``prepare_source`` as a broadcastable verdict: the path, or the error every rank must raise alike."""
+    try:
+        path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec, world_size)
+        return {"path": str(path), "weights_only": weights_only}
+    except SwiftSlurmError as exc:  # every rank must stop with the same message, none may wait on rank 0
+        return {"error": [exc.exit_code, exc.what, exc.found, exc.hint]}
+    except OSError as exc:
+        return {"error": [CheckpointUnreadable.exit_code, "cannot read train.resume_from", f"{spec.train.resume_from}: {exc}",
+                          "check that every node sees it (a shared filesystem) and its permissions"]}
+    except Exception as exc:  # noqa: BLE001 - never leave the other ranks waiting in the broadcast
+        return {"error": [1, "could not prepare train.resume_from", f"{spec.train.resume_from}: {type(exc).__name__}: {exc}",
+                          "run `swiftslurm import PATH --into DIR` on it to see what it holds; report this with `--debug`"]}
 
 
 def prepare_source(src: str, output_dir: str, spec: Any, world_size: int) -> tuple[Path, bool]:
