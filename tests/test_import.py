@@ -237,3 +237,14 @@ def test_a_foreign_resume_from_is_imported_into_the_new_run(tmp_path):
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
     assert start_of(tmp_path, model).weights_only  # a model dir holds no training state
+
+
+def test_an_imported_checkpoint_resumes_with_a_warning_naming_its_origin(tmp_path, caplog):
+    import logging
+
+    from swiftslurm.checkpoint.fingerprint import check_spec_drift
+
+    _, final = import_dir(hf_trainer_ckpt(tmp_path / "theirs"), tmp_path / "ours")
+    with caplog.at_level(logging.WARNING):
+        check_spec_drift(final, spec=None, ds_config=None, log=logging.getLogger("t"))
+    assert "checkpoint-4 was imported (hf-trainer, written by another tool)" in caplog.text
