@@ -248,3 +248,28 @@ def test_an_imported_checkpoint_resumes_with_a_warning_naming_its_origin(tmp_pat
     with caplog.at_level(logging.WARNING):
         check_spec_drift(final, spec=None, ds_config=None, log=logging.getLogger("t"))
     assert "checkpoint-4 was imported (hf-trainer, written by another tool)" in caplog.text
+
+
+def test_an_adapter_loads_into_a_fresh_lora_model_and_a_misfit_is_one_error(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
+    from swiftslurm.train.weights import load_adapter, load_full
+
+    vocab = len(build_tokenizer())
+
+    def lora(seed, r=4):
+        torch.manual_seed(seed)
+        return get_peft_model(build_model(vocab, 128, seed=0), LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    trained = lora(1)
+    trained.save_pretrained(tmp_path / "adapter")
+    fresh = lora(2)
+    load_full(fresh, tmp_path / "adapter", "lora")  # adapter only: nothing for the base model
+    load_adapter(fresh, tmp_path / "adapter")
+    lora_weights = {k: v for k, v in trained.state_dict().items() if "lora_" in k}
+    assert lora_weights and all(torch.equal(v, fresh.state_dict()[k]) for k, v in lora_weights.items())
+    with pytest.raises(RuntimeEnvError, match="a LoRA adapter only"):
+        load_full(build_model(vocab, 128, seed=0), tmp_path / "adapter", "full")
+    with pytest.raises(RuntimeEnvError, match="does not fit this LoRA setup"):
+        load_adapter(lora(3, r=8), tmp_path / "adapter")
