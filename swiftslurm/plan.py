@@ -226,13 +226,15 @@ def _absolute(path: str, base: str) -> str:
 
 
 def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
-    """Relative dataset / deepspeed / model paths become absolute, so every node sees the same files."""
+    """Relative dataset / deepspeed / model / resume_from paths become absolute, so every node sees the same files."""
     train = spec.train
     updates: dict[str, Any] = {"dataset": [_absolute(d, base_dir) for d in train.dataset]}
     if train.deepspeed.endswith(".json") or "/" in train.deepspeed:
         updates["deepspeed"] = _absolute(train.deepspeed, base_dir)
     if train.model and train.model.startswith("."):
         updates["model"] = _absolute(train.model, base_dir)
+    if train.resume_from is not None:
+        updates["resume_from"] = _absolute(train.resume_from, base_dir)
     out = spec.model_copy(update={"train": train.model_copy(update=updates)})
     c = spec.container
     if c is not None:  # a relative local image or mount source means the same file on every node

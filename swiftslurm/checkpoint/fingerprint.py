@@ -109,7 +109,12 @@ def check_spec_drift(checkpoint: Path | str, spec: Any, ds_config: dict[str, Any
 
     Called by the trainer on the resume point all ranks agreed on; ``log`` is a ``logging.Logger``."""
     checkpoint = Path(checkpoint)
-    recorded = read_manifest(checkpoint).meta.get(META_KEY)
+    meta = read_manifest(checkpoint).meta
+    recorded = meta.get(META_KEY)
+    if not isinstance(recorded, dict) and isinstance(meta.get("source"), dict):
+        log.warning("%s was imported (%s, written by another tool): resuming without checking that it was trained "
+                    "with this spec", checkpoint.name, meta["source"].get("kind", "?"))
+        return
     if not isinstance(recorded, dict):
         log.warning("%s has no spec fingerprint (written by an older swiftslurm): resuming without checking "
                     "that it was trained with this spec", checkpoint.name)

@@ -2,12 +2,13 @@
 
 ``manifest.json`` (written last by ``commit``) looks like::
 
-    {"format": "swiftslurm-checkpoint/1", "algo": "xxh3_128", "step": 12,
+    {"format": "swiftslurm-checkpoint", "version": 2, "algo": "xxh3_128", "step": 12,
      "meta": {"world_size": 2, "seed": 42, "data_position": ..., "versions": {...}},
      "files": {"global_step12/mp_rank_00_model_states.pt": {"size": 123, "checksum": "9f..."}, ...},
      "body_checksum": "<sha256 of the canonical JSON of everything above>"}
 
 ``body_checksum`` lets ``verify`` tell an edited (or truncated) manifest from a damaged data file.
+``version`` is the schema version (``versions.py``: older ones load, a newer one is refused by number).
 Hashing is parallel over files (a thread pool: xxhash and hashlib release the GIL on large buffers).
 """
 
@@ -27,8 +28,9 @@ from typing import Any, Callable
 
 import xxhash
 
+from .versions import MANIFEST_VERSION, UnsupportedVersion, upgrade, version_of, writer_fields
+
 MANIFEST_NAME = "manifest.json"
-FORMAT = "swiftslurm-checkpoint/1"
 CHUNK_BYTES = 1 << 20  # 1 MiB reads: release the GIL, and stay in L2 cache between the copy and the hash (4 MiB was ~15% slower)
 
 # spec.checkpoint.checksum names -> the algorithm recorded in manifests. "xxh3" is XXH3-128.
@@ -190,13 +192,14 @@ class Manifest:
     algo: str
     files: dict[str, dict]
     meta: dict = field(default_factory=dict)
+    version: int = MANIFEST_VERSION  # the schema version it was read in (written: always MANIFEST_VERSION)
 
     @property
     def total_bytes(self) -> int:
         return sum(int(f["size"]) for f in self.files.values())
 
     def body(self) -> dict:
-        return {"format": FORMAT, "algo": self.algo, "step": self.step, "meta": self.meta, "files": self.files}
+        return {**writer_fields(), "algo": self.algo, "step": self.step, "meta": self.meta, "files": self.files}
 
     def to_json(self) -> str:
         body = self.body()
@@ -213,18 +216,23 @@ def parse_manifest(text: str) -> Manifest:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ManifestError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ManifestError(f"not a swiftslurm manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+    if not isinstance(data, dict):
+        raise ManifestError(f"not a swiftslurm manifest (a JSON {type(data).__name__}, not an object)")
+    try:
+        version = version_of(data)
+    except UnsupportedVersion as exc:
+        raise ManifestError(str(exc)) from None
     stated = data.pop("body_checksum", None)
     if stated is None:
         raise ManifestError("no body_checksum field")
     if body_checksum(data) != stated:
         raise ManifestError("edited or corrupted: its body checksum does not match")
+    data = upgrade(data, version)
     try:
         files = data["files"]
         for rel, entry in files.items():
             int(entry["size"]), str(entry["checksum"])
-        return Manifest(step=int(data["step"]), algo=algo_name(data["algo"]), files=files, meta=data.get("meta") or {})
+        return Manifest(step=int(data["step"]), algo=algo_name(data["algo"]), files=files, meta=data.get("meta") or {}, version=version)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ManifestError(f"malformed ({type(exc).__name__}: {exc})") from None
 

@@ -337,6 +337,20 @@ def verify(path: Path = typer.Argument(..., help="A checkpoint directory, or an 
     return verify_command(console, path)
 
 
+@app.command(name="import")
+@guarded
+def import_(
+    path: Path = typer.Argument(..., help="An HF Trainer checkpoint-N (with or without DeepSpeed), a model dir or a peft adapter dir."),
+    into: Path = typer.Option(..., "--into", help="Output dir to place it in, as checkpoint-<step>."),
+    as_json: bool = typer.Option(False, "--json", help="Print what it holds as JSON."),
+) -> int:
+    """Check a checkpoint we did not write (indexes, file sizes, shards of every rank), commit it under DIR with our
+    manifest, and say what it holds (step, world size, ZeRO stage, dtype). Exit 5 if damaged, 2 if not a checkpoint."""
+    from .import_cmd import import_command
+
+    return import_command(console, path, into, as_json)
+
+
 @app.command()
 @guarded
 def run(

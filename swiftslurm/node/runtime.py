@@ -65,7 +65,9 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     banner.enable_stack_dumps(dist, out_dir)
     log.info("%s", dist.summary())
 
-    resume = None if spec.train.command else _resume_point(out_dir, log)
+    resume = None if spec.train.command else _resume_point(out_dir, log) or (
+        f"train.resume_from = {spec.train.resume_from}{' (weights only)' if spec.train.resume_weights_only else ''}, "
+        "verified by rank 0 at train start" if spec.train.resume_from else None)
     shown = "- (train.command runs your own script)" if spec.train.command else (resume or "none (fresh start)")
     banner.print_banner(dist, spec, out_dir, mode, shown)
 

@@ -61,6 +61,8 @@ DESCRIPTIONS: dict[str, str] = {
     "train.dataset_num_proc": "processes that tokenize the dataset (once: the result is cached next to the checkpoints)",
     "train.dataloader_num_workers": "DataLoader worker processes per rank (0 = in the training process)",
     "train.dataloader_pin_memory": "pinned host memory for batches (GPU runs)",
+    "train.resume_from": "start this run (its own `output_dir`) from another checkpoint: a `checkpoint-N` of ours (verified first; a damaged one stops the run, exit 5), another run's output dir (its newest verified), or one we did not write (an HF Trainer + DeepSpeed `checkpoint-N`, a model dir, a peft adapter dir: imported on the fly). Restores weights, optimizer, scheduler, RNG and data position; a requeue of this run resumes from its own newest checkpoint. See docs/checkpoints.md",
+    "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a model or adapter dir)",
     "train.command": "run your own script instead of the built-in trainer, e.g. `[\"python\", \"train.py\"]`, with the same env, preflight and requeue",
     "checkpoint.keep": "verified checkpoints kept (at least 2)",
     "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",

@@ -291,6 +291,13 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
         p = Path(model) if Path(model).is_absolute() else base / model
         if not p.is_dir():
             problems.append(Problem("train.model", "local model directory not found", str(p), "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
+    if spec.train.resume_from is not None:
+        p = Path(spec.train.resume_from) if Path(spec.train.resume_from).is_absolute() else base / spec.train.resume_from
+        if not p.is_dir():
+            problems.append(Problem("train.resume_from", "checkpoint directory not found" if not p.exists() else "not a directory",
+                                    str(p), "a checkpoint-N directory of another run (or that run's output dir: its newest "
+                                    "verified checkpoint), an HF Trainer checkpoint-N, a model or a peft adapter directory; "
+                                    "relative paths start from the directory you run swiftslurm from"))
     ds = spec.train.deepspeed
     if ds.endswith(".json") or "/" in ds:
         p = Path(ds) if Path(ds).is_absolute() else base / ds

@@ -226,6 +226,8 @@ class TrainTable(_Table):
     dataset_num_proc: int = Field(1, ge=1, le=256)
     dataloader_num_workers: int = Field(0, ge=0, le=64)
     dataloader_pin_memory: bool = True
+    resume_from: str | None = None
+    resume_weights_only: bool = False
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -236,6 +238,11 @@ class TrainTable(_Table):
     @classmethod
     def _paths(cls, v: list[str]) -> list[str]:
         return [_path(item) for item in v]
+
+    @field_validator("resume_from")
+    @classmethod
+    def _resume_path(cls, v: str | None) -> str | None:
+        return None if v is None else _path(v)
 
     @field_validator("model")
     @classmethod
@@ -284,6 +291,11 @@ class TrainTable(_Table):
                 raise ValueError("train.model is required unless train.command runs your own script")
             if not self.dataset:
                 raise ValueError("train.dataset is required unless train.command runs your own script")
+        if self.resume_from is not None and self.command:
+            raise ValueError("train.resume_from starts the built-in trainer from a checkpoint; train.command runs your own "
+                             "script, which loads its own checkpoints: drop one of them")
+        if self.resume_weights_only and self.resume_from is None:
+            raise ValueError("train.resume_weights_only = true needs train.resume_from (the checkpoint whose weights to start from)")
         return self
 
     @property

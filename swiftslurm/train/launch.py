@@ -58,6 +58,7 @@ def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None,
 def _worker(spec_path: str, out: str, resume: str | None, stop_at_step: int | None) -> int:
     from ..slurm.distenv import DistEnv
     from ..dsconfig import build_for_spec
+    from ..errors import SwiftSlurmError
     from ..spec import load_spec
     from .sft import train
 
@@ -74,7 +75,11 @@ def _worker(spec_path: str, out: str, resume: str | None, stop_at_step: int | No
         calls["n"] += 1
         return bool(stop_at_step) and rank == 0 and calls["n"] >= stop_at_step
 
-    result = train(spec, dist, ds, out, True if resume == "newest" else resume, should_stop)
+    try:
+        result = train(spec, dist, ds, out, True if resume == "newest" else resume, should_stop)
+    except SwiftSlurmError as exc:  # as `swiftslurm run` does: one message and the SPEC.md exit code, no traceback
+        print(f"error: {exc.message()}", file=sys.stderr, flush=True)
+        return exc.exit_code
     Path(out, f"result-rank{rank}.json").write_text(json.dumps(dataclasses.asdict(result)))
     return 0
 

@@ -148,7 +148,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved.
 
     ``resume_from``: True = the newest verified checkpoint, chosen by rank 0 and checked by every rank
-    (``resume.resolve``); a path = that checkpoint (checked by every rank); None = a fresh start.
+    (``resume.resolve``), else ``train.resume_from`` (``resume_from.resolve_start``); a path = that checkpoint
+    (checked by every rank); None = a fresh start.
     """
     started = time.perf_counter()
     from ..checkpoint.fingerprint import check_spec_drift, training_fingerprint
@@ -158,7 +159,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     cuda = _prepare_device_env()
     import transformers
 
-    from . import kernels, nvme_swap, resume
+    from . import kernels, nvme_swap
+    from . import resume_from as resume_from_mod
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
@@ -171,15 +173,19 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     args = training_arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
-    resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
+    # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
+    start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node, dist.world_size)
+    resume_from = start.full_resume
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_spec_drift(resume_from, spec, planned_ds_config, log)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
     total_params = sum(p.numel() for p in model.parameters())
     if spec.train.train_type == "lora":
         model = _apply_lora(model, spec.train)
+        resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
         if spec.train.gradient_checkpointing:
             model.enable_input_require_grads()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
