@@ -15,18 +15,13 @@ from swiftslurm.preflight.coord import preflight_ports
 from swiftslurm.preflight.report import build_report, print_report, write_report
 from swiftslurm.preflight.results import CheckResult, blamed_nodes, decide
 from swiftslurm.preflight.run import parse_faults
+from swiftslurm.slurm.distenv import free_port
 
 NODES = ["node1", "node2", "node3", "node4"]
 
 
 def fail(check, node):
     return CheckResult(check, node, False, "bad", "good", "fix it")
-
-
-def free_port(addr="127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def path_without(tmp_path: Path, *tools: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm.preflight import bounded, local
+from swiftslurm.slurm.distenv import free_port
 
 STUCK = """#!/bin/sh
 trap '' TERM
@@ -119,22 +119,19 @@ needs_nodes = pytest.mark.skipif(not have_node_addresses(), reason="needs node1.
 @needs_nodes
 def test_stuck_fio_on_one_node_ends_bounded_naming_it(tmp_path):
     path, _ = fake_tool(tmp_path, "fio")
-    codes, report, logs, wall = launch(tmp_path, preflight_timeout=5, env_by_rank={1: {"PATH": path}})
+    # the bound is well above what the real fio of the other nodes needs (FIO_RUNTIME_S + laying out its
+    # file, several seconds on a busy 2-core machine): only the stuck one may run into it
+    bound = 4 * local.FIO_RUNTIME_S + 8
+    codes, report, logs, wall = launch(tmp_path, preflight_timeout=bound, env_by_rank={1: {"PATH": path}})
     assert codes == [4, 4, 4, 4], logs[0][-3000:]
     bad = failures(report)
     assert set(bad) == {("nvme", "node2")}, bad
-    assert "fio did not finish within 5 s" in bad[("nvme", "node2")]["observed"]
+    assert f"fio did not finish within {bound} s" in bad[("nvme", "node2")]["observed"]
     assert report["decision"]["action"] == "abort"
     assert wall < 90
 
 
 DRIVER = Path(__file__).with_name("preflight_fresh_group.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @needs_nodes
@@ -143,7 +140,7 @@ def test_training_after_a_hung_allreduce_gets_a_fresh_process_group(tmp_path):
     (rank 1's still had the hung sweep in it), and a new group across all ranks works."""
     codes, report, logs, _ = launch(
         tmp_path, preflight_timeout=5, extra='on_failure = "warn"', program=(str(DRIVER),),
-        args=(str(_port()),), env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "hang-allreduce@rank1"} for r in range(4)},
+        args=(str(free_port()),), env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "hang-allreduce@rank1"} for r in range(4)},
     )
     assert codes == [0, 0, 0, 0], "\n".join(log[-1500:] for log in logs)
     after = [json.loads(log.strip().splitlines()[-1]) for log in logs]

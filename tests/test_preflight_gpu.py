@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from swiftslurm.slurm.distenv import free_port
 
 torch = pytest.importorskip("torch")
 needs_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -39,9 +40,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 def test_nccl_allreduce_sweep_two_gpus():
     from swiftslurm.preflight.allreduce import GPU_SIZES, judge
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port)], env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]

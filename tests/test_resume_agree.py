@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.errors import CheckpointUnreadable
+from swiftslurm.slurm.distenv import free_port
 from test_checkpoint import make_checkpoint
 
 AGREE = """
@@ -35,12 +35,6 @@ except SwiftSlurmError as exc:
     print("ERROR " + exc.message(), flush=True)
 tdist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_ranks(out: Path, env: dict[str, str] | None = None, wrap_rank1: list[str] | None = None) -> list[str]:

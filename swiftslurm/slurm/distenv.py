@@ -8,7 +8,9 @@ here reads or writes ``os.environ``: the caller passes it in and applies the res
 
 from __future__ import annotations
 
+import random
 import re
+import socket
 import zlib
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,6 +29,9 @@ PORTS_PER_JOB = 4
 PORT_SLOTS = 4096
 PORT_SPAN = PORT_SLOTS * PORTS_PER_JOB  # master ports live in [16384, 32767]
 EPHEMERAL_DEFAULT = (32768, 60999)
+# Ports for processes that pick their own (the local launcher, tests): [8192, 16384), also below the
+# ephemeral range, so a port found free is not handed to an outgoing connection before its server binds it.
+FREE_PORT_RANGE = (8192, PORT_BASE)
 
 # Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them.
 PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "NNODES")
@@ -381,3 +386,20 @@ def child_env(
     out.update(dist_vars(dist))
     out.update(spec_env)
     return out
+
+
+def free_port(addr: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port on ``addr`` that nothing listens on now, from ``FREE_PORT_RANGE`` (never the kernel's
+    ephemeral range: binding port 0 returns one of those, which any outgoing connection may take before
+    the caller's server binds it)."""
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.randrange(*FREE_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeEnvError(f"no free TCP port on {addr}", f"{tries} random ports in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1] - 1} were taken",
+                          "free some, or check what holds them (ss -ltnp)")

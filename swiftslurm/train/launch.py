@@ -16,16 +16,11 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..slurm.distenv import free_port
 
 
 def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None, stop_at_step: int | None = None,
