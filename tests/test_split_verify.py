@@ -157,6 +157,44 @@ def test_a_rank_that_cannot_see_a_file_rank_0_saw_stops_every_rank_instead_of_fa
     assert got[0].message().startswith("rank 1 on node node2 cannot read the resume point checkpoint-3"), got[0].message()
 
 
+def test_a_file_of_its_share_another_rank_cannot_see_is_a_view_problem_not_damage(three, monkeypatch):
+    """Rank 1 does not see a file of its share (a stale node cache) that rank 0 saw: hashing it would call the
+    checkpoint damaged and every rank would silently resume an older step."""
+    import os as os_module
+
+    from swiftslurm.checkpoint import split
+
+    from swiftslurm.checkpoint.names import owner_rank
+
+    newest = ck.final_dir(three, 3)
+    hidden = newest / next(rel for rel in share_of(newest, 2)[1] if owner_rank(rel) == 0)  # not a file rank 1 loads
+    assert ck.readable_problem(newest, 1) is None
+    real_stat = os_module.stat
+
+    def stat_as_rank_1_sees(p, *a, **kw):
+        if Path(p) == hidden and threading.current_thread().name == "rank1":
+            raise FileNotFoundError(2, "No such file or directory", str(p))
+        return real_stat(p, *a, **kw)
+
+    monkeypatch.setattr(split.os, "stat", stat_as_rank_1_sees)
+    got: list = [None, None]
+    ex = ThreadExchange(2)
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = ck.verified_split(three, r, 2, f"node{r + 1}", ex.for_rank(r), None)
+        except CheckpointUnreadable as exc:
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(g, CheckpointUnreadable) for g in got), got
+    assert f"found: checkpoint-3/{hidden.relative_to(newest)}: missing" in got[0].message(), got[0].message()
+
+
 def test_rank_0_failing_to_list_is_one_error_on_every_rank(three, monkeypatch):
     from swiftslurm.checkpoint import split
 

@@ -18,6 +18,7 @@ The transport is an ``agree.Exchange``; this module never imports torch.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -46,7 +47,7 @@ def _check_share(path: Path, rank: int, plan: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     files = plan["files"]
     mine = shares({rel: int(e["size"]) for rel, e in files.items()}, plan["world"])[rank]
-    unseen = readable_problem(path, rank) if rank != 0 else None
+    unseen = (readable_problem(path, rank) or _share_unseen(path, mine, files)) if rank != 0 else None
     damage: list[str] = []
     if unseen is None and mine:
         try:
@@ -55,6 +56,23 @@ def _check_share(path: Path, rank: int, plan: dict[str, Any]) -> dict[str, Any]:
             damage = [f"rank {rank}: hashing its share failed: {type(exc).__name__}: {exc}"]
     return {"unseen": unseen, "damage": damage, "bytes": sum(int(files[r]["size"]) for r in mine),
             "seconds": time.perf_counter() - t0}
+
+
+def _share_unseen(path: Path, mine: list[str], files: dict[str, Any]) -> str | None:
+    """A file of this rank's share that rank 0 saw whole but this rank does not (missing, other size): a view
+    problem of this node, not damage, so not a reason to fall back to an older checkpoint."""
+    for rel in mine:
+        try:
+            size = os.stat(path / rel).st_size
+        except FileNotFoundError:
+            if not os.path.islink(path / rel):
+                return f"{path.name}/{rel}: missing"
+            continue  # a dangling symlink rank 0 would have seen too: hashing reports it
+        except OSError:
+            continue  # EIO, EACCES...: hashing names it as damage
+        if size != int(files[rel]["size"]):
+            return f"{path.name}/{rel}: size {size} bytes, manifest says {files[rel]['size']}"
+    return None
 
 
 def verified_split(
@@ -83,7 +101,7 @@ def verified_split(
         if rank == 0:
             try:
                 manifest, problems, to_hash = inspect(path)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait on this broadcast
                 manifest, problems, to_hash = None, [f"unreadable: {exc}"], []
             plan = {"problems": problems, "world": world, "algo": manifest.algo if manifest else "",
                     "files": {rel: manifest.files[rel] for rel in to_hash} if manifest else {}}
