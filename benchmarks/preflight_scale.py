@@ -13,7 +13,8 @@ node's local rank 0), the "network-done" barrier, node results, rank 0's gathers
 decision broadcast and every rank's acknowledgement. (ports and iperf3 bind per-node ports and need one
 address per node: not on one machine. ``--checks allreduce`` adds a gloo all-reduce, heavy at 256 ranks.)
 
-Reported per rank count: start-up (forking the ranks until every one is ready),
+Reported per rank count: start-up (forking the ranks until every one is ready), the slowest rank's
+TCPStore client connect (``Coordinator.connect``, timed by the benchmark: torch's own, see docs/benchmarks.md),
 coordination (go to the last rank through the gate), and rank 0's ``phase_s`` from report.json. Goal: coordination
 under 10 s at 256 ranks, growing no faster than linearly with ranks.
 """
@@ -53,6 +54,19 @@ def _child(rank_env_: dict[str, str], spec_path: str, out: str, go_fd: int, resu
     from swiftslurm.slurm import distenv
     from swiftslurm.spec import load_spec
 
+    from swiftslurm.preflight import coord as coord_module
+
+    real_connect = coord_module.Coordinator.connect.__func__
+    connect_s = [0.0]
+
+    def timed_connect(cls, *args, **kwargs):  # instrumentation: the TCPStore client's own connect time
+        t = time.monotonic()
+        try:
+            return real_connect(cls, *args, **kwargs)
+        finally:
+            connect_s[0] = time.monotonic() - t
+
+    coord_module.Coordinator.connect = classmethod(timed_connect)
     code = 1
     try:
         os.environ.clear()
@@ -66,7 +80,7 @@ def _child(rank_env_: dict[str, str], spec_path: str, out: str, go_fd: int, resu
         os.read(go_fd, 1)
         t0 = time.monotonic()
         ok = gate(dist, spec, out, mode="preflight")
-        os.write(result_fd, f"{dist.rank} {time.monotonic() - t0:.3f} {int(ok)}\n".encode())
+        os.write(result_fd, f"{dist.rank} {time.monotonic() - t0:.3f} {int(ok)} {connect_s[0]:.3f}\n".encode())
         code = 0
     finally:
         os._exit(code)
@@ -103,6 +117,7 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
         os.close(go_r)
         os.close(res_w)
         rank_s: list[float] = []
+        store_s: list[float] = []
         with os.fdopen(res_r) as results:
             for _ in range(ranks):  # every rank forked, its spec loaded, its rank derived
                 if results.readline().strip() != "ready":
@@ -112,6 +127,7 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
             os.write(go_w, b"g" * ranks)  # every rank reads one byte: all start at once
             for line in results:  # until every child closed its end (exited)
                 rank_s.append(float(line.split()[1]))
+                store_s.append(float(line.split()[3]))
                 if len(rank_s) == ranks:
                     break
             coordination = time.monotonic() - t_go  # the last rank through the gate (exits not counted)
@@ -123,7 +139,8 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
         report = json.loads((out / "preflight" / "report.json").read_text())
         failed = [r for r in report["results"] if not r["ok"]]
         return {"ranks": ranks, "nodes": ranks // per_node, "startup_s": round(startup, 2), "coordination_s": round(coordination, 2),
-                "slowest_rank_s": round(max(rank_s), 2), "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
+                "slowest_rank_s": round(max(rank_s), 2),
+                "store_connect_max_s": round(max(store_s), 2), "store_connect_median_s": round(sorted(store_s)[len(store_s) // 2], 3), "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
                 "failed": [f"{r['check']}@{r['node']}: {r['observed']}" for r in failed][:5]}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -144,11 +161,12 @@ def main() -> int:
     checks = [c for c in args.checks.split(",") if c]
     rows = []
     print(f"cpus={os.cpu_count()} ranks/node={args.ranks_per_node} checks={checks}")
-    print(f"{'ranks':>6}{'nodes':>6}{'start-up s':>12}{'coordination s':>16}  phase_s (rank 0)")
+    print(f"{'ranks':>6}{'nodes':>6}{'start-up s':>12}{'coordination s':>16}{'store connect max s':>21}  phase_s (rank 0)")
     for ranks in [int(x) for x in args.ranks.split(",")]:
         row = run_once(ranks, min(args.ranks_per_node, ranks), checks, args.timeout, args.dir)
         rows.append(row)
-        print(f"{row['ranks']:>6}{row['nodes']:>6}{row['startup_s']:>12.2f}{row['coordination_s']:>16.2f}  {json.dumps(row['phase_s'])}"
+        print(f"{row['ranks']:>6}{row['nodes']:>6}{row['startup_s']:>12.2f}{row['coordination_s']:>16.2f}"
+              f"{row['store_connect_max_s']:>21.2f}  {json.dumps(row['phase_s'])}"
               + (f"  FAILED: {row['failed']}" if row["failed"] else ""), flush=True)
     print(json.dumps({"rows": rows}))
     return 0
