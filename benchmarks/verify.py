@@ -11,6 +11,18 @@ Writes ``--gb`` GB of checkpoint-like files (``--files`` big shards plus a few s
 "read" is the same thread pool and chunked ``readinto`` loop as verify, without the hash. Reported:
 median seconds, GB/s, and verify/read ratios (the goal for xxh3 is <= 1.25x the warm read time).
 Everything it wrote is removed at the end.
+
+Multi-process mode (``--procs 1,2,4``), as ranks do it: for each N, N processes each write ``--gb`` GB of
+their own shards into one staging dir, meet at a barrier, and hash: first the files each wrote
+(``hash_own_files``, the save), then, after the commit, each its share of the whole checkpoint
+(``split.shares`` + ``verify.hash_problems``, the start-up check). Reported: the wall time of each hash
+phase (barrier to last process done) for N x G GB against N=1 hashing G GB; goal <= 1.3x (hashing
+scales with ranks, not with rank 0).
+
+    .venv/bin/python benchmarks/verify.py --procs 1,2,4,8,16 --gb 1 --workers 1 [--cold]
+
+``--workers`` is the hashing threads per process: 1 gives each rank one core, as on a node whose cores are
+shared by its ranks; with more threads than cores, N processes compete for the cores one process used.
 """
 
 from __future__ import annotations
@@ -83,15 +95,119 @@ def verify_ok(path: Path) -> None:
         raise SystemExit(f"benchmark checkpoint did not verify: {result.problems}")
 
 
+def _rank_proc(base: Path, rank: int, gb: float, files: int, barrier, results, cold: bool, workers: int) -> None:
+    """One rank: write its shards, then (between barriers) hash its own files, then its verify share."""
+    from swiftslurm.checkpoint.split import shares
+    from swiftslurm.checkpoint.verify import hash_problems
+
+    stage = ck.staging_dir(base, 1)
+    block = os.urandom(16 << 20)
+    per_file = int(gb * 1e9) // files
+    (stage / "global_step1").mkdir(parents=True, exist_ok=True)
+    for i in range(files):  # zero_pp_rank_<rank>_mp_rank_<i>: owned by this rank (names.owner_rank)
+        with open(stage / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_{i:02d}_optim_states.pt", "wb") as f:
+            f.write(rank.to_bytes(8, "little") + i.to_bytes(8, "little"))
+            left = per_file - 16
+            while left > 0:
+                f.write(block[: min(left, len(block))])
+                left -= len(block)
+    if cold:
+        drop_cache(stage / "global_step1")
+    barrier.wait()  # everything written
+    t0 = time.perf_counter()
+    own = ck.hash_own_files(stage, rank, "xxh3", workers=workers)
+    results[f"save{rank}"] = (time.perf_counter() - t0, sum(v["size"] for v in own.values()))
+    results[f"own{rank}"] = own
+    barrier.wait()  # hashes done: the parent commits
+    barrier.wait()  # committed: the start-up check
+    final = ck.final_dir(base, 1)
+    manifest = ck.read_manifest(final)
+    world = int(manifest.meta["world"])
+    mine = shares({rel: int(e["size"]) for rel, e in manifest.files.items()}, world)[rank]
+    if cold:
+        drop_cache(final / "global_step1")
+    barrier.wait()
+    t0 = time.perf_counter()
+    problems = hash_problems(final, manifest.algo, {rel: manifest.files[rel] for rel in mine}, workers=workers)
+    results[f"verify{rank}"] = (time.perf_counter() - t0, sum(int(manifest.files[r]["size"]) for r in mine), problems)
+    barrier.wait()
+
+
+def run_ranks(n: int, gb: float, files: int, workdir: str, cold: bool, workers: int) -> dict[str, float]:
+    """N rank processes writing and hashing N x ``gb`` GB; wall seconds of each hash phase."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    base = Path(tempfile.mkdtemp(prefix="swiftslurm-verify-ranks-", dir=workdir))
+    try:
+        ck.prepare_staging(base, 1)
+        barrier = ctx.Barrier(n + 1)
+        with ctx.Manager() as manager:
+            results = manager.dict()
+            procs = [ctx.Process(target=_rank_proc, args=(base, r, gb, files, barrier, results, cold, workers)) for r in range(n)]
+            for p in procs:
+                p.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            barrier.wait()
+            save_wall = time.perf_counter() - t0
+            hashes = {rel: v for r in range(n) for rel, v in results[f"own{r}"].items()}  # as the trainer gathers them
+            manifest = ck.commit(ck.staging_dir(base, 1), ck.final_dir(base, 1), algo="xxh3", meta={"world": n}, hashes=hashes)
+            barrier.wait()
+            barrier.wait()
+            t0 = time.perf_counter()
+            barrier.wait()
+            verify_wall = time.perf_counter() - t0
+            for p in procs:
+                p.join(60)
+            problems = [line for r in range(n) for line in results[f"verify{r}"][2]]
+            if problems:
+                raise SystemExit(f"benchmark checkpoint did not verify: {problems}")
+            return {"procs": n, "bytes": manifest.total_bytes, "save_hash_wall_s": save_wall, "verify_hash_wall_s": verify_wall,
+                    "save_hash_max_rank_s": max(results[f"save{r}"][0] for r in range(n)),
+                    "verify_hash_max_rank_s": max(results[f"verify{r}"][0] for r in range(n))}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main_ranks(args) -> int:
+    counts = [int(x) for x in args.procs.split(",")]
+    if 1 not in counts:
+        counts = [1, *counts]
+    rows = []
+    for n in counts:  # the median of --repeats runs of each count, metric by metric
+        runs = [run_ranks(n, args.gb, args.files_per_proc, args.dir, args.cold, args.workers) for _ in range(args.repeats)]
+        rows.append({key: statistics.median(run[key] for run in runs) for key in runs[0]})
+    base = rows[0]
+    print(f"{args.gb} GB per process in {args.files_per_proc} shards, {args.workers} hashing thread(s) per process, cpus={os.cpu_count()}, "
+          f"median of {args.repeats}, "
+          f"{'cold' if args.cold else 'warm'} page cache; hash-phase wall time vs 1 process hashing {args.gb} GB")
+    print(f"{'procs':>5}{'GB':>8}{'save hash s':>13}{'vs 1':>7}{'verify hash s':>15}{'vs 1':>7}")
+    for row in rows:
+        row["save_ratio"] = row["save_hash_wall_s"] / base["save_hash_wall_s"]
+        row["verify_ratio"] = row["verify_hash_wall_s"] / base["verify_hash_wall_s"]
+        print(f"{row['procs']:>5}{row['bytes'] / 1e9:>8.2f}{row['save_hash_wall_s']:>13.3f}{row['save_ratio']:>6.2f}x"
+              f"{row['verify_hash_wall_s']:>15.3f}{row['verify_ratio']:>6.2f}x")
+    worst = max(max(r["save_ratio"], r["verify_ratio"]) for r in rows)
+    print(f"worst ratio {worst:.2f}x -> goal <= 1.3x {'met' if worst <= 1.3 else 'NOT met'}")
+    print(json.dumps({"rows": rows}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (1e9 bytes)")
     ap.add_argument("--files", type=int, default=8)
-    ap.add_argument("--workers", type=int, default=4, help="threads (verify's default is 4)")
+    ap.add_argument("--workers", type=int, default=4, help="threads (verify's default is 4); per process with --procs")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache passes")
+    ap.add_argument("--procs", help="multi-process mode: comma-separated process counts, e.g. 1,2,4 (--gb is per process)")
+    ap.add_argument("--files-per-proc", type=int, default=2)
+    ap.add_argument("--cold", action="store_true", help="multi-process mode: drop the page cache before each hash phase")
     args = ap.parse_args()
+    if args.procs:
+        return main_ranks(args)
     total = int(args.gb * 1e9)
     base = Path(tempfile.mkdtemp(prefix="swiftslurm-verify-bench-", dir=args.dir))
     try:

@@ -87,7 +87,9 @@ def test_four_nodes_all_pass(tmp_path):
     assert codes == [0, 0, 0, 0], logs[0]
     assert report["ok"] and report["decision"]["action"] == "continue"
     checks = {r["check"] for r in report["results"]}
-    assert checks == {"ports", "allreduce", "iperf3", "nvme", "disk", "sharedfs", "gpu"}
+    assert checks == {"ports", "allreduce", "iperf3", "nvme", "disk", "sharedfs", "gpu", "topology"}
+    topo = [r for r in report["results"] if r["check"] == "topology"]
+    assert sorted(r["node"] for r in topo) == NODES and all(r["ok"] and "ib_ports" in r["data"] for r in topo), topo
     assert len([r for r in report["results"] if r["check"] == "ports" and "->" in r["node"]]) == 12  # every ordered pair
     master = [r for r in report["results"] if r["check"] == "ports" and "->" not in r["node"]]
     assert len(master) == 1 and master[0]["ok"] and "MASTER_PORT" in master[0]["observed"]  # free on the master node

@@ -5,7 +5,8 @@
     ... every rank writes its files into stage; barrier ...
     ck.commit(stage, ck.final_dir(out, step), algo="xxh3", meta={...})   # rank 0
     ck.prune(out, keep)                                                  # rank 0
-    resume_from = ck.newest_verified(out)                                # at every start (rank 0)
+    resume_from = ck.newest_verified(out)                                # at every start (one process)
+    resume_from = ck.verified_split(out, rank, world, node, exchange)    # ... or hashed by every rank at once
     ck.agree_resume_point(out, rank, node, exchange, decide)             # ... and the same on every rank
 
 See docs/checkpoints.md.
@@ -18,6 +19,7 @@ from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_fi
 from .verify import VerifyResult, verify
 from . import savetime
 from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
+from .split import verified_split
 
 __all__ = [
     "Exchange",
@@ -41,5 +43,6 @@ __all__ = [
     "read_manifest",
     "staging_dir",
     "step_of",
+    "verified_split",
     "verify",
 ]

@@ -73,6 +73,29 @@ def readable_problem(ckpt: Path | str, rank: int) -> str | None:
     return None
 
 
+def undecided(error: str) -> CheckpointUnreadable:
+    """The error every rank raises when rank 0 could not list the output dir (``error`` says why)."""
+    return CheckpointUnreadable(
+        "rank 0 could not choose a checkpoint to resume from",
+        error,
+        "check that job.output_dir is readable on the first node; `swiftslurm verify OUTPUT_DIR` shows every checkpoint",
+    )
+
+
+def unreadable_by(bad: list[dict[str, Any]], chosen: Path | None) -> CheckpointUnreadable:
+    """The error every rank raises when the ranks of ``bad`` (verdicts ``{rank, node, problem}``) cannot read
+    ``chosen``, the checkpoint rank 0 saw whole."""
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more rank(s): " + ", ".join(f"rank {v['rank']} on {v['node']}" for v in bad[1:4]) + ")" if len(bad) > 1 else ""
+    return CheckpointUnreadable(
+        f"rank {first['rank']} on node {first['node']} cannot read the resume point {chosen.name if chosen else '?'} "
+        f"that rank 0 chose{more}",
+        first["problem"],
+        f"every node must see job.output_dir alike (one shared filesystem, mounted on every node): check the mount "
+        f"on {first['node']}; to resume from an older checkpoint instead, move {chosen} aside",
+    )
+
+
 def agree_resume_point(
     output_dir: Path | str,
     rank: int,
@@ -96,25 +119,13 @@ def agree_resume_point(
             decision["error"] = f"{output_dir}: {exc}"
     decision = exchange.broadcast(decision)
     if decision["error"]:
-        raise CheckpointUnreadable(
-            "rank 0 could not choose a checkpoint to resume from",
-            decision["error"],
-            "check that job.output_dir is readable on the first node; `swiftslurm verify OUTPUT_DIR` shows every checkpoint",
-        )
+        raise undecided(decision["error"])
     chosen = Path(decision["path"]) if decision["path"] else None
     problem = readable_problem(chosen, rank) if chosen is not None and rank != 0 else None
     verdicts = exchange.all_gather({"rank": rank, "node": node, "problem": problem})
     bad = [v for v in verdicts if v["problem"]]
     if bad:
-        first = bad[0]
-        more = f" (and {len(bad) - 1} more rank(s): " + ", ".join(f"rank {v['rank']} on {v['node']}" for v in bad[1:4]) + ")" if len(bad) > 1 else ""
-        raise CheckpointUnreadable(
-            f"rank {first['rank']} on node {first['node']} cannot read the resume point {chosen.name if chosen else '?'} "
-            f"that rank 0 chose{more}",
-            first["problem"],
-            f"every node must see job.output_dir alike (one shared filesystem, mounted on every node): check the mount "
-            f"on {first['node']}; to resume from an older checkpoint instead, move {chosen} aside",
-        )
+        raise unreadable_by(bad, chosen)
     if rank == 0:
         log(f"swiftslurm: every rank ({len(verdicts)}) resumes from {chosen}" if chosen else
             f"swiftslurm: no verified checkpoint under {output_dir}: every rank ({len(verdicts)}) starts fresh")

@@ -1,10 +1,11 @@
 """What this job has verified: a checkpoint's file fingerprints (name, size, mtime, inode) when it passed.
 
-``commit`` remembers what it sealed; ``verify_cached`` (retention) skips re-hashing a checkpoint whose
+``commit`` remembers what it sealed and resume (``newest_verified``, ``verified_split``) what it verified;
+``verify_cached`` (retention) skips re-hashing a checkpoint whose
 fingerprint is unchanged since. The fingerprints live in memory and, saved by ``prune`` (rank 0, after each
 save), in ``<output_dir>/.swiftslurm-verified.json``, so a requeued job's first ``prune`` does not re-hash the
 ``keep`` checkpoints that earlier runs of the job committed: at 1 TB a checkpoint that is tens of minutes
-inside the save barrier. Resume never uses this: ``newest_verified`` always re-hashes.
+inside the save barrier. Resume never reads this: it always re-hashes.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ def _test_delay() -> None:
         time.sleep(float(delay))
 
 
-def hash_own_files(staging: Path | str, rank: int, algo: str) -> dict[str, dict]:
+def hash_own_files(staging: Path | str, rank: int, algo: str, workers: int = 4) -> dict[str, dict]:
     """What one rank contributes to ``commit(hashes=...)``: the hashes of the files it wrote itself
     (``names.owner_rank``), computed on that rank, in parallel with every other rank, before rank 0 commits."""
     staging = Path(staging)
     own = [rel for rel in walk_files(staging) if owner_rank(rel) == rank]
-    return hash_files(staging, own, algo) if own else {}
+    return hash_files(staging, own, algo, workers=workers) if own else {}
 
 
 def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None,

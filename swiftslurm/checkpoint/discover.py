@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
-from .cache import CACHE_FILE, TMP_INFIX, forget, save as save_cache
+from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified, save as save_cache
 from .verify import verify, verify_cached
 
 
@@ -45,6 +45,7 @@ def newest_verified(output_dir: Path | str, log: Callable[[str], None] | None = 
             log(f"swiftslurm: skipping unreadable {ckpt.name}: {exc}")
             continue
         if result.ok:
+            remember_verified(ckpt)  # hashed just now: this job's prune need not hash it again
             return ckpt
         log(f"swiftslurm: skipping damaged {ckpt.name}: {result.summary()}")
     return None

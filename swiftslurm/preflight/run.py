@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import allreduce, bounded, iperf, local, ports
+from . import allreduce, bounded, iperf, local, ports, topology
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
 
@@ -68,6 +69,8 @@ def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec
         calls.start("gpu", node, lambda: local.check_gpu(node, spec.slurm.gpus_per_node, tool_s, dict(env)))
     if "disk" in checks:
         calls.start("disk", node, lambda: local.check_disk(node, output_dir, pf.min_disk_free_gb))
+    if "allreduce" in checks:  # the GPU interconnect and IB/RoCE ports, judged with NCCL's transport in _gather
+        calls.start("topology", node, lambda: [topology.read_node(node, spec.slurm.gpus_per_node, tool_s)])
 
 
 def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
@@ -154,8 +157,10 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
     if "allreduce" in checks:
         backend = "nccl" if spec.slurm.gpus_per_node > 0 and _cuda() else "gloo"
         fault = "kill" if ("kill-allreduce", f"rank{rank}") in faults else "hang" if ("hang-allreduce", f"rank{rank}") in faults else ""
+        nccl_log = topology.capture_nccl(os.environ, dist.job_id, rank, len(nodes) > 1, tempfile.gettempdir()) if backend == "nccl" else None
         view = allreduce.run_allreduce(rank, world, backend, _prefixed(coord, "allreduce"), timeout_s, dist.local_rank, fault,
                                        on_progress=lambda k: coord.put(f"ar-progress/{rank}", k))
+        view["nccl"] = topology.read_nccl_log(nccl_log)
         coord.put(f"allreduce/{rank}", view)
         phase("allreduce")
 
@@ -181,6 +186,7 @@ def _gather(coord: Coordinator, checks: list[str], nodes: list[str], world: int,
     if "allreduce" in checks:
         views, missing = coord.gather("allreduce", list(range(world)), deadline)
         progress, _ = coord.gather("ar-progress", list(range(world)), time.monotonic())
+        results = topology.combine(results, {int(k): v.get("nccl") for k, v in views.items()}, rank_nodes, len(nodes) > 1)
         results += allreduce.judge({int(k): v for k, v in views.items()}, missing, rank_nodes, min_busbw, timeout_s, progress)
         results += allreduce.unreleased({int(k): v for k, v in views.items()}, rank_nodes)
     try:

@@ -1,7 +1,8 @@
 """The trainer's side of the resume decision: ``checkpoint.agree_resume_point`` over its process group.
 
 Called once the process group exists (``TrainingArguments.device`` initializes it), before the model
-loads a checkpoint: rank 0 picks the newest verified checkpoint, every rank checks it can read it.
+loads a checkpoint: rank 0 lists, every rank hashes a share of each candidate, one verdict; every rank
+checks it can read the chosen one.
 """
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ class ProcessGroupExchange:
         return out
 
 
-def exchange() -> "ck.Exchange":
+def world_size() -> int:
     import torch.distributed as tdist
 
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        return ProcessGroupExchange()
-    return ck.SingleRank()
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+def exchange() -> "ck.Exchange":
+    return ProcessGroupExchange() if world_size() > 1 else ck.SingleRank()
 
 
 def agreed_resume_point(output_dir: str, rank: int, node: str, log: Callable[[str], None] = print) -> str | None:
-    """The newest verified checkpoint under ``output_dir`` as rank 0 sees it, checked by every rank."""
-    found = ck.agree_resume_point(output_dir, rank, node, exchange(), lambda: ck.newest_verified(output_dir, log=log), log)
+    """The newest verified checkpoint under ``output_dir``, as rank 0 lists it, hashed by every rank (each a
+    share, ``checkpoint.verified_split``), then checked readable by every rank."""
+    ex = exchange()
+    chosen = ck.verified_split(output_dir, rank, world_size(), node, ex, log)
+    found = ck.agree_resume_point(output_dir, rank, node, ex, lambda: chosen, log)
     return str(found) if found is not None else None
 
 
