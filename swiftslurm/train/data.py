@@ -1,21 +1,22 @@
-"""SFT data: local JSONL/JSON in alpaca or messages format -> token ids with the prompt masked out.
+"""SFT data: alpaca or messages records (read by ``records``: JSONL, JSON, parquet, arrow, a
+``save_to_disk`` directory) -> token ids with the prompt masked out.
 
 - alpaca: ``{"instruction": str, "input": str (optional), "output": str}``
 - messages: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
 
 Only the response tokens (alpaca ``output``, every ``assistant`` turn) carry labels; everything else
 is -100. Examples are truncated to ``max_length`` tokens; an example left without any label token
-is dropped (and counted). A malformed record raises ``DataError`` naming the file and line.
+is dropped (and counted). A malformed record raises ``DataError`` naming the file and line (row index
+for columnar files).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import SwiftSlurmError
+from .records import DataError, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -23,46 +24,13 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-class DataError(SwiftSlurmError):
-    """A dataset file that cannot be read or a record that is not alpaca or messages format."""
-
-    exit_code = 2
-
-
-def _bad(path: Path, line: int, what: str, found: str = "") -> DataError:
-    return DataError(f"{path}, line {line}: {what}", found,
+def _bad(path: Path, where: str, what: str, found: str = "") -> DataError:
+    return DataError(f"{path}, {where}: {what}", found,
                      'each record is {"instruction", "input", "output"} (alpaca) or '
                      '{"messages": [{"role", "content"}, ...]}')
 
 
-def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, record) for every record of a .jsonl file, or of a .json file holding a list."""
-    p = Path(path)
-    try:
-        text = p.read_text("utf-8")
-    except FileNotFoundError:
-        raise DataError("dataset file not found", str(p), "check train.dataset; paths are relative to where you submit") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError("cannot read the dataset file", f"{p}: {exc}", "datasets are UTF-8 JSON or JSONL") from None
-    if p.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _bad(p, exc.lineno, f"not valid JSON: {exc.msg}") from None
-        # json.loads gives no line numbers per element: report the element's position (1-based) instead
-        for i, item in enumerate(items, 1):
-            yield i, item
-        return
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise _bad(p, lineno, f"not valid JSON: {exc.msg}", line[:80]) from None
-
-
-def _check_record(path: Path, line: int, rec: Any) -> tuple[str, Any]:
+def check_record(path: Path, line: str, rec: Any) -> tuple[str, Any]:
     """("alpaca", rec) or ("messages", messages), or a DataError naming what is wrong."""
     if not isinstance(rec, dict):
         raise _bad(path, line, "a record must be a JSON object", type(rec).__name__)
@@ -153,7 +121,7 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
     """(kind, body) of every record of every file, in file order; a malformed one raises DataError."""
     for path in paths:
         for line, rec in read_records(path):
-            yield _check_record(Path(path), line, rec)
+            yield check_record(Path(path), line, rec)
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:
