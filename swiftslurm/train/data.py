@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from .records import DataError, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
 
 IGNORE_INDEX = -100
@@ -83,12 +85,14 @@ def encode(kind: str, rec: Any, tokenizer, max_length: int) -> dict[str, list[in
     add_special = kind == "alpaca"  # chat templates carry their own special tokens
     enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     ids = enc["input_ids"][:max_length]
-    labels = []
-    for tok_id, (start, end) in zip(ids, enc["offset_mapping"]):
-        inside = any(s <= start < e for s, e in spans)
-        labels.append(tok_id if inside else IGNORE_INDEX)
-    if all(lab == IGNORE_INDEX for lab in labels):
+    # a token is trained on when its first character lies in a span (numpy: this loop is most of the cost)
+    starts = np.fromiter((start for start, _ in enc["offset_mapping"][: len(ids)]), dtype=np.int64, count=len(ids))
+    inside = np.zeros(len(ids), dtype=bool)
+    for s, e in spans:
+        inside |= (starts >= s) & (starts < e)
+    if not inside.any():
         return None
+    labels = np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
     return {"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
 
 
@@ -122,6 +126,11 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
     for path in paths:
         for line, rec in read_records(path):
             yield check_record(Path(path), line, rec)
+
+
+def scan(paths: list[str]) -> int:
+    """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count."""
+    return sum(1 for _ in checked_records(paths))
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:

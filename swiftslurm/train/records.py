@@ -61,9 +61,10 @@ def bad_json(path: Path, where: str, msg: str, found: str = "") -> DataError:
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """(where, record) for every record of one dataset file or ``save_to_disk`` directory, in order."""
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir():  # row indices run on over the shards, as in the loaded dataset: p, row index N = dataset[N]
+        start = 0
         for shard in dataset_dir_files(p):
-            yield from _arrow_rows(shard)
+            start = yield from _arrow_rows(shard, start)
         return
     if not p.exists():
         raise not_found(p)
@@ -187,8 +188,8 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if v is not None}
 
 
-def _batches_rows(p: Path, batches, what: str) -> Iterator[tuple[str, Any]]:
-    index = 0
+def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Iterator[tuple[str, Any]]:
+    """The rows of record batches from row index ``index`` on; returns the index after the last."""
     try:
         for batch in batches:
             for row in batch.to_pylist():
@@ -197,6 +198,7 @@ def _batches_rows(p: Path, batches, what: str) -> Iterator[tuple[str, Any]]:
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid / ArrowIOError subclass these
         raise DataError(f"cannot read the {what} file", f"{p}, after row index {index}: {exc}"[:300],
                         "the file may be truncated or not in this format; write it again") from None
+    return index
 
 
 def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
@@ -209,7 +211,7 @@ def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
     yield from _batches_rows(p, reader.iter_batches(batch_size=BATCH_ROWS), "parquet")
 
 
-def _arrow_rows(p: Path) -> Iterator[tuple[str, Any]]:
+def _arrow_rows(p: Path, start: int = 0) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
 
     try:
@@ -223,4 +225,4 @@ def _arrow_rows(p: Path) -> Iterator[tuple[str, Any]]:
     except (OSError, ValueError) as exc:
         raise DataError("cannot read the arrow file", f"{p}: {exc}"[:300],
                         "an Arrow IPC file or stream, as datasets' save_to_disk writes it") from None
-    yield from _batches_rows(p, batches, "arrow")
+    return (yield from _batches_rows(p, batches, "arrow", start))
