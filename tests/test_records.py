@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from swiftslurm.checkpoint.fingerprint import dataset_identity
 from swiftslurm.train import datacache
 from swiftslurm.train.data import DataError, load_dataset
 from swiftslurm.train.records import read_records
@@ -141,6 +142,7 @@ def test_a_directory_cache_is_reused_and_rebuilt_when_a_shard_changes(tmp_path, 
     first = datacache.cached_dataset([str(saved)], tok, 128, tmp_path / "cache")
     again = datacache.cached_dataset([str(saved)], tok, 128, tmp_path / "cache")
     assert first.tokenized_now and not again.tokenized_now and again.directory == first.directory
+    identity = dataset_identity(str(saved))  # what a resume compares
     shards = sorted(saved.glob("*.arrow"))
     table = pa.ipc.open_stream(shards[0].read_bytes()).read_all()  # not mapped: the file is rewritten below
     changed = table.set_column(table.schema.get_field_index("output"), "output",
@@ -150,3 +152,4 @@ def test_a_directory_cache_is_reused_and_rebuilt_when_a_shard_changes(tmp_path, 
     rebuilt = datacache.cached_dataset([str(saved)], tok, 128, tmp_path / "cache")
     assert rebuilt.tokenized_now and rebuilt.directory != first.directory
     assert any(tok.decode(rebuilt[i]["input_ids"]).endswith("!</s>") for i in range(len(rebuilt)))
+    assert dataset_identity(str(saved)) != identity and "data-00000-of-00003.arrow" in identity

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
 from .records import DataError, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
 
 IGNORE_INDEX = -100
@@ -84,6 +82,8 @@ def encode(kind: str, rec: Any, tokenizer, max_length: int) -> dict[str, list[in
     text, spans = _label_spans(kind, rec, tokenizer)
     add_special = kind == "alpaca"  # chat templates carry their own special tokens
     enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    import numpy as np  # here: `swiftslurm validate` checks records with this module on a light install
+
     ids = enc["input_ids"][:max_length]
     # a token is trained on when its first character lies in a span (numpy: this loop is most of the cost)
     starts = np.fromiter((start for start, _ in enc["offset_mapping"][: len(ids)]), dtype=np.int64, count=len(ids))

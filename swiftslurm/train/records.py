@@ -201,9 +201,18 @@ def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Iterator[tuple
     return index
 
 
-def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
+def _pyarrow(p: Path):
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise DataError("reading parquet and arrow datasets needs pyarrow, which is not installed", str(p),
+                        "pip install 'swiftslurm[train]' (or pyarrow), or convert the data to JSONL") from None
+    return pyarrow
 
+
+def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
+    pq = _pyarrow(p).parquet
     try:
         reader = pq.ParquetFile(p)
     except (OSError, ValueError) as exc:
@@ -212,8 +221,7 @@ def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _arrow_rows(p: Path, start: int = 0) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-
+    pa = _pyarrow(p)
     try:
         source = pa.memory_map(str(p))
         try:
