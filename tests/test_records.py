@@ -93,6 +93,8 @@ def test_a_json_array_names_the_line_a_record_starts_on(tmp_path, tok):
             list(read_records(f))
     f.write_text("[]")
     assert list(read_records(f)) == []
+    f.write_bytes(b'\xef\xbb\xbf \n[{"instruction": "a", "output": "b"}]')  # a BOM, then whitespace
+    assert list(read_records(f)) == [("line 2", {"instruction": "a", "output": "b"})]
 
 
 def test_unknown_formats_and_a_dataset_dict_are_refused_with_what_to_do(tmp_path):

@@ -142,7 +142,7 @@ def _json_lines(p: Path) -> Iterator[tuple[str, Any]]:
 def _starts_with_bracket(p: Path) -> bool:
     try:
         with p.open("rb") as fh:
-            return fh.read(JSON_BLOCK).lstrip().lstrip(b"\xef\xbb\xbf").startswith(b"[")
+            return fh.read(JSON_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
     except OSError as exc:
         raise _unreadable(p, exc) from None
 
