@@ -155,3 +155,12 @@ def test_a_directory_cache_is_reused_and_rebuilt_when_a_shard_changes(tmp_path, 
     assert rebuilt.tokenized_now and rebuilt.directory != first.directory
     assert any(tok.decode(rebuilt[i]["input_ids"]).endswith("!</s>") for i in range(len(rebuilt)))
     assert dataset_identity(str(saved)) != identity and "data-00000-of-00003.arrow" in identity
+
+
+def test_validate_refuses_an_empty_dataset_and_a_file_that_is_not_its_format(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    r = _validate(tmp_path, ["empty.jsonl"])
+    assert r.returncode == 2 and "the dataset holds no record" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "d.arrow").write_text('{"instruction": "a", "output": "b"}\n')
+    r = _validate(tmp_path, ["d.arrow"])
+    assert r.returncode == 2 and "cannot read the arrow file" in r.stderr and "Traceback" not in r.stderr

@@ -129,8 +129,13 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
 
 
 def scan(paths: list[str]) -> int:
-    """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count."""
-    return sum(1 for _ in checked_records(paths))
+    """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count.
+    A dataset without any record is a DataError too (training it would fail)."""
+    count = sum(1 for _ in checked_records(paths))
+    if not count:
+        raise DataError("the dataset holds no record", f"{len(paths)} file(s): {', '.join(paths)}"[:300],
+                        "check train.dataset: every file or directory there is empty")
+    return count
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:

@@ -190,12 +190,14 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
 
 def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Iterator[tuple[str, Any]]:
     """The rows of record batches from row index ``index`` on; returns the index after the last."""
+    from pyarrow import ArrowException
+
     try:
         for batch in batches:
             for row in batch.to_pylist():
                 yield f"row index {index}", _clean(row)
                 index += 1
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid / ArrowIOError subclass these
+    except (OSError, ValueError, ArrowException) as exc:  # a truncated file, a type pyarrow cannot convert
         raise DataError(f"cannot read the {what} file", f"{p}, after row index {index}: {exc}"[:300],
                         "the file may be truncated or not in this format; write it again") from None
     return index
