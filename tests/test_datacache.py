@@ -26,7 +26,7 @@ def test_cache_holds_what_the_reader_encodes_and_is_read_back_without_tokenizing
     assert built.tokenized_now
     plain = load_dataset(FILES, tok, 128)
     assert len(built) == len(plain) == 60 and [built[i] for i in range(60)] == plain.examples
-    assert built.lengths() == plain.lengths()
+    assert built.lengths().tolist() == plain.lengths()
     calls = []
     monkeypatch.setattr(datacache.data, "encode", lambda *a: calls.append(a))  # a second run must not encode
     again = datacache.cached_dataset(FILES, tok, 128, tmp_path)

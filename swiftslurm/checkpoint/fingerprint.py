@@ -24,7 +24,7 @@ META_KEY = "spec_fingerprint"
 # deepspeed preset by the resolved config's essentials)
 OPERATIONAL_TRAIN_KEYS = frozenset({
     "logging_steps", "save_steps", "report_to", "command", "dataloader_num_workers", "dataloader_pin_memory",
-    "dataset_num_proc", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
+    "dataset_num_proc", "dataset_scan", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
     "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
     "max_steps", "num_train_epochs",  # how long: extending a run is normal (a schedule over max_steps then stretches)
 })
@@ -71,8 +71,12 @@ def spec_fingerprint(spec: Any, ds_config: dict[str, Any] | None, datasets: Iter
 
 def dataset_identity(path: str) -> str:
     """A file's name, size and a hash of its first and last MiB: cheap on large files, and changed by any
-    edit that adds, drops or rewrites samples at either end or changes the size. Reads the file."""
+    edit that adds, drops or rewrites samples at either end or changes the size. Reads the file. A
+    directory (datasets' save_to_disk) is the identities of its files, in name order."""
     p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file())
+        return f"{p.name}/: " + "; ".join(dataset_identity(str(f)) for f in files)
     try:
         size = p.stat().st_size
         digest = hashlib.sha256()

@@ -109,13 +109,14 @@ def guarded(fn):
     return wrapper
 
 
-def load_plan(spec_path: Path, training: bool = False):
+def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | None = None):
     """Every check of a spec file, then its plan: the one first step of validate, plan, render, submit and preflight.
 
     Loading validates the spec and every sweep combination; ``make_plan(check_disk=True)`` checks each
     task's files and merges and checks its DeepSpeed config; rendering the sbatch script checks what
     must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed. ``training``
     (submit, render): a spec without [train] is refused; validate, plan and preflight accept it with a note.
+    Last, every record of the datasets is checked (``scan_data``), its notes added to ``data_notes``.
     """
     from ..plan import make_plan
     from ..slurm.render import render_all
@@ -126,7 +127,32 @@ def load_plan(spec_path: Path, training: bool = False):
         require_training(spec, str(spec_path))
     the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
     render_all(the_plan)  # every group's script: what goes on #SBATCH lines
+    notes = scan_data(the_plan)
+    if data_notes is not None:
+        data_notes += notes
     return the_plan
+
+
+def scan_data(the_plan) -> list[str]:
+    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list;
+    a malformed record is a DataError naming its file and line. One note per scan, for ``validate``."""
+    import time
+
+    from ..train.data import scan
+
+    notes, seen = [], set()
+    for task in the_plan.tasks:
+        t = task.spec.train
+        if not task.spec.has_training or t.command or tuple(t.dataset) in seen:
+            continue
+        seen.add(tuple(t.dataset))
+        if not t.dataset_scan:
+            notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
+            continue
+        start = time.monotonic()
+        count = scan(t.dataset)
+        notes.append(f"dataset: {count:,} record(s) in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
+    return notes
 
 
 @app.command()
@@ -134,12 +160,14 @@ def load_plan(spec_path: Path, training: bool = False):
 def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec TOML files.")) -> int:
     """Parse and check job specs (every check `plan` runs); print every problem. Exit 0 valid, 2 invalid."""
     from ..errors import SpecError
+    from ..train.records import DataError
 
     worst = 0
     for spec_path in specs:
+        notes: list[str] = []
         try:
-            the_plan = load_plan(spec_path)
-        except SpecError as exc:
+            the_plan = load_plan(spec_path, data_notes=notes)
+        except (SpecError, DataError) as exc:
             print_error(exc)
             worst = 2
             continue
@@ -149,6 +177,8 @@ def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec 
             f"{spec.slurm.ranks_per_node} rank(s), {len(the_plan.tasks)} task(s)",
             highlight=False,
         )
+        for note in notes:
+            console.print(f"  {escape(note)}", highlight=False)
         for warning in the_plan.warnings:
             console.print(f"  [yellow]warning:[/] {escape(warning)}", highlight=False)
     return worst

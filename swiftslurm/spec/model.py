@@ -224,6 +224,7 @@ class TrainTable(_Table):
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = "auto"
     use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
     dataset_num_proc: int = Field(1, ge=1, le=256)
+    dataset_scan: bool = True
     dataloader_num_workers: int = Field(0, ge=0, le=64)
     dataloader_pin_memory: bool = True
     resume_from: str | None = None

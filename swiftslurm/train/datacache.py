@@ -2,15 +2,20 @@
 
 ``cached_dataset(paths, tokenizer, max_length, cache_root, num_proc)`` returns a ``CachedDataset``
 (map-style, same items as ``data.SFTDataset``). The cache directory is named by a key over
-everything that changes the tokens: each file's content (sha256, not its mtime), the tokenizer
+everything that changes the tokens: each file's content (sha256, not its mtime; for a ``save_to_disk``
+directory its ``state.json`` and every arrow shard), the tokenizer
 (its serialized vocabulary/rules, special tokens and chat template), ``max_length`` and the prompt
 templates of ``data``. A requeue, or a second run on the same data, finds the directory and
 tokenizes nothing; a changed file, tokenizer or ``max_length`` is a new key.
 
 Layout of ``<cache_root>/<key>/``: ``input_ids.bin`` and ``labels.bin`` (int32, every example back to
-back), ``offsets.npy`` (int64, n + 1), ``meta.json`` (written last: a directory without it is not a
+back), ``offsets.bin`` (int64, n + 1), ``meta.json`` (written last: a directory without it is not a
 cache, and the directory is built under a temporary name and renamed into place, so a reader never
-sees half of one). The HF ``datasets`` library is not a dependency; this is the small part of it we need.
+sees half of one). This is the small part of an arrow cache we need: three flat arrays, no schema.
+
+Memory: the builder streams records (``records``), encodes a bounded window of chunks and writes each
+example's tokens and its end offset as it goes, so it holds a few chunks, never the dataset. A reader
+holds three memory maps: what it touches is page cache, shared by every rank of the node.
 
 Records are checked in this process, in file order (a malformed record names its file and line);
 with ``num_proc > 1`` the encoding runs in that many worker processes, chunk by chunk, in order.
@@ -23,26 +28,33 @@ import json
 import os
 import shutil
 import tempfile
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
 from . import data
+from .records import content_files, not_found
 
-FORMAT = 1
+FORMAT = 2
 CHUNK = 2048  # records per work unit
+WINDOW = 4  # chunks in flight per worker process
 
 
 def _file_digest(path: str) -> str:
+    """sha256 over a dataset's files (one file, or a save_to_disk directory's state and shards)."""
     h = hashlib.sha256()
-    try:
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    except FileNotFoundError:
-        raise data.DataError("dataset file not found", path, "check train.dataset; paths are relative to where you submit") from None
+    for f in content_files(path):
+        try:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        except FileNotFoundError:
+            raise not_found(f) from None
+        h.update(f"\0{f.name}\0".encode())
     return h.hexdigest()
 
 
@@ -74,7 +86,7 @@ class CachedDataset:
 
         self.directory = directory
         self.meta = json.loads((directory / "meta.json").read_text())
-        self.offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        self.offsets = np.memmap(directory / "offsets.bin", dtype=np.int64, mode="r")
         count = int(self.offsets[-1])
         self.input_ids = np.memmap(directory / "input_ids.bin", dtype=np.int32, mode="r", shape=(count,)) if count else np.zeros(0, np.int32)
         self.labels = np.memmap(directory / "labels.bin", dtype=np.int32, mode="r", shape=(count,)) if count else np.zeros(0, np.int32)
@@ -92,10 +104,11 @@ class CachedDataset:
         ids = self.input_ids[lo:hi].tolist()
         return {"input_ids": ids, "labels": self.labels[lo:hi].tolist(), "attention_mask": [1] * len(ids)}
 
-    def lengths(self) -> list[int]:
+    def lengths(self):
+        """Tokens per example: a numpy int64 array (8 bytes per example, not a Python list)."""
         import numpy as np
 
-        return np.diff(self.offsets).tolist()
+        return np.diff(self.offsets)
 
 
 _worker_tokenizer = None
@@ -122,10 +135,17 @@ def _encoded_chunks(paths: list[str], tokenizer, max_length: int, num_proc: int)
         _init_worker(tokenizer, max_length)
         yield from map(_encode_chunk, chunks)
         return
-    # spawn, not fork: this process may already hold torch threads and a process group
+    # spawn, not fork: this process may already hold torch threads and a process group. Not pool.map:
+    # it submits every chunk at once, which holds the whole dataset in this process.
     with ProcessPoolExecutor(num_proc, mp_context=get_context("spawn"), initializer=_init_worker,
                              initargs=(tokenizer, max_length)) as pool:
-        yield from pool.map(_encode_chunk, chunks)
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_chunk, chunk))
+            if len(pending) >= WINDOW * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_proc: int) -> None:
@@ -134,24 +154,30 @@ def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_pr
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        offsets, dropped = [0], 0
-        with open(tmp / "input_ids.bin", "wb") as ids_fh, open(tmp / "labels.bin", "wb") as labels_fh:
+        examples, tokens, dropped = 0, 0, 0
+        names = ("input_ids.bin", "labels.bin", "offsets.bin")
+        with ExitStack() as stack:
+            ids_fh, labels_fh, offsets_fh = (stack.enter_context(open(tmp / name, "wb")) for name in names)
+            offsets_fh.write(np.zeros(1, np.int64).tobytes())
             for encoded in _encoded_chunks(paths, tokenizer, max_length, num_proc):
+                ends = []
                 for ex in encoded:
                     if ex is None:
                         dropped += 1
                         continue
                     ids_fh.write(np.asarray(ex["input_ids"], dtype=np.int32).tobytes())
                     labels_fh.write(np.asarray(ex["labels"], dtype=np.int32).tobytes())
-                    offsets.append(offsets[-1] + len(ex["input_ids"]))
-            for fh in (ids_fh, labels_fh):
+                    tokens += len(ex["input_ids"])
+                    ends.append(tokens)
+                offsets_fh.write(np.asarray(ends, dtype=np.int64).tobytes())
+                examples += len(ends)
+            for fh in (ids_fh, labels_fh, offsets_fh):
                 fh.flush()
                 os.fsync(fh.fileno())
-        if len(offsets) == 1:
+        if not examples:
             raise data.no_example_error(paths, dropped)
-        np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "examples": len(offsets) - 1, "dropped": dropped,
-                                                   "tokens": offsets[-1], "files": paths, "max_length": max_length}))
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "examples": examples, "dropped": dropped,
+                                                   "tokens": tokens, "files": paths, "max_length": max_length}))
         try:
             os.rename(tmp, directory)
         except OSError:  # another process renamed its copy first: keep that one

@@ -1,0 +1,238 @@
+"""Records out of dataset files, one at a time, each with where it came from (for error messages).
+
+This layer knows file formats, not what a record means: SFT (``data``) and preference data read
+through it and check the records themselves. ``read_records(path)`` yields ``(where, record)``, where
+``where`` is ``"line N"`` (JSON formats, 1-based) or ``"row index N"`` (columnar formats, 0-based as
+``dataset[N]``), so an error reads ``<file>, line 12: ...``.
+
+Formats, by name:
+
+- ``*.jsonl`` / ``*.ndjson`` (and a ``*.json`` that does not start with ``[``): one JSON object per line.
+- ``*.json`` holding an array of records.
+- ``*.parquet``: read in row batches.
+- ``*.arrow``: an Arrow IPC file or stream (what ``datasets`` writes).
+- a directory written by ``datasets.Dataset.save_to_disk`` (its ``state.json`` lists the arrow
+  shards, read in order). A ``DatasetDict`` directory is refused with its splits named: give the
+  split's directory (``data/train``).
+
+Memory: nothing holds the whole dataset. JSONL is read line by line; parquet and arrow batch by
+batch (arrow files are memory-mapped); a JSON array is parsed element by element from the file's text
+(so that one format holds the file's text, not its records). A null in a columnar file is an absent
+field (a columnar schema gives every row every column).
+
+Why pyarrow and not ``datasets.load_dataset``: ``datasets`` converts every input into its own arrow
+cache first (a second copy of the data in ``~/.cache/huggingface``, on every node that reads it), its
+JSON loader infers one schema for all records (a file mixing alpaca and messages records fails) and
+its errors do not say which line is wrong. pyarrow (which ``datasets`` is built on, and which it brings
+along) reads parquet and arrow directly, in batches, with row indices; the ``save_to_disk`` layout is
+two documented files. Importing pyarrow also costs a quarter of ``datasets``' second, which
+``swiftslurm validate`` pays on every call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import SwiftSlurmError
+
+JSON_LINES = (".jsonl", ".ndjson")
+FORMATS = "JSONL (.jsonl), JSON (.json), parquet (.parquet), arrow (.arrow) or a datasets.save_to_disk directory"
+BATCH_ROWS = 1024
+JSON_BLOCK = 1 << 20
+
+
+class DataError(SwiftSlurmError):
+    """A dataset file that cannot be read or a record that does not fit the training format."""
+
+    exit_code = 2
+
+
+def not_found(path: str | Path) -> DataError:
+    return DataError("dataset file not found", str(path), "check train.dataset; paths are relative to where you submit")
+
+
+def bad_json(path: Path, where: str, msg: str, found: str = "") -> DataError:
+    return DataError(f"{path}, {where}: not valid JSON: {msg}", found,
+                     "JSONL holds one JSON object per line; a .json file holds one JSON array of objects")
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every record of one dataset file or ``save_to_disk`` directory, in order."""
+    p = Path(path)
+    if p.is_dir():  # row indices run on over the shards, as in the loaded dataset: p, row index N = dataset[N]
+        start = 0
+        for shard in dataset_dir_files(p):
+            start = yield from _arrow_rows(shard, start)
+        return
+    if not p.exists():
+        raise not_found(p)
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        yield from _parquet_rows(p)
+    elif suffix == ".arrow":
+        yield from _arrow_rows(p)
+    elif suffix == ".json" and _starts_with_bracket(p):
+        yield from _json_array(p)
+    elif suffix == ".json" or suffix in JSON_LINES:
+        yield from _json_lines(p)
+    else:
+        raise DataError("unknown dataset format", f"{p} (suffix {suffix or 'none'!r})",
+                        f"train.dataset takes {FORMATS}; rename the file to its format's suffix")
+
+
+def dataset_dir_files(directory: Path) -> list[Path]:
+    """The arrow shards of a ``save_to_disk`` directory, in order (its ``state.json``)."""
+    state = directory / "state.json"
+    if not state.is_file():
+        splits = _splits(directory)
+        if splits:
+            raise DataError("a DatasetDict directory holds several splits; name one", f"{directory}: splits {splits}",
+                            f"set train.dataset to one split's directory, e.g. {directory / splits[0]}")
+        raise DataError("not a dataset directory (no state.json)", str(directory),
+                        f"a directory must be written by datasets' save_to_disk; train.dataset also takes {FORMATS}")
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text("utf-8"))["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError("cannot read the dataset directory's state.json", f"{state}: {exc!r}"[:200],
+                        "write the directory again with datasets' save_to_disk") from None
+    files = [directory / name for name in names]
+    for f in files:
+        if not f.is_file():
+            raise DataError("a shard listed in state.json is missing", str(f), "copy the whole save_to_disk directory")
+    return files
+
+
+def _splits(directory: Path) -> list[str]:
+    try:
+        return [str(s) for s in json.loads((directory / "dataset_dict.json").read_text("utf-8"))["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def content_files(path: str | Path) -> list[Path]:
+    """The files whose bytes are the dataset (for cache keys): the file itself, or a directory's state and shards."""
+    p = Path(path)
+    if p.is_dir():
+        return [p / "state.json", *dataset_dir_files(p)]
+    return [p]
+
+
+def _unreadable(p: Path, exc: Exception) -> DataError:
+    return DataError("cannot read the dataset file", f"{p}: {exc}", f"train.dataset takes {FORMATS}, JSON as UTF-8")
+
+
+def _json_lines(p: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        with p.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    yield f"line {lineno}", json.loads(raw)
+                except UnicodeDecodeError as exc:
+                    raise _unreadable(p, f"line {lineno}: {exc}") from None
+                except json.JSONDecodeError as exc:
+                    raise bad_json(p, f"line {lineno}", exc.msg, raw[:80].decode("utf-8", "replace").rstrip()) from None
+    except OSError as exc:
+        raise _unreadable(p, exc) from None
+
+
+def _starts_with_bracket(p: Path) -> bool:
+    try:
+        with p.open("rb") as fh:
+            return fh.read(JSON_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
+    except OSError as exc:
+        raise _unreadable(p, exc) from None
+
+
+def _json_array(p: Path) -> Iterator[tuple[str, Any]]:
+    """Element by element: raw_decode at each position, tracking the line each element starts on."""
+    try:
+        text = p.read_text("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _unreadable(p, exc) from None
+    decoder = json.JSONDecoder()
+    pos, line, counted = text.index("[") + 1, 1, 0
+
+    def skip() -> str:  # past whitespace; the next character ("" at the end)
+        nonlocal pos, line, counted
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        line += text.count("\n", counted, pos)
+        counted = pos
+        return text[pos:pos + 1]
+
+    if skip() != "]":
+        while True:
+            try:
+                record, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as exc:
+                raise bad_json(p, f"line {exc.lineno}", exc.msg, text[exc.pos:exc.pos + 60].split("\n")[0]) from None
+            yield f"line {line}", record
+            nxt = skip()
+            if nxt == "]":
+                break
+            if nxt != ",":
+                raise bad_json(p, f"line {line}", "expected ',' or ']' after a record" if nxt else "the array is not closed",
+                               text[pos:pos + 40])
+            pos += 1
+            skip()
+    pos += 1
+    if skip():
+        raise bad_json(p, f"line {line}", "extra data after the array", text[pos:pos + 40])
+
+
+def _clean(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Iterator[tuple[str, Any]]:
+    """The rows of record batches from row index ``index`` on; returns the index after the last."""
+    from pyarrow import ArrowException
+
+    try:
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield f"row index {index}", _clean(row)
+                index += 1
+    except (OSError, ValueError, ArrowException) as exc:  # a truncated file, a type pyarrow cannot convert
+        raise DataError(f"cannot read the {what} file", f"{p}, after row index {index}: {exc}"[:300],
+                        "the file may be truncated or not in this format; write it again") from None
+    return index
+
+
+def _pyarrow(p: Path):
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise DataError("reading parquet and arrow datasets needs pyarrow, which is not installed", str(p),
+                        "pip install 'swiftslurm[train]' (or pyarrow), or convert the data to JSONL") from None
+    return pyarrow
+
+
+def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
+    pq = _pyarrow(p).parquet
+    try:
+        reader = pq.ParquetFile(p)
+    except (OSError, ValueError) as exc:
+        raise DataError("cannot read the parquet file", f"{p}: {exc}"[:300], "write it again (e.g. Dataset.to_parquet)") from None
+    yield from _batches_rows(p, reader.iter_batches(batch_size=BATCH_ROWS), "parquet")
+
+
+def _arrow_rows(p: Path, start: int = 0) -> Iterator[tuple[str, Any]]:
+    pa = _pyarrow(p)
+    try:
+        source = pa.memory_map(str(p))
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except (OSError, ValueError):
+            source.seek(0)
+            batches = pa.ipc.open_stream(source)
+    except (OSError, ValueError) as exc:
+        raise DataError("cannot read the arrow file", f"{p}: {exc}"[:300],
+                        "an Arrow IPC file or stream, as datasets' save_to_disk writes it") from None
+    return (yield from _batches_rows(p, batches, "arrow", start))
