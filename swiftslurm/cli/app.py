@@ -125,8 +125,28 @@ def load_plan(spec_path: Path, training: bool = False):
     if training:
         require_training(spec, str(spec_path))
     the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
+    _check_preference_data(the_plan, str(spec_path))
     render_all(the_plan)  # every group's script: what goes on #SBATCH lines
     return the_plan
+
+
+def _check_preference_data(the_plan, source: str) -> None:
+    """task = "dpo": every record of every dataset is a prompt/chosen/rejected pair (file and line of the first
+    that is not). SFT data is checked where it is tokenized; a preference pair's check is cheap, so here."""
+    from ..errors import Problem, SpecError
+    from ..train import preference
+    from ..train.data import DataError
+
+    checked: set[tuple[str, ...]] = set()
+    for task in the_plan.tasks:
+        paths = tuple(task.spec.train.dataset)
+        if task.spec.train.task != "dpo" or task.spec.train.command or paths in checked:
+            continue
+        checked.add(paths)
+        try:
+            preference.check_files(list(paths))
+        except DataError as exc:
+            raise SpecError(source, [Problem("train.dataset", exc.what, exc.found, exc.hint)]) from None
 
 
 @app.command()
