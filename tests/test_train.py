@@ -56,9 +56,10 @@ def to_toml(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quickstart_spec(tmp: Path, name: str, **train) -> tuple[str, Path]:
-    """The shipped quickstart spec with absolute paths, its own output dir and train overrides."""
-    data = tomllib.loads(QUICKSTART.read_text())
+def quickstart_spec(tmp: Path, name: str, example: Path = QUICKSTART, **train) -> tuple[str, Path]:
+    """A shipped example spec (the quickstart unless ``example``) with absolute paths, its own output dir and
+    train overrides."""
+    data = tomllib.loads(example.read_text())
     out = tmp / name
     data["job"]["output_dir"] = str(out)
     data["train"]["dataset"] = [str(ROOT / d) for d in data["train"]["dataset"]]

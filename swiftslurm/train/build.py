@@ -128,6 +128,7 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
         use_liger_kernel=liger,
         disable_tqdm=True,
         save_only_model=False,
+        ddp_find_unused_parameters=False,  # plain DDP (deepspeed = "none"): every trainable weight gets a gradient
         **optimizer_arguments(t),
     )
 
@@ -136,3 +137,21 @@ def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: b
     from transformers import TrainingArguments
 
     return TrainingArguments(**training_kwargs(spec, output_dir, ds_config, cuda, liger))
+
+
+# The classes GaLore/APOLLO keep in their optimizer state (the projection of each matrix): a resume loads the
+# optimizer with torch.load(weights_only=True), which refuses any class it was not told is safe.
+PROJECTOR_CLASSES = {
+    "galore": [("galore_torch.galore_projector", "GaLoreProjector")],
+    "apollo": [("apollo_torch.random_projector", "GradientProjector"), ("apollo_torch.svd_projector", "GaLoreProjector")],
+}
+
+
+def allow_low_rank_optimizer_state(optimizer: str) -> None:
+    """Let a resume load the projector objects of ``train.optimizer`` (plain data: matrices, ranks, seeds)."""
+    import importlib
+
+    import torch
+
+    for module, name in PROJECTOR_CLASSES.get(optimizer.split("_")[0], []):
+        torch.serialization.add_safe_globals([getattr(importlib.import_module(module), name)])

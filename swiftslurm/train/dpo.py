@@ -17,9 +17,11 @@ measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTra
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("swiftslurm.train")
+CACHE_DIR = ".swiftslurm-cache/preference"  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
 
 
 def dpo_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool):
@@ -83,7 +85,7 @@ class DPOTask:
 
         ensure_chat_template(tok)
         with args.main_process_first(local=False, desc="reading the preference data"):
-            dataset = preference.load(list(spec.train.dataset))
+            dataset = preference.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
         return dataset, None  # TRL's DataCollatorForPreference
 
     def describe_data(self, spec, dataset) -> str:

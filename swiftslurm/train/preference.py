@@ -101,10 +101,20 @@ def check_files(paths: list[str]) -> tuple[int, str]:
     return count, first[0]
 
 
-def load(paths: list[str]):
-    """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected), in file order."""
+def _rows(paths: list[str], digests: list[str]) -> Iterator[dict[str, Any]]:
+    for path in paths:  # digests: only in the key of the cache (a changed file is a new dataset)
+        for _, rec in _records(path):
+            yield {k: rec[k] for k in FIELDS}
+
+
+def load(paths: list[str], cache_dir: str | Path):
+    """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected), in file order, written as
+    Arrow under ``cache_dir`` (shared by the ranks: TRL's tokenized copy and precomputed reference
+    log-probs are cached next to it, keyed by its fingerprint, so a requeue reuses them)."""
     from datasets import Dataset
 
+    from .datacache import _file_digest
+
     check_files(paths)
-    rows = [{k: rec[k] for k in FIELDS} for path in paths for _, rec in _records(path)]
-    return Dataset.from_list(rows)
+    digests = [_file_digest(p) for p in paths]
+    return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))

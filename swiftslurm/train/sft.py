@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                    load_model_and_tokenizer, training_arguments)
+                    allow_low_rank_optimizer_state, load_model_and_tokenizer, training_arguments)
 
 log = logging.getLogger("swiftslurm.train")
 SUMMARY_FILE = "train-summary.json"
@@ -146,6 +146,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
         flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
+    if spec.train.optimizer != "adamw":
+        allow_low_rank_optimizer_state(spec.train.optimizer)
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
