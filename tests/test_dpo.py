@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import losses, quickstart_spec, run, tensorboard_scalars
+from test_train import losses, quickstart_spec, run, submit_on_two_nodes, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 DPO_EXAMPLE = ROOT / "examples" / "dpo_lora.toml"
@@ -170,3 +170,20 @@ def test_galore_trains_on_plain_ddp_and_resumes_exactly(tmp_path):
     again = losses(out2)
     for step in range(7, 13):
         assert again[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), (step, again[step], full[step])
+
+
+@pytest.mark.slow
+def test_dpo_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
+    """The DPO example, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`: the reward
+    accuracy is all-reduced over both nodes' pairs and still rises."""
+    from swiftslurm import checkpoint as ck
+
+    spec, out = example_spec(tmp_path, "dpo2", max_steps=12, save_steps=6, logging_steps=1)
+    hosts = submit_on_two_nodes(spec, out, "dpo-2node-test")
+    assert len(set(hosts)) == 2, hosts
+    for name in ("checkpoint-6", "checkpoint-12"):
+        assert ck.verify(out / name).ok
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = [r["rewards/accuracies"] for r in rows if "rewards/accuracies" in r]
+    assert len(acc) == 12 and acc[-1] > 0.8, acc
+    assert "reward accuracy" in json.loads((out / "train-summary.json").read_text())["text"]
