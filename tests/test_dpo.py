@@ -187,3 +187,12 @@ def test_dpo_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
     acc = [r["rewards/accuracies"] for r in rows if "rewards/accuracies" in r]
     assert len(acc) == 12 and acc[-1] > 0.8, acc
     assert "reward accuracy" in json.loads((out / "train-summary.json").read_text())["text"]
+
+
+def test_galore_8bit_without_a_gpu_is_one_clear_error():
+    from swiftslurm.train.build import OptimizerUnavailable, check_optimizer
+
+    check_optimizer("galore_adamw", cuda=False)
+    with pytest.raises(OptimizerUnavailable, match="needs a GPU") as err:
+        check_optimizer("galore_adamw_8bit", cuda=False)
+    assert err.value.exit_code == 2 and "galore_adamw on CPU" in err.value.hint

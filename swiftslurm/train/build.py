@@ -155,3 +155,22 @@ def allow_low_rank_optimizer_state(optimizer: str) -> None:
 
     for module, name in PROJECTOR_CLASSES.get(optimizer.split("_")[0], []):
         torch.serialization.add_safe_globals([getattr(importlib.import_module(module), name)])
+
+
+class OptimizerUnavailable(SwiftSlurmError):
+    exit_code = 2
+
+
+def check_optimizer(optimizer: str, cuda: bool) -> None:
+    """``train.optimizer`` can run on this node: its package is installed, and the 8-bit one has a GPU."""
+    import importlib.util
+
+    if optimizer == "adamw":
+        return
+    package = "galore_torch" if optimizer.startswith("galore") else "apollo_torch"
+    if importlib.util.find_spec(package) is None:
+        raise OptimizerUnavailable(f"train.optimizer = {optimizer!r} needs the {package} package", "not installed on this node",
+                                   "pip install 'swiftslurm[galore]' (or the train extra) in the job's environment")
+    if optimizer == "galore_adamw_8bit" and not cuda:
+        raise OptimizerUnavailable("train.optimizer = 'galore_adamw_8bit' needs a GPU (bitsandbytes' 8-bit optimizer)",
+                                   "no CUDA device on this node", "use galore_adamw on CPU nodes")

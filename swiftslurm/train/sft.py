@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                    allow_low_rank_optimizer_state, load_model_and_tokenizer, training_arguments)
+                    allow_low_rank_optimizer_state, check_optimizer, load_model_and_tokenizer, training_arguments)
 
 log = logging.getLogger("swiftslurm.train")
 SUMMARY_FILE = "train-summary.json"
@@ -98,6 +98,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     planned_ds_config = ds_config
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
+    check_optimizer(spec.train.optimizer, cuda)
     import transformers
 
     from . import kernels, nvme_swap, resume
