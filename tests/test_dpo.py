@@ -45,6 +45,7 @@ def validate(spec: str) -> subprocess.CompletedProcess:
     ({"dpo_loss_type": "sigmod"}, ["did you mean 'sigmoid'"]),
     ({"dpo_loss_type": "exo_pair"}, ["label_smoothing"]),
     ({"max_prompt_length": 128}, ["max_prompt_length (128) must be below max_length (128)"]),
+    ({"use_liger_kernel": True}, ["use_liger_kernel = true with task"]),
     ({"task": "sft", "dpo_beta": 0.5}, ["dpo_beta, max_prompt_length set with task = \"sft\""]),
 ])
 def test_spec_refuses_what_cannot_work_with_the_reason(tmp_path, train, expected):

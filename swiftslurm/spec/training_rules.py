@@ -36,6 +36,11 @@ def train_problems(t: Any) -> list[str]:
         out.append(f"{', '.join(galore_keys)} set with optimizer = {t.optimizer!r}: they configure the low-rank "
                    "optimizers only. HINT: optimizer = \"galore_adamw\" (or galore_adamw_8bit, apollo_adamw), or drop them")
     if t.task == "dpo":
+        if t.use_liger_kernel is True:
+            out.append(
+                "use_liger_kernel = true with task = \"dpo\": TRL's DPOTrainer scores chosen and rejected with its own "
+                "log-probability pass, which Liger's fused loss replaces for SFT only (and TRL refuses Liger with "
+                "precompute_ref_log_probs). HINT: drop use_liger_kernel (\"auto\" leaves it off for DPO)")
         if t.max_prompt_length is not None and t.max_prompt_length >= t.max_length:
             out.append(
                 f"max_prompt_length ({t.max_prompt_length}) must be below max_length ({t.max_length}): the prompt "
