@@ -1,4 +1,6 @@
-"""The built-in SFT trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
+"""The built-in trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
+
+SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class).
 
 Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
