@@ -228,9 +228,18 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     return merged, warnings
 
 
+NO_DEEPSPEED = "none"  # train.deepspeed = "none": plain data parallel (torch DDP); the dict is empty
+
+
 def build_for_spec(spec) -> tuple[dict[str, Any], list[str]]:
-    """The final DeepSpeed dict of a JobSpec (world size = ``spec.world_size``) and its warnings."""
+    """The final DeepSpeed dict of a JobSpec (world size = ``spec.world_size``) and its warnings.
+    ``train.deepspeed = "none"``: {} (no DeepSpeed engine), and a [deepspeed] table is refused."""
     name = spec.train.deepspeed
+    if name == NO_DEEPSPEED:
+        if spec.deepspeed:
+            raise _refuse("deepspeed", "a [deepspeed] table with train.deepspeed = \"none\" (plain DDP): nothing would "
+                          "read it", sorted(spec.deepspeed), "drop [deepspeed], or pick a ZeRO preset for train.deepspeed")
+        return {}, []
     if is_user_file(name):
         base = load_user_config(name)
         source = name

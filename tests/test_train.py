@@ -56,9 +56,10 @@ def to_toml(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quickstart_spec(tmp: Path, name: str, **train) -> tuple[str, Path]:
-    """The shipped quickstart spec with absolute paths, its own output dir and train overrides."""
-    data = tomllib.loads(QUICKSTART.read_text())
+def quickstart_spec(tmp: Path, name: str, example: Path = QUICKSTART, **train) -> tuple[str, Path]:
+    """A shipped example spec (the quickstart unless ``example``) with absolute paths, its own output dir and
+    train overrides."""
+    data = tomllib.loads(example.read_text())
     out = tmp / name
     data["job"]["output_dir"] = str(out)
     data["train"]["dataset"] = [str(ROOT / d) for d in data["train"]["dataset"]]
@@ -265,13 +266,12 @@ def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.slurm
-def test_same_trainer_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
-    """The quickstart trainer, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`."""
+def submit_on_two_nodes(spec: str, out: Path, job_name: str) -> list[str]:
+    """`swiftslurm submit --wait` of ``spec`` as 2 nodes x 1 rank on the test cluster; the hosts it ran on."""
     import subprocess
 
-    spec, out = quickstart_spec(tmp_path, "slurm2", max_steps=8, save_steps=4, logging_steps=1)
     data = tomllib.loads(Path(spec).read_text())
-    data["job"]["name"] = "train-2node-test"
+    data["job"]["name"] = job_name
     data["slurm"] = {"partition": "debug", "nodes": 2, "tasks_per_node": 1, "time": "00:10:00", "signal_grace_s": 60}
     data["preflight"] = {"checks": []}
     Path(spec).write_text(to_toml(data))
@@ -281,9 +281,15 @@ def test_same_trainer_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster)
     (job_id,) = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"]
     nodelist = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "NodeList"],
                               capture_output=True, text=True, timeout=30).stdout.split()[0]
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           timeout=30).stdout.split()
-    assert len(set(hosts)) == 2, nodelist
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          timeout=30).stdout.split()
+
+
+def test_same_trainer_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
+    """The quickstart trainer, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`."""
+    spec, out = quickstart_spec(tmp_path, "slurm2", max_steps=8, save_steps=4, logging_steps=1)
+    hosts = submit_on_two_nodes(spec, out, "train-2node-test")
+    assert len(set(hosts)) == 2, hosts
     for name in ("checkpoint-4", "checkpoint-8"):
         assert ck.verify(out / name).ok
     by_step = losses(out)

@@ -134,24 +134,27 @@ def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | N
 
 
 def scan_data(the_plan) -> list[str]:
-    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list;
-    a malformed record is a DataError naming its file and line. One note per scan, for ``validate``."""
+    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
+    SFT records, or prompt/chosen/rejected pairs for ``task = "dpo"``; a malformed record is a DataError
+    naming its file and line. One note per scan, for ``validate``."""
     import time
 
+    from ..train import preference
     from ..train.data import scan
 
     notes, seen = [], set()
     for task in the_plan.tasks:
         t = task.spec.train
-        if not task.spec.has_training or t.command or tuple(t.dataset) in seen:
+        if not task.spec.has_training or t.command or (t.task, tuple(t.dataset)) in seen:
             continue
-        seen.add(tuple(t.dataset))
+        seen.add((t.task, tuple(t.dataset)))
         if not t.dataset_scan:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
-        count = scan(t.dataset)
-        notes.append(f"dataset: {count:,} record(s) in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
+        count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
+        kind = "preference pair(s)" if t.task == "dpo" else "record(s)"
+        notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes
 
 

@@ -6,7 +6,7 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 
 from __future__ import annotations
 
-from ..dsconfig import MAX_NESTING
+from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
 from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
 import re
@@ -18,6 +18,9 @@ MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
 # transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+                  "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
@@ -229,6 +232,15 @@ class TrainTable(_Table):
     dataloader_pin_memory: bool = True
     resume_from: str | None = None
     resume_weights_only: bool = False
+    task: Literal["sft", "dpo"] = "sft"
+    dpo_beta: float = Field(0.1, gt=0, le=1000)
+    dpo_loss_type: str = "sigmoid"
+    precompute_ref_log_probs: bool = False
+    max_prompt_length: int | None = Field(None, ge=1, le=1_048_576)
+    optimizer: Literal["adamw", "galore_adamw", "galore_adamw_8bit", "apollo_adamw"] = "adamw"
+    galore_rank: int = Field(128, ge=1, le=65536)
+    galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
+    galore_scale: float | None = Field(None, gt=0, le=1000)  # None: the library default (GaLore 0.25, APOLLO 1.0)
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -265,13 +277,15 @@ class TrainTable(_Table):
     def _ds(cls, v: str) -> str:
         from .. import dsconfig
 
+        if v == NO_DEEPSPEED:
+            return v
         if v.endswith(".json") or "/" in v:
             return _path(v)  # a user file: its existence and content are checked by check_files()
         presets = dsconfig.preset_names()
         if v not in presets:
             close = did_you_mean(v, presets)
             hint = f" {close[0].upper()}{close[1:]}" if close else ""
-            raise ValueError(f"a preset ({', '.join(presets)}) or a path to a .json file.{hint}")
+            raise ValueError(f"a preset ({', '.join(presets)}), \"{NO_DEEPSPEED}\" (plain DDP) or a path to a .json file.{hint}")
         return v
 
     @field_validator("use_liger_kernel", mode="before")
@@ -281,8 +295,23 @@ class TrainTable(_Table):
             return v
         raise ValueError('true, false, or "auto" (on GPUs where liger-kernel is installed)')
 
+    @field_validator("dpo_loss_type")
+    @classmethod
+    def _loss_type(cls, v: str) -> str:
+        if v == "exo_pair":
+            raise ValueError("exo_pair needs label_smoothing > 0 in TRL, which the spec does not expose. "
+                             f"HINT: one of {', '.join(DPO_LOSS_TYPES)}")
+        if v not in DPO_LOSS_TYPES:
+            close = did_you_mean(v, DPO_LOSS_TYPES)
+            raise ValueError(f"one of TRL's DPO loss types: {', '.join(DPO_LOSS_TYPES)}{'; ' + close if close else ''}")
+        return v
+
     @model_validator(mode="after")
     def _cross(self) -> "TrainTable":
+        from .training_rules import train_problems
+
+        for message in train_problems(self):
+            raise ValueError(message)
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (bf16 on Ampere or newer GPUs)")
         if self.max_steps is not None and self.num_train_epochs is not None:
@@ -297,6 +326,9 @@ class TrainTable(_Table):
                              "script, which loads its own checkpoints: drop one of them")
         if self.resume_weights_only and self.resume_from is None:
             raise ValueError("train.resume_weights_only = true needs train.resume_from (the checkpoint whose weights to start from)")
+        if self.resume_weights_only and self.task == "dpo" and self.train_type == "lora":
+            raise ValueError("train.resume_weights_only with task = \"dpo\" and train_type = \"lora\" is not supported (TRL wraps the "
+                             "adapter itself): merge the adapter into a model dir and set train.model to it, or resume fully")
         return self
 
     @property

@@ -1,4 +1,6 @@
-"""The built-in SFT trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
+"""The built-in trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
+
+SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class).
 
 Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
@@ -10,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import SwiftSlurmError
+from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
+                    allow_low_rank_optimizer_state, check_optimizer, load_model_and_tokenizer, training_arguments)
 
 log = logging.getLogger("swiftslurm.train")
 SUMMARY_FILE = "train-summary.json"
@@ -42,105 +44,46 @@ class TrainResult:
     attn_implementation: str = ""
     liger: bool = False
     packing: bool = False
+    task: str = "sft"
+    reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies
 
 
-class ModelUnavailable(SwiftSlurmError):
-    exit_code = 2
+class SFTTask:
+    """What differs between tasks, behind one seam: the arguments, the data and the Trainer class.
+    ``dpo.DPOTask`` is the other one; everything else in ``train`` (resume, callbacks, checkpoints,
+    metrics, the summary) is shared."""
+
+    name = "sft"
+
+    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool):
+        return training_arguments(spec, output_dir, ds_config, cuda, liger)
+
+    def prepare_model(self, model, spec):
+        if spec.train.train_type == "lora":
+            model = _apply_lora(model, spec.train)
+            if spec.train.gradient_checkpointing:
+                model.enable_input_require_grads()
+        return model
+
+    def data(self, spec, args, tok, model, attn: str, output_dir: str):
+        return _data(spec, args, tok, model, attn, output_dir)
+
+    def describe_data(self, spec, dataset) -> str:
+        return (f"on: {len(dataset)} rows of {spec.train.max_length} tokens, {dataset.padding_ratio():.1%} padding"
+                if spec.train.packing else "off (each micro-batch padded to its longest sample)")
+
+    def trainer(self, spec, cuda: bool, attn: str, **kwargs):
+        from .trainer import SFTTrainer
+
+        return SFTTrainer(**kwargs)
 
 
-def _prepare_device_env() -> bool:
-    """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported."""
-    import torch
+def _task(spec):
+    if spec.train.task == "dpo":
+        from .dpo import DPOTask
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return cuda
-
-
-def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"):
-    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
-    import torch
-
-    train = spec.train
-    if train.model == "tiny-llama":
-        from .tinymodel import build_model, build_tokenizer
-
-        tok = build_tokenizer()
-        model = build_model(len(tok), train.max_length, train.seed)
-        model.set_attn_implementation(attn_implementation)
-        return model, tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    last: Exception | None = None
-    for local_only in (True, False) if not offline else (True,):
-        try:
-            tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
-            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only,
-                                                         attn_implementation=attn_implementation)
-            return model, tok
-        except (OSError, ValueError) as exc:
-            last = exc
-    raise ModelUnavailable(
-        f"cannot load model {train.model!r}",
-        str(last).splitlines()[0][:200] if last else "",
-        "nodes usually have no internet: download it first (`huggingface-cli download ...` into the shared "
-        "HF_HOME) or set train.model to a local directory with config.json; 'tiny-llama' is a built-in test model",
-    )
-
-
-def _apply_lora(model, train):
-    from peft import LoraConfig, get_peft_model
-
-    targets = train.lora_target_modules
-    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
-                        target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
-
-
-def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:
-    section = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
-    return section.get("device") in ("cpu", "nvme")
-
-
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False):
-    from transformers import TrainingArguments
-
-    t = spec.train
-    report = [r for r in t.report_to if r != "none"]
-    return TrainingArguments(
-        output_dir=output_dir,
-        per_device_train_batch_size=t.per_device_train_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,  # a float below 1 is a ratio of the total steps
-        lr_scheduler_type=t.lr_scheduler_type,
-        max_steps=t.max_steps if t.max_steps is not None else -1,
-        num_train_epochs=t.epochs,
-        logging_steps=t.logging_steps,
-        logging_first_step=True,
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=None,  # retention is checkpoint.prune's job
-        seed=t.seed,
-        data_seed=t.seed,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        gradient_checkpointing=t.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
-        deepspeed=ds_config,
-        use_cpu=not cuda,
-        report_to=report or "none",
-        remove_unused_columns=False,
-        dataloader_num_workers=t.dataloader_num_workers,
-        dataloader_pin_memory=t.dataloader_pin_memory and cuda,
-        use_liger_kernel=liger,
-        disable_tqdm=True,
-        save_only_model=False,
-    )
+        return DPOTask()
+    return SFTTask()
 
 
 def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: str | bool | None,
@@ -157,22 +100,26 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     planned_ds_config = ds_config
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
+    check_optimizer(spec.train.optimizer, cuda)
     import transformers
 
     from . import kernels, nvme_swap
     from . import resume_from as resume_from_mod
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
-    from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
+    from .trainer import MetricsFileCallback, ScheduleCallback
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     node = kernels.node_facts(cuda)
-    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, spec.train.packing, node,
-                                                 spec.train.max_length)
+    packs = spec.train.packing and spec.train.task == "sft"
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
+    task = _task(spec)
+    if task.name == "dpo" and liger:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
+        liger, liger_why = False, "not used by DPO"
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
-    args = training_arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
+    args = task.arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
     # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
     start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node, dist.world_size)
     resume_from = start.full_resume
@@ -183,17 +130,14 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         tok.pad_token = tok.eos_token
     resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
     total_params = sum(p.numel() for p in model.parameters())
-    if spec.train.train_type == "lora":
-        model = _apply_lora(model, spec.train)
+    model = task.prepare_model(model, spec)
+    if spec.train.train_type == "lora" and task.name == "sft":  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
-        if spec.train.gradient_checkpointing:
-            model.enable_input_require_grads()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dataset, collator = _data(spec, args, tok, model, attn, output_dir)
+    dataset, collator = task.data(spec, args, tok, model, attn, output_dir)
     if dist.rank == 0:
         log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", attn, attn_why, "on" if liger else "off",
-                    liger_why, f"on: {len(dataset)} rows of {spec.train.max_length} tokens, {dataset.padding_ratio():.1%} padding"
-                    if spec.train.packing else "off (each micro-batch padded to its longest sample)")
+                    liger_why, task.describe_data(spec, dataset))
 
     comm = CommTimer().install()
     meter = StepMeter(comm)
@@ -205,18 +149,20 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
            "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
-           "spec_fingerprint": fingerprint, "packing": spec.train.packing}
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, data_collator=collator,
+           "spec_fingerprint": fingerprint, "packing": packs}
+    trainer = task.trainer(
+        spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
         flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
+    if spec.train.optimizer != "adamw":
+        allow_low_rank_optimizer_state(spec.train.optimizer)
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
         comm.uninstall()
         nvme_swap.cleanup(swap_folders, dist.rank)
-    kernels_used = {"attn_implementation": attn, "liger": liger, "packing": spec.train.packing}
+    kernels_used = {"attn_implementation": attn, "liger": liger, "packing": job["packing"], "task": task.name}
     result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
     # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
@@ -259,6 +205,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     speeds = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
+    accuracies = [h["rewards/accuracies"] for h in history if "rewards/accuracies" in h]
     useful = int(sum(h.get("useful_tokens", 0) for h in history))
     total = int(sum(h.get("total_tokens", 0) for h in history))
     step_s = sum(h["useful_tokens"] / h["useful_tokens_per_s"] for h in history
@@ -279,6 +226,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         total_tokens=total,
         useful_tokens_per_s=useful / step_s if step_s > 0 else None,
         padding_ratio=1.0 - useful / total if total else None,
+        reward_accuracy=accuracies[-1] if accuracies else None,
         **kernels_used,
     )
     if rank == 0:
@@ -320,6 +268,8 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]
+    if result.task == "dpo":
+        lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}")
     if result.tensorboard_dir:
         lines.append(f"  TensorBoard: tensorboard --logdir {result.tensorboard_dir}")
     if result.metrics_file:

@@ -71,7 +71,9 @@ class SFTTrainer(Trainer):
         default optimizer, with a warning, when the op cannot be built on this node (no compiler or ninja)."""
         if not self.cpu_adam or self.optimizer is not None:
             optimizer = super().create_optimizer(model)
-            self.optimizer_name = type(optimizer).__name__
+            kind = type(optimizer)
+            package = kind.__module__.split(".")[0]  # galore_torch.AdamW is not torch's AdamW
+            self.optimizer_name = kind.__name__ if package == "torch" else f"{package}.{kind.__name__}"
             return optimizer
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))

@@ -1,0 +1,176 @@
+"""What every task builds before training: the model and tokenizer, LoRA, and the TrainingArguments.
+
+Shared by ``sft`` (and its task seam) and ``dpo``: the arguments of every task start from
+``training_kwargs`` (batch, schedule, saving, precision, DeepSpeed or plain DDP, the optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import SwiftSlurmError
+
+
+class ModelUnavailable(SwiftSlurmError):
+    exit_code = 2
+
+
+def _prepare_device_env() -> bool:
+    """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return cuda
+
+
+def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"):
+    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
+    import torch
+
+    train = spec.train
+    if train.model == "tiny-llama":
+        from .tinymodel import build_model, build_tokenizer
+
+        tok = build_tokenizer()
+        model = build_model(len(tok), train.max_length, train.seed)
+        model.set_attn_implementation(attn_implementation)
+        return model, tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    last: Exception | None = None
+    for local_only in (True, False) if not offline else (True,):
+        try:
+            tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only,
+                                                         attn_implementation=attn_implementation)
+            return model, tok
+        except (OSError, ValueError) as exc:
+            last = exc
+    raise ModelUnavailable(
+        f"cannot load model {train.model!r}",
+        str(last).splitlines()[0][:200] if last else "",
+        "nodes usually have no internet: download it first (`huggingface-cli download ...` into the shared "
+        "HF_HOME) or set train.model to a local directory with config.json; 'tiny-llama' is a built-in test model",
+    )
+
+
+def lora_config(train):
+    from peft import LoraConfig
+
+    return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
+                      target_modules=train.lora_target_modules, task_type="CAUSAL_LM")
+
+
+def _apply_lora(model, train):
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(train))
+
+
+def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+    section = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return section.get("device") in ("cpu", "nvme")
+
+
+# the weight matrices a low-rank optimizer projects (HF Trainer's optim_target_modules; fullmatch on module names)
+LOW_RANK_TARGETS = [r".*attn.*", r".*mlp.*"]
+
+
+def optimizer_arguments(t) -> dict[str, Any]:
+    """TrainingArguments keys of ``train.optimizer``: {} for AdamW (the Trainer's default), else GaLore/APOLLO
+    through the Trainer's own optimizer support with rank, projection gap and scale."""
+    if t.optimizer == "adamw":
+        return {}
+    args = {"rank": t.galore_rank, "update_proj_gap": t.galore_update_proj_gap}
+    if t.galore_scale is not None:
+        args["scale"] = t.galore_scale
+    return {"optim": t.optimizer, "optim_target_modules": list(LOW_RANK_TARGETS),
+            "optim_args": ",".join(f"{k}={v}" for k, v in args.items())}
+
+
+def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False) -> dict[str, Any]:
+    """The TrainingArguments of every task (DPO's config adds its own keys): batch, schedule, saving, precision,
+    DeepSpeed (none when ``ds_config`` is empty: ``train.deepspeed = "none"``, plain DDP) and the optimizer."""
+    t = spec.train
+    report = [r for r in t.report_to if r != "none"]
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        lr_scheduler_type=t.lr_scheduler_type,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        num_train_epochs=t.epochs,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=None,  # retention is checkpoint.prune's job
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        deepspeed=ds_config or None,
+        use_cpu=not cuda,
+        report_to=report or "none",
+        remove_unused_columns=False,
+        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_pin_memory=t.dataloader_pin_memory and cuda,
+        use_liger_kernel=liger,
+        disable_tqdm=True,
+        save_only_model=False,
+        ddp_find_unused_parameters=False,  # plain DDP (deepspeed = "none"): every trainable weight gets a gradient
+        **optimizer_arguments(t),
+    )
+
+
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**training_kwargs(spec, output_dir, ds_config, cuda, liger))
+
+
+# The classes GaLore/APOLLO keep in their optimizer state (the projection of each matrix): a resume loads the
+# optimizer with torch.load(weights_only=True), which refuses any class it was not told is safe.
+PROJECTOR_CLASSES = {
+    "galore": [("galore_torch.galore_projector", "GaLoreProjector")],
+    "apollo": [("apollo_torch.random_projector", "GradientProjector"), ("apollo_torch.svd_projector", "GaLoreProjector")],
+}
+
+
+def allow_low_rank_optimizer_state(optimizer: str) -> None:
+    """Let a resume load the projector objects of ``train.optimizer`` (plain data: matrices, ranks, seeds)."""
+    import importlib
+
+    import torch
+
+    for module, name in PROJECTOR_CLASSES.get(optimizer.split("_")[0], []):
+        torch.serialization.add_safe_globals([getattr(importlib.import_module(module), name)])
+
+
+class OptimizerUnavailable(SwiftSlurmError):
+    exit_code = 2
+
+
+def check_optimizer(optimizer: str, cuda: bool) -> None:
+    """``train.optimizer`` can run on this node: its package is installed, and the 8-bit one has a GPU."""
+    import importlib.util
+
+    if optimizer == "adamw":
+        return
+    package = "galore_torch" if optimizer.startswith("galore") else "apollo_torch"
+    if importlib.util.find_spec(package) is None:
+        raise OptimizerUnavailable(f"train.optimizer = {optimizer!r} needs the {package} package", "not installed on this node",
+                                   "pip install 'swiftslurm[galore]' (or the train extra) in the job's environment")
+    if optimizer == "galore_adamw_8bit" and not cuda:
+        raise OptimizerUnavailable("train.optimizer = 'galore_adamw_8bit' needs a GPU (bitsandbytes' 8-bit optimizer)",
+                                   "no CUDA device on this node", "use galore_adamw on CPU nodes")

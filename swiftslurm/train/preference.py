@@ -1,0 +1,104 @@
+"""Preference data for ``task = "dpo"``: ``{"prompt", "chosen", "rejected"}`` records, checked and loaded.
+
+Two forms, as TRL's DPOTrainer takes them (one form per dataset):
+
+- standard: three strings, ``{"prompt": "2+2=", "chosen": "4", "rejected": "5"}``;
+- conversational: message lists, ``{"prompt": [{"role": "user", "content": ...}], "chosen": [{"role":
+  "assistant", "content": ...}], "rejected": [...]}`` (rendered with the tokenizer's chat template).
+
+Files are any format of ``records`` (JSONL, a JSON list, parquet, arrow, a save_to_disk dir).
+``check_files`` reads every record and raises ``DataError`` naming the file and line (columnar formats: row
+index) of the first malformed one; ``validate`` and the trainer both call it. Light: nothing here imports torch or datasets until ``load``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+from .data import ROLES, DataError, read_records
+
+FIELDS = ("prompt", "chosen", "rejected")
+FORMAT_HINT = ('each record is {"prompt": str, "chosen": str, "rejected": str}, or the same keys holding '
+               'message lists [{"role", "content"}, ...] (chosen/rejected: the assistant turn)')
+
+
+def _bad(path: Path, where: str, what: str, found: str = "") -> DataError:
+    return DataError(f"{path}, {where}: {what}", found, FORMAT_HINT)
+
+
+def _records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """("line N" or "row index N", record) of a JSONL/JSON/parquet/arrow file or save_to_disk dir (``records``)."""
+    yield from read_records(path)
+
+
+def _form(path: Path, where: str, key: str, value: Any) -> str:
+    """"text" or "messages" for one field, or a DataError."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise _bad(path, where, f"'{key}' is empty")
+        return "text"
+    if isinstance(value, list) and value:
+        for m in value:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+                raise _bad(path, where, f"each message of '{key}' needs 'role' ({', '.join(ROLES)}) and a string 'content'",
+                           repr(m)[:80])
+        return "messages"
+    raise _bad(path, where, f"'{key}' must be a non-empty string or message list", repr(value)[:80])
+
+
+def check_record(path: Path, where: str, rec: Any) -> str:
+    """The record's form ("text" or "messages"), or a DataError naming what is wrong."""
+    if not isinstance(rec, dict):
+        raise _bad(path, where, "a record must be a JSON object", type(rec).__name__)
+    missing = [k for k in FIELDS if k not in rec]
+    if missing:
+        raise _bad(path, where, f"missing {', '.join(repr(k) for k in missing)}", f"keys {sorted(rec)[:6]}")
+    forms = {k: _form(path, where, k, rec[k]) for k in FIELDS}
+    if len(set(forms.values())) != 1:
+        raise _bad(path, where, "prompt, chosen and rejected must all be strings or all be message lists",
+                   ", ".join(f"{k}: {v}" for k, v in forms.items()))
+    if forms["chosen"] == "messages":
+        for key in ("chosen", "rejected"):
+            if any(m["role"] != "assistant" for m in rec[key]):
+                raise _bad(path, where, f"'{key}' holds the answer being judged: assistant messages only",
+                           repr([m["role"] for m in rec[key]]))
+    elif rec["chosen"] == rec["rejected"]:
+        raise _bad(path, where, "'chosen' and 'rejected' are identical: the pair teaches nothing", repr(rec["chosen"])[:80])
+    return forms["chosen"]
+
+
+def check_files(paths: list[str]) -> tuple[int, str]:
+    """(record count, form) of every file together; the first malformed record, or a second form, raises."""
+    count, first = 0, None  # (form, path, where) of the first record
+    for path in paths:
+        for where, rec in _records(path):
+            form = check_record(Path(path), where, rec)
+            if first is None:
+                first = (form, path, where)
+            elif form != first[0]:
+                raise _bad(Path(path), where, f"this record is {form} but {first[1]}, {first[2]} is {first[0]}: "
+                           "one dataset holds one form")
+            count += 1
+    if first is None:
+        raise DataError("no preference record in the dataset", f"{len(paths)} file(s)", "check train.dataset")
+    return count, first[0]
+
+
+def _rows(paths: list[str], digests: list[str]) -> Iterator[dict[str, Any]]:
+    for path in paths:  # digests: only in the key of the cache (a changed file is a new dataset)
+        for _, rec in _records(path):
+            yield {k: rec[k] for k in FIELDS}
+
+
+def load(paths: list[str], cache_dir: str | Path):
+    """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected), in file order, written as
+    Arrow under ``cache_dir`` (shared by the ranks: TRL's tokenized copy and precomputed reference
+    log-probs are cached next to it, keyed by its fingerprint, so a requeue reuses them)."""
+    from datasets import Dataset
+
+    from .datacache import _file_digest
+
+    check_files(paths)
+    digests = [_file_digest(p) for p in paths]
+    return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))
