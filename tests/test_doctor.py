@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from swiftslurm import ledger
 from swiftslurm.doctor import diagnose, diagnose_task
 from swiftslurm.doctor.evidence import TaskRun, read_task
 from swiftslurm.doctor.hang import culprits, stack_dumps
@@ -158,6 +159,7 @@ def test_hang_names_the_rank_the_others_wait_for(tmp_path, mode):
     if mode == "die":
         assert any(f["code"] == "node_failure" and f["ranks"] == [2] for f in findings), findings
     assert any(f["code"] == "nccl_timeout" for f in findings)
+    assert ledger.read() == []  # a local run's "node" is this machine: never recorded in the node-health ledger
 
 
 @pytest.mark.slurm
@@ -168,6 +170,10 @@ def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
     assert hang["code"] == "hang" and hang["ranks"] == [2], findings
     node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
     assert hang["nodes"] == [node_of_2] and f"rank 2 ({node_of_2})" in hang["what"]
+    entries = ledger.read()  # remembered: the next submit avoids the node (tests/test_ledger.py)
+    assert [(e.node, e.reason, e.job) for e in entries] == [(node_of_2, "hang", sub.job_ids[0])], entries
+    doctor_json(Path(sub.job_ids[0]))
+    assert len(ledger.read()) == 1  # a second look records nothing twice
 
 
 # ---------------------------------------------------------------- stack dumps (real faulthandler output)
