@@ -248,6 +248,7 @@ def test_nan_grad_norm_after_ten_consecutive_logged_steps(tmp_path, bad, found):
     assert bool(codes) is found
     if found:
         assert codes[0].evidence[0].file == "metrics.jsonl" and codes[0].evidence[0].step == 6 and "train.max_grad_norm" in codes[0].keys
+        assert "train.max_grad_norm = 0.5, now 1" in codes[0].fix  # the default, as no spec.json says otherwise
 
 
 def test_speed_diagnosis_in_its_steps(tmp_path):

@@ -57,12 +57,14 @@ def nan_grad_norm(run: TaskRun) -> list[Finding]:
         return []
     key = "grad_norm" if _non_finite(best[0][1].get("grad_norm")) else "loss"
     lr = run.train("learning_rate")
+    clip = run.train("max_grad_norm", 1.0)
+    clip_now = f", now {clip:g}" if isinstance(clip, (int, float)) else ""
     return [Finding(
         "nan_grad_norm", f"{key} was NaN/inf for {len(best)} consecutive logged steps from step {best[0][1].get('step')}",
         "the updates diverged: the learning rate is too high for this model and batch, or fp16 overflowed "
         "(bf16 does not), or a bad sample (empty labels) produced an undefined loss",
         f"lower train.learning_rate{f' (now {lr:g})' if isinstance(lr, (int, float)) else ''}, clip gradients harder "
-        "(train.max_grad_norm = 0.5), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
+        f"(train.max_grad_norm = 0.5{clip_now}), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
         ("train.learning_rate", "train.max_grad_norm", "train.bf16", "train.fp16"),
         (_evidence(best[0], key), _evidence(best[-1], key)), run.task, (0,))]
 
