@@ -161,6 +161,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     import transformers
 
     from . import kernels, nvme_swap, resume
+    from .gpuutil import GpuSampler
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
@@ -191,7 +192,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
                     if spec.train.packing else "off (each micro-batch padded to its longest sample)")
 
     comm = CommTimer().install()
-    meter = StepMeter(comm)
+    gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
+    meter = StepMeter(comm, gpu)
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
@@ -210,6 +212,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
         comm.uninstall()
+        if gpu is not None:
+            gpu.stop()
         nvme_swap.cleanup(swap_folders, dist.rank)
     kernels_used = {"attn_implementation": attn, "liger": liger, "packing": spec.train.packing}
     result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)

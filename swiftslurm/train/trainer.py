@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
+from .gpuutil import UNKNOWN, gpu_fields
 from .metrics import MetricsFile, StepMeter
 
 log = logging.getLogger("swiftslurm.train")
@@ -109,9 +110,13 @@ class SFTTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
-            tokens, samples, total = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens],
-                                                 tdist.ReduceOp.SUM, self.args.device)
+            own = self.meter.gpu.take() if self.meter.gpu is not None else None
+            slots = [0.0] * self.args.world_size  # every rank's GPU utilisation, each in its own slot of the same sum
+            slots[self.args.process_index] = UNKNOWN if own is None else own
+            tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
+                                                         tdist.ReduceOp.SUM, self.args.device)
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
+            logs.update(gpu_fields(utils))
         super().log(logs, start_time)
 
     # ---- verified checkpoints
