@@ -176,6 +176,16 @@ def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
     assert len(ledger.read()) == 1  # a second look records nothing twice
 
 
+@pytest.mark.slurm
+def test_a_rank_killed_on_the_cluster_is_a_node_failure_and_its_node_is_remembered(tmp_path):
+    out, sub = run_local(tmp_path, ["die", "2", "6"], ranks=2, nodes=2, executor="slurm")
+    findings = doctor_json(out)
+    lost = [f for f in findings if f["code"] == "node_failure"]
+    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    assert lost and lost[0]["ranks"] == [2] and lost[0]["nodes"] == [node_of_2] and "SIGKILL" in lost[0]["what"], findings
+    assert ("node_failure", node_of_2) in {(e.reason, e.node) for e in ledger.read()}, ledger.read()
+
+
 # ---------------------------------------------------------------- stack dumps (real faulthandler output)
 
 DUMPER = textwrap.dedent(r"""
@@ -306,3 +316,24 @@ def test_a_stalled_run_is_a_hang_even_without_a_culprit(tmp_path):
     assert diagnose_task(run) == []
     run.end_time, run.summary = 1020.0 + 600.0, {"global_step": 20}  # it finished
     assert diagnose_task(run) == []
+
+
+# Captured from a Slurm cluster with cgroup memory enforcement (slurmstepd's words when the OOM killer ends a task);
+# marked as captured: the test cluster here does not enforce memory.
+CAPTURED_STEPD_OOM = "slurmstepd: error: Detected 1 oom_kill event in StepId=812.0. Some of the step tasks have been OOM Killed."
+
+
+def test_a_rank_the_oom_killer_ended_is_host_oom_and_its_node_is_not_blamed(tmp_path):
+    from swiftslurm.doctor.evidence import Line
+    from swiftslurm.doctor.remember import ledger_entries
+
+    killed = Line("812_0_log.err", 3, 1, "node2", 1000.0, "srun: error: node2: task 1: Killed")
+    oom = Line("812_0_log.err", 2, 1, "node2", 999.0, CAPTURED_STEPD_OOM)
+    run = TaskRun(0, str(tmp_path), state="OUT_OF_MEMORY", job_id="812", lines=[[oom, killed]], executor="slurm")
+    found = diagnose_task(run)
+    assert [f.code for f in found][:2] == ["node_failure", "host_oom"] and "slurm.mem" in found[1].keys
+    assert ledger_entries(found, [run]) == []  # the job's memory, not the node's health
+    run = TaskRun(0, str(tmp_path), state="FAILED", job_id="812", lines=[[killed]], executor="slurm")
+    assert [(e.node, e.reason, e.job) for e in ledger_entries(diagnose_task(run), [run])] == [("node2", "node_failure", "812")]
+    run.executor = "local"
+    assert ledger_entries(diagnose_task(run), [run]) == []
