@@ -73,7 +73,8 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local"):
+def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local",
+              slurm_extra: str = 'time = "00:05:00"', command: list[str] | None = None):
     out = tmp_path / "out"
     text = f"""
 [job]
@@ -82,9 +83,9 @@ output_dir = {json.dumps(str(out))}
 [slurm]
 nodes = {nodes}
 tasks_per_node = {ranks}
-time = "00:05:00"
+{slurm_extra}
 [train]
-command = {json.dumps([sys.executable, "-c", WORKER, *args])}
+command = {json.dumps(command or [sys.executable, "-c", WORKER, *args])}
 per_device_train_batch_size = 4
 {spec_extra}
 [preflight]
@@ -95,6 +96,12 @@ checks = []
     sub = submit_plan(plan, executor=executor)
     sub.wait(timeout_s=WAIT_S, poll_s=0.5)
     return out if executor == "local" else (out, sub)
+
+
+def node_of(out: Path, rank: int) -> str:
+    """The node a rank ran on, as its own log's ``[rank r node]`` tag says."""
+    tag = f"[rank {rank} "
+    return [ln for ln in (out / "logs" / f"rank-{rank}.log").read_text().splitlines() if tag in ln][0].split(tag)[1].split("]")[0]
 
 
 def cli(*args):
@@ -168,7 +175,7 @@ def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
     findings = doctor_json(Path(sub.job_ids[0]))  # by job id: found through the paths Slurm recorded
     hang = findings[0]
     assert hang["code"] == "hang" and hang["ranks"] == [2], findings
-    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    node_of_2 = node_of(out, 2)
     assert hang["nodes"] == [node_of_2] and f"rank 2 ({node_of_2})" in hang["what"]
     entries = ledger.read()  # remembered: the next submit avoids the node (tests/test_ledger.py)
     assert [(e.node, e.reason, e.job) for e in entries] == [(node_of_2, "hang", sub.job_ids[0])], entries
@@ -181,9 +188,22 @@ def test_a_rank_killed_on_the_cluster_is_a_node_failure_and_its_node_is_remember
     out, sub = run_local(tmp_path, ["die", "2", "6"], ranks=2, nodes=2, executor="slurm")
     findings = doctor_json(out)
     lost = [f for f in findings if f["code"] == "node_failure"]
-    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    node_of_2 = node_of(out, 2)
     assert lost and lost[0]["ranks"] == [2] and lost[0]["nodes"] == [node_of_2] and "SIGKILL" in lost[0]["what"], findings
     assert ("node_failure", node_of_2) in {(e.reason, e.node) for e in ledger.read()}, ledger.read()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_real_walltime_requeue_loop_is_walltime_loop_and_blames_no_node(tmp_path):
+    """A job whose time limit ends it before it ever saves, requeued by the runtime until slurm.max_requeues."""
+    out, _ = run_local(tmp_path, [], ranks=1, executor="slurm", command=["sleep", "600"],
+                       slurm_extra='time = "00:01:00"\nsignal_grace_s = 20\nmax_requeues = 1')
+    findings = doctor_json(out)
+    assert [f["code"] for f in findings] == ["walltime_loop"], findings  # Slurm's SIGTERMs are no node's failure
+    loop = findings[0]
+    assert "2 times in a row" in loop["what"] and "slurm.signal_grace_s" in loop["keys"] and "now 20" in loop["fix"]
+    assert ledger.read() == []
 
 
 # ---------------------------------------------------------------- stack dumps (real faulthandler output)

@@ -212,3 +212,33 @@ def test_preflight_records_only_the_blamed_nodes_of_a_slurm_job():
     everyone = [CheckResult("ports", f"{a}->{b}", False, "refused") for a in dist.nodes for b in dist.nodes if a != b]
     assert ledger_entries(everyone, dist, "/out") == []  # no node to blame: a firewall, not a node
     assert ledger_entries(bad, SimpleNamespace(executor="local", nodes=dist.nodes, requeue_id="local-1"), "/out") == []
+
+
+def test_each_allocation_of_a_sweep_gets_its_own_decision(tmp_path):
+    from swiftslurm.ledger import avoid_in_plan
+    from swiftslurm.plan import make_plan
+    from swiftslurm.slurm.render import sbatch_directives
+    from swiftslurm.spec import parse_toml, validate_spec
+
+    raw = parse_toml(f"""
+[job]
+name = "sweep"
+output_dir = "{tmp_path}/out"
+[slurm]
+exclude = "node1"
+[train]
+command = ["true"]
+[sweep]
+"slurm.nodes" = [2, 3]
+""")
+    plan = make_plan(validate_spec(raw), raw, base_dir=str(tmp_path))
+    entries = [Entry("node3", "hang", "rank 2 never joined", "9", time.time() - 60)]
+    new, decisions = avoid_in_plan(plan, entries, lambda partition: ["node1", "node2", "node3", "node4"])
+    by_group = {g: d for g, d in decisions}
+    small = [g for g in new.groups if g.slurm.nodes == 2][0]
+    big = [g for g in new.groups if g.slurm.nodes == 3][0]
+    assert small.slurm.exclude == "node[1,3]" and by_group[small.index].excluded == ("node3",)
+    assert big.slurm.exclude == "node1" and by_group[big.index].kept == ("node3",)  # 3 of the 3 left: node3 must stay
+    assert ("exclude", "node[1,3]") in sbatch_directives(new, small) and ("exclude", "node1") in sbatch_directives(new, big)  # what is sent
+    off = {**raw, "slurm": {**raw["slurm"], "avoid_bad_nodes": False}}
+    assert avoid_in_plan(make_plan(validate_spec(off), off, base_dir=str(tmp_path)), entries, lambda p: None)[1] == []

@@ -43,7 +43,7 @@ DESCRIPTIONS: dict[str, str] = {
     "train.per_device_train_batch_size": "micro-batch per rank",
     "train.gradient_accumulation_steps": "micro-batches per optimizer step",
     "train.learning_rate": "peak learning rate",
-    "train.max_grad_norm": "clip the global gradient norm to this (0 = no clipping); `doctor`'s `nan_grad_norm` suggests 0.5",
+    "train.max_grad_norm": "clip the global gradient norm to this (0 = no clipping, and then no `grad_norm` in the logs); `doctor`'s `nan_grad_norm` suggests 0.5",
     "train.ddp_timeout": "seconds a collective may wait for the other ranks before the process group aborts (TrainingArguments' `ddp_timeout`, and `DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 minutes",
     "train.weight_decay": "AdamW weight decay",
     "train.warmup_ratio": "fraction of the steps spent warming up",
