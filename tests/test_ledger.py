@@ -242,3 +242,16 @@ command = ["true"]
     assert ("exclude", "node[1,3]") in sbatch_directives(new, small) and ("exclude", "node1") in sbatch_directives(new, big)  # what is sent
     off = {**raw, "slurm": {**raw["slurm"], "avoid_bad_nodes": False}}
     assert avoid_in_plan(make_plan(validate_spec(off), off, base_dir=str(tmp_path)), entries, lambda p: None)[1] == []
+
+
+@pytest.mark.slurm
+def test_a_torn_ledger_refuses_the_submission_with_one_message(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.json"
+    path.write_text("[{\"node\": \"node3\"")
+    monkeypatch.setenv("SWIFTSLURM_LEDGER", str(path))
+    spec = tmp_path / "s.toml"
+    spec.write_text(SPEC.format(name="torn", out=tmp_path / "torn", nodes=1, checks="[]", slurm_extra=""))
+    proc = cli("submit", str(spec), "--executor", "slurm")
+    assert proc.returncode == 3 and "cannot be read" in proc.stderr and "--clear-all" in proc.stderr, proc.stderr
+    assert "avoid_bad_nodes = false" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "torn" / "swiftslurm-plan.json").exists()  # nothing was sent
