@@ -357,3 +357,62 @@ def test_a_rank_the_oom_killer_ended_is_host_oom_and_its_node_is_not_blamed(tmp_
     assert [(e.node, e.reason, e.job) for e in ledger_entries(diagnose_task(run), [run])] == [("node2", "node_failure", "812")]
     run.executor = "local"
     assert ledger_entries(diagnose_task(run), [run]) == []
+
+
+# ---------------------------------------------------------------- the progress watchdog (a real training run)
+
+STALLED = """
+[job]
+name = "stalled"
+output_dir = {out}
+[slurm]
+tasks_per_node = 2
+time = "00:10:00"
+signal_grace_s = 60
+[train]
+model = "tiny-llama"
+dataset = [{data}]
+train_type = "full"
+deepspeed = "zero2"
+gradient_checkpointing = false
+per_device_train_batch_size = 2
+max_steps = 8
+max_length = 128
+save_steps = 100
+logging_steps = 1
+[checkpoint]
+forced_save_fractions = []
+[preflight]
+checks = []
+[env]
+SWIFTSLURM_TEST_STALL = "1:5:40"
+SWIFTSLURM_WATCHDOG_FLOOR_S = "4"
+"""
+
+
+@pytest.mark.slow
+def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_it(tmp_path):
+    """Rank 1 of a real 2-rank DeepSpeed run sleeps after step 5 (the test hook) while rank 0 waits in the step's
+    all-reduce: each rank's watchdog dumps its stacks into its log without anyone sending USR1."""
+    out = tmp_path / "out"
+    data = Path(__file__).parent.parent / "examples" / "data" / "alpaca_demo.jsonl"
+    raw = parse_toml(STALLED.format(out=json.dumps(str(out)), data=json.dumps(str(data))))
+    sub = submit_plan(make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="stalled.toml"), executor="local")
+    assert list(sub.wait(timeout_s=400, poll_s=1).values()) == ["COMPLETED"]  # the sleep ends, the run finishes
+    run = runs_of(str(out))[0]
+    dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
+    assert set(dumps) == {0, 1}, sorted(dumps)
+    assert dumps[0].in_collective and not dumps[1].in_collective and "step_done" in dumps[1].top()
+    found = culprits(run)
+    assert found.ranks == (1,) and found.waiting == (0,)
+    hang = [f for f in diagnose_task(run) if f.code == "hang"]
+    assert hang and hang[0].ranks == (1,) and hang[0].nodes == ("localhost",)
+
+
+def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout():
+    from swiftslurm.train.watchdog import limit_s
+
+    assert limit_s([1.0, 1.0], 1800) is None  # warming up
+    assert limit_s([0.5, 9.0, 1.0, 1.0, 1.2], 1800) == 60.0  # 10 x 1.0 s is under the 60 s floor
+    assert limit_s([20.0, 20.0, 30.0], 1800) == 200.0  # a slow step: 10 x the median
+    assert limit_s([200.0, 200.0, 200.0], 1800) == 1440.0  # never past 80% of the process-group timeout

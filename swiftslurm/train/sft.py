@@ -165,6 +165,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
+    from .watchdog import ProgressWatchdog
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -194,7 +195,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     comm = CommTimer().install()
     gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
     meter = StepMeter(comm, gpu)
-    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter)
+    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800))  # stacks of a rank that stops stepping
+    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:
@@ -211,6 +213,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
+        watchdog.stop()
         comm.uninstall()
         if gpu is not None:
             gpu.stop()

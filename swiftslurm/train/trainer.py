@@ -185,10 +185,11 @@ class ScheduleCallback(TrainerCallback):
     only one of them saw the signal. On a stop: save now, then stop training.
     """
 
-    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter):
+    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, watchdog: Any = None):
         self.should_stop = should_stop
         self.fractions = fractions
         self.meter = meter
+        self.watchdog = watchdog  # a watchdog.ProgressWatchdog: re-armed at every step end
         self.stopped_for_requeue = False
         self.forced: set[int] = set()
 
@@ -197,6 +198,8 @@ class ScheduleCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()
+        if self.watchdog is not None:
+            self.watchdog.step_done(state.global_step)
         (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
         if flag > 0:
             self.stopped_for_requeue = True
@@ -205,6 +208,8 @@ class ScheduleCallback(TrainerCallback):
             log.warning("walltime signal: saving at step %d, then stopping for requeue", state.global_step)
         elif state.global_step in self.forced:
             control.should_save = True
+        if control.should_save and self.watchdog is not None:
+            self.watchdog.pause()  # a save is no stalled step: the next step end re-arms it
         return control
 
 
