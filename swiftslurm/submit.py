@@ -113,6 +113,8 @@ class Submission:
     arrays: list[dict[str, Any]] = field(default_factory=list)
     # local: controller pid -> its start time (/proc/PID/stat field 22): a pid reused by another process is not ours
     pid_starts: dict[str, int] = field(default_factory=dict)
+    # the node-health ledger's exclusion, one entry per allocation group it concerned: {"group": i, **Avoidance.to_json()}
+    avoided: list[dict[str, Any]] = field(default_factory=list)
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
 
     def to_json(self) -> dict[str, Any]:
@@ -602,12 +604,36 @@ def _parts(plan: Plan, limits: ArrayLimits) -> list[ArrayPart]:
         raise SubmissionError("this site does not run job arrays", str(exc), "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
 
 
+def avoid_bad_nodes(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
+    """The plan with the ledger's recently failed nodes excluded (slurm.avoid_bad_nodes), and what was decided."""
+    from . import ledger
+
+    if not any(g.slurm.avoid_bad_nodes for g in plan.groups):
+        return plan, []
+    try:
+        entries = ledger.read()
+    except SwiftSlurmError as exc:
+        raise SubmissionError(exc.what, exc.found, exc.hint + "; or set slurm.avoid_bad_nodes = false") from None
+
+    def nodes_of(partition: str | None) -> list[str] | None:
+        try:
+            return slurm.partition_nodes(partition)
+        except SwiftSlurmError:
+            return None
+
+    plan, decisions = ledger.avoid_in_plan(plan, entries, nodes_of)
+    return plan, [{"group": g, **d.to_json()} for g, d in decisions]
+
+
 def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
-    """Refuse a dir an active job owns; write the plan and each task's spec; send one array per group
-    (several where the site caps arrays); record it."""
+    """Refuse a dir an active job owns; exclude the ledger's bad nodes (Slurm, training); write the plan and each
+    task's spec; send one array per group (several where the site caps arrays); record it."""
     from .slurm.render import render_all
 
     kind = resolve_executor(executor)
+    avoided: list[dict[str, Any]] = []
+    if kind == "slurm" and mode == "train":  # a preflight-only run is how a node gets tested again: never avoided
+        plan, avoided = avoid_bad_nodes(plan)
     limits = array_limits(kind) if plan.is_array else ArrayLimits()
     parts = _parts(plan, limits)
     scripts = render_all(plan, limits=limits)
@@ -643,6 +669,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
                  "ranks_per_task": part.group.world_size, "group": part.group.index}
                 for part, jobs in zip(parts, sent)
             ],
+            avoided=avoided,
             pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},
             _jobs=jobs_flat,
         )

@@ -133,3 +133,10 @@ def threads_at_exit(record_dir) -> dict[int, list[str]]:
         rank = int(path.name[4:].split("-")[0])
         found[rank] = [name for name in record["threads"] if name != record["main"]]
     return found
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(tmp_path_factory, monkeypatch):
+    """Every test gets its own node-health ledger (a preflight failure or a doctor run records nodes there): the
+    user's ~/.swiftslurm/ledger.json would make later submits on the shared cluster avoid the nodes a test blamed."""
+    monkeypatch.setenv("SWIFTSLURM_LEDGER", str(tmp_path_factory.mktemp("ledger") / "ledger.json"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from swiftslurm import ledger
 from swiftslurm.doctor import diagnose, diagnose_task
 from swiftslurm.doctor.evidence import TaskRun, read_task
 from swiftslurm.doctor.hang import culprits, stack_dumps
@@ -72,7 +73,8 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local"):
+def run_local(tmp_path: Path, args: list[str], ranks: int, spec_extra: str = "", nodes: int = 1, executor: str = "local",
+              slurm_extra: str = 'time = "00:05:00"', command: list[str] | None = None):
     out = tmp_path / "out"
     text = f"""
 [job]
@@ -81,9 +83,9 @@ output_dir = {json.dumps(str(out))}
 [slurm]
 nodes = {nodes}
 tasks_per_node = {ranks}
-time = "00:05:00"
+{slurm_extra}
 [train]
-command = {json.dumps([sys.executable, "-c", WORKER, *args])}
+command = {json.dumps(command or [sys.executable, "-c", WORKER, *args])}
 per_device_train_batch_size = 4
 {spec_extra}
 [preflight]
@@ -94,6 +96,12 @@ checks = []
     sub = submit_plan(plan, executor=executor)
     sub.wait(timeout_s=WAIT_S, poll_s=0.5)
     return out if executor == "local" else (out, sub)
+
+
+def node_of(out: Path, rank: int) -> str:
+    """The node a rank ran on, as its own log's ``[rank r node]`` tag says."""
+    tag = f"[rank {rank} "
+    return [ln for ln in (out / "logs" / f"rank-{rank}.log").read_text().splitlines() if tag in ln][0].split(tag)[1].split("]")[0]
 
 
 def cli(*args):
@@ -158,6 +166,7 @@ def test_hang_names_the_rank_the_others_wait_for(tmp_path, mode):
     if mode == "die":
         assert any(f["code"] == "node_failure" and f["ranks"] == [2] for f in findings), findings
     assert any(f["code"] == "nccl_timeout" for f in findings)
+    assert ledger.read() == []  # a local run's "node" is this machine: never recorded in the node-health ledger
 
 
 @pytest.mark.slurm
@@ -166,8 +175,35 @@ def test_hang_on_the_cluster_names_rank_and_node_by_job_id(tmp_path):
     findings = doctor_json(Path(sub.job_ids[0]))  # by job id: found through the paths Slurm recorded
     hang = findings[0]
     assert hang["code"] == "hang" and hang["ranks"] == [2], findings
-    node_of_2 = [ln for ln in (out / "logs" / "rank-2.log").read_text().splitlines() if "[rank 2 " in ln][0].split("[rank 2 ")[1].split("]")[0]
+    node_of_2 = node_of(out, 2)
     assert hang["nodes"] == [node_of_2] and f"rank 2 ({node_of_2})" in hang["what"]
+    entries = ledger.read()  # remembered: the next submit avoids the node (tests/test_ledger.py)
+    assert [(e.node, e.reason, e.job) for e in entries] == [(node_of_2, "hang", sub.job_ids[0])], entries
+    doctor_json(Path(sub.job_ids[0]))
+    assert len(ledger.read()) == 1  # a second look records nothing twice
+
+
+@pytest.mark.slurm
+def test_a_rank_killed_on_the_cluster_is_a_node_failure_and_its_node_is_remembered(tmp_path):
+    out, sub = run_local(tmp_path, ["die", "2", "6"], ranks=2, nodes=2, executor="slurm")
+    findings = doctor_json(out)
+    lost = [f for f in findings if f["code"] == "node_failure"]
+    node_of_2 = node_of(out, 2)
+    assert lost and lost[0]["ranks"] == [2] and lost[0]["nodes"] == [node_of_2] and "SIGKILL" in lost[0]["what"], findings
+    assert ("node_failure", node_of_2) in {(e.reason, e.node) for e in ledger.read()}, ledger.read()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_real_walltime_requeue_loop_is_walltime_loop_and_blames_no_node(tmp_path):
+    """A job whose time limit ends it before it ever saves, requeued by the runtime until slurm.max_requeues."""
+    out, _ = run_local(tmp_path, [], ranks=1, executor="slurm", command=["sleep", "600"],
+                       slurm_extra='time = "00:01:00"\nsignal_grace_s = 20\nmax_requeues = 1')
+    findings = doctor_json(out)
+    assert [f["code"] for f in findings] == ["walltime_loop"], findings  # Slurm's SIGTERMs are no node's failure
+    loop = findings[0]
+    assert "2 times in a row" in loop["what"] and "slurm.signal_grace_s" in loop["keys"] and "now 20" in loop["fix"]
+    assert ledger.read() == []
 
 
 # ---------------------------------------------------------------- stack dumps (real faulthandler output)
@@ -242,6 +278,7 @@ def test_nan_grad_norm_after_ten_consecutive_logged_steps(tmp_path, bad, found):
     assert bool(codes) is found
     if found:
         assert codes[0].evidence[0].file == "metrics.jsonl" and codes[0].evidence[0].step == 6 and "train.max_grad_norm" in codes[0].keys
+        assert "train.max_grad_norm = 0.5, now 1" in codes[0].fix  # the default, as no spec.json says otherwise
 
 
 def test_speed_diagnosis_in_its_steps(tmp_path):
@@ -299,3 +336,83 @@ def test_a_stalled_run_is_a_hang_even_without_a_culprit(tmp_path):
     assert diagnose_task(run) == []
     run.end_time, run.summary = 1020.0 + 600.0, {"global_step": 20}  # it finished
     assert diagnose_task(run) == []
+
+
+# Captured from a Slurm cluster with cgroup memory enforcement (slurmstepd's words when the OOM killer ends a task);
+# marked as captured: the test cluster here does not enforce memory.
+CAPTURED_STEPD_OOM = "slurmstepd: error: Detected 1 oom_kill event in StepId=812.0. Some of the step tasks have been OOM Killed."
+
+
+def test_a_rank_the_oom_killer_ended_is_host_oom_and_its_node_is_not_blamed(tmp_path):
+    from swiftslurm.doctor.evidence import Line
+    from swiftslurm.doctor.remember import ledger_entries
+
+    killed = Line("812_0_log.err", 3, 1, "node2", 1000.0, "srun: error: node2: task 1: Killed")
+    oom = Line("812_0_log.err", 2, 1, "node2", 999.0, CAPTURED_STEPD_OOM)
+    run = TaskRun(0, str(tmp_path), state="OUT_OF_MEMORY", job_id="812", lines=[[oom, killed]], executor="slurm")
+    found = diagnose_task(run)
+    assert [f.code for f in found][:2] == ["node_failure", "host_oom"] and "slurm.mem" in found[1].keys
+    assert ledger_entries(found, [run]) == []  # the job's memory, not the node's health
+    run = TaskRun(0, str(tmp_path), state="FAILED", job_id="812", lines=[[killed]], executor="slurm")
+    assert [(e.node, e.reason, e.job) for e in ledger_entries(diagnose_task(run), [run])] == [("node2", "node_failure", "812")]
+    run.executor = "local"
+    assert ledger_entries(diagnose_task(run), [run]) == []
+
+
+# ---------------------------------------------------------------- the progress watchdog (a real training run)
+
+STALLED = """
+[job]
+name = "stalled"
+output_dir = {out}
+[slurm]
+tasks_per_node = 2
+time = "00:10:00"
+signal_grace_s = 60
+[train]
+model = "tiny-llama"
+dataset = [{data}]
+train_type = "full"
+deepspeed = "zero2"
+gradient_checkpointing = false
+per_device_train_batch_size = 2
+max_steps = 8
+max_length = 128
+save_steps = 100
+logging_steps = 1
+[checkpoint]
+forced_save_fractions = []
+[preflight]
+checks = []
+[env]
+SWIFTSLURM_TEST_STALL = "1:5:40"
+SWIFTSLURM_WATCHDOG_FLOOR_S = "4"
+"""
+
+
+@pytest.mark.slow
+def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_it(tmp_path):
+    """Rank 1 of a real 2-rank DeepSpeed run sleeps after step 5 (the test hook) while rank 0 waits in the step's
+    all-reduce: each rank's watchdog dumps its stacks into its log without anyone sending USR1."""
+    out = tmp_path / "out"
+    data = Path(__file__).parent.parent / "examples" / "data" / "alpaca_demo.jsonl"
+    raw = parse_toml(STALLED.format(out=json.dumps(str(out)), data=json.dumps(str(data))))
+    sub = submit_plan(make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="stalled.toml"), executor="local")
+    assert list(sub.wait(timeout_s=400, poll_s=1).values()) == ["COMPLETED"]  # the sleep ends, the run finishes
+    run = runs_of(str(out))[0]
+    dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
+    assert set(dumps) == {0, 1}, sorted(dumps)
+    assert dumps[0].in_collective and not dumps[1].in_collective and "step_done" in dumps[1].top()
+    found = culprits(run)
+    assert found.ranks == (1,) and found.waiting == (0,)
+    hang = [f for f in diagnose_task(run) if f.code == "hang"]
+    assert hang and hang[0].ranks == (1,) and hang[0].nodes == ("localhost",)
+
+
+def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout():
+    from swiftslurm.train.watchdog import limit_s
+
+    assert limit_s([1.0, 1.0], 1800) is None  # warming up
+    assert limit_s([0.5, 9.0, 1.0, 1.0, 1.2], 1800) == 60.0  # 10 x 1.0 s is under the 60 s floor
+    assert limit_s([20.0, 20.0, 30.0], 1800) == 200.0  # a slow step: 10 x the median
+    assert limit_s([200.0, 200.0, 200.0], 1800) == 1440.0  # never past 80% of the process-group timeout

@@ -20,7 +20,7 @@ LAYERS = {
     "dsconfig": 1,
     "spec": 2,
     "plan": 3,
-    "slurm": 4, "checkpoint": 4,
+    "slurm": 4, "checkpoint": 4, "ledger": 4,
     "preflight": 5, "train": 5,
     "node": 6,
     "submit": 7,

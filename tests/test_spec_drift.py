@@ -148,3 +148,15 @@ def test_override_key_and_old_checkpoints_resume_with_a_warning(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="test-drift"):
         assert _resume_point(out_o, LOG, changed_o, ds_co).endswith("checkpoint-5")
     assert "no spec fingerprint" in caplog.text
+
+
+def test_a_key_added_later_at_its_default_is_no_drift(tmp_path):
+    """A checkpoint of an older swiftslurm has no train.max_grad_norm in its fingerprint: resuming with the default
+    (what HF clipped to then) is the same training; another value is drift. train.ddp_timeout never is."""
+    from swiftslurm.checkpoint.fingerprint import train_defaults
+
+    [(spec, ds, out)] = tasks(tmp_path)
+    old = {k: v for k, v in training_fingerprint(spec, ds).items() if k not in ("train.max_grad_norm", "train.ddp_timeout")}
+    assert fingerprint_changes(old, training_fingerprint(spec, ds), train_defaults()) == []
+    clipped = spec.model_copy(update={"train": spec.train.model_copy(update={"max_grad_norm": 0.5, "ddp_timeout": 60})})
+    assert fingerprint_changes(old, training_fingerprint(clipped, ds), train_defaults()) == ["train.max_grad_norm: (unset) -> 0.5"]

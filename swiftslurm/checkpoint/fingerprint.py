@@ -27,6 +27,7 @@ OPERATIONAL_TRAIN_KEYS = frozenset({
     "dataset_num_proc", "dataset_scan", "model_shape", "resume_from", "resume_weights_only", "dataset", "deepspeed",
     "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
     "max_steps", "num_train_epochs",  # how long: extending a run is normal (a schedule over max_steps then stretches)
+    "ddp_timeout",  # how long a collective may wait: not what is learned
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (
@@ -95,12 +96,23 @@ def training_fingerprint(spec: Any, ds_config: dict[str, Any] | None) -> dict[st
     return spec_fingerprint(spec, ds_config, [dataset_identity(d) for d in spec.train.dataset])
 
 
-def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Pure: ``key: recorded -> current`` for every key whose value differs (``(unset)`` where one side lacks it)."""
+def train_defaults() -> dict[str, Any]:
+    """``train.<key>``: its default, as the fingerprint records it."""
+    from ..spec.model import TrainTable
+
+    return {f"train.{k}": f.get_default(call_default_factory=True) for k, f in TrainTable.model_fields.items()}
+
+
+def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """Pure: ``key: recorded -> current`` for every key whose value differs (``(unset)`` where one side lacks it).
+    A key the recorded fingerprint lacks whose current value is its default (``defaults``) is no change: a newer
+    swiftslurm added the key, and its default is what the older one did (train.max_grad_norm = 1.0 was HF's)."""
     missing = object()
     out = []
     for key in sorted(set(recorded) | set(current)):
         old, new = recorded.get(key, missing), current.get(key, missing)
+        if old is missing and defaults is not None and key in defaults and defaults[key] == new:
+            continue
         if old != new:
             show = lambda v: "(unset)" if v is missing else json.dumps(v)  # noqa: E731
             out.append(f"{key}: {show(old)} -> {show(new)}")
@@ -123,7 +135,7 @@ def check_spec_drift(checkpoint: Path | str, spec: Any, ds_config: dict[str, Any
         log.warning("%s has no spec fingerprint (written by an older swiftslurm): resuming without checking "
                     "that it was trained with this spec", checkpoint.name)
         return
-    changes = fingerprint_changes(recorded, training_fingerprint(spec, ds_config))
+    changes = fingerprint_changes(recorded, training_fingerprint(spec, ds_config), train_defaults())
     if not changes:
         return
     if spec.checkpoint.allow_spec_change:

@@ -267,11 +267,14 @@ def submit(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec TOML."),
     executor: ExecutorName = Executor,
     wait: bool = typer.Option(False, "--wait", "-w", help="Follow the job with a live table; exit 1 if any task failed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the submission record as JSON (job ids, dirs, the nodes avoided)."),
 ) -> int:
     """Submit the job (one job, or one sbatch array per allocation of a sweep); print job id(s) and where outputs go."""
     from .submit_cmd import submit_command
 
-    return submit_command(console, load_plan(spec_path, training=True), executor=executor.value, wait=wait)
+    if wait and as_json:
+        raise SwiftSlurmError("--wait and --json do not go together", "both given", "use --json to print the submission, --wait to follow it")
+    return submit_command(console, load_plan(spec_path, training=True), executor=executor.value, wait=wait, as_json=as_json)
 
 
 @app.command()
@@ -337,6 +340,20 @@ def doctor(
     from .doctor_cmd import doctor_command
 
     return doctor_command(console, target, as_json)
+
+
+@app.command()
+@guarded
+def nodes(
+    as_json: bool = typer.Option(False, "--json", help="Print the ledger as JSON."),
+    clear: list[str] = typer.Option([], "--clear", metavar="NODE", help="Forget this node (repeatable)."),
+    clear_all: bool = typer.Option(False, "--clear-all", help="Forget every node."),
+) -> int:
+    """The node-health ledger: nodes that failed a preflight, hung or lost a rank (submit excludes them for
+    slurm.bad_node_ttl_h hours). Path: $SWIFTSLURM_LEDGER, default ~/.swiftslurm/ledger.json."""
+    from .nodes_cmd import nodes_command
+
+    return nodes_command(console, as_json, clear, clear_all)
 
 
 @app.command()

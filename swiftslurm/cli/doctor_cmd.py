@@ -16,6 +16,7 @@ from ..errors import FINDINGS_EXIT
 def doctor_command(console: Console, target: str, as_json: bool) -> int:
     runs = runs_of(target)
     findings = diagnose(runs)
+    recorded = _remember(findings, runs)
     if as_json:
         sys.stdout.write(json.dumps([f.to_json() for f in findings], indent=2) + "\n")
         return FINDINGS_EXIT if findings else 0
@@ -28,7 +29,29 @@ def doctor_command(console: Console, target: str, as_json: bool) -> int:
     console.print(f"[bold]{len(findings)} finding(s)[/], most important first:", highlight=False)
     for n, f in enumerate(findings, 1):
         print_finding(console, n, f, many)
+    if recorded:
+        from ..ledger import ledger_path
+
+        console.print(f"\nrecorded {escape(', '.join(sorted({e.node for e in recorded})))} in the node-health ledger "
+                      f"{escape(str(ledger_path()))}: the next submit excludes {'them' if len({e.node for e in recorded}) > 1 else 'it'} "
+                      "(`swiftslurm nodes`; `swiftslurm nodes --clear NODE` once fixed)", highlight=False)
     return FINDINGS_EXIT
+
+
+def _remember(findings: list[Finding], runs: list) -> list:
+    """Record the nodes behind hangs and lost ranks in the ledger; a ledger that cannot be written is a note, not a failure."""
+    from .. import ledger
+    from ..doctor.remember import ledger_entries
+    from ..errors import SwiftSlurmError
+
+    entries = ledger_entries(findings, runs)
+    if not entries:
+        return []
+    try:
+        return ledger.record(entries)
+    except (SwiftSlurmError, OSError) as exc:
+        print(f"note: could not record the nodes in the node-health ledger: {exc}", file=sys.stderr)
+        return []
 
 
 def print_finding(console: Console, n: int, f: Finding, with_task: bool) -> None:

@@ -52,9 +52,28 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         f"logs:        {escape(str(sub.folder))}  and <task dir>/logs/",
         "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
         f"follow:      swiftslurm status {escape(_q(plan.output_dir))}   (or submit with --wait)",
+        *_avoided_lines(sub, plan),
     ]
     # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
+
+
+def _avoided_lines(sub: Submission, plan: Plan) -> list[str]:
+    """What the node-health ledger changed: the nodes excluded, the ones it could not exclude and why."""
+    out = []
+    for item in sub.avoided:
+        prefix = f"tasks {index_ranges_of(plan, item['group'])}: " if len(plan.groups) > 1 else ""
+        for note in item.get("notes", []):
+            out.append(f"[yellow]bad nodes:[/]   {escape(prefix + note)}")
+        if item.get("excluded"):
+            out.append(f"             --exclude={escape(str(item.get('exclude')))}  (the ledger: swiftslurm nodes; slurm.avoid_bad_nodes = false to keep them)")
+    return out
+
+
+def index_ranges_of(plan: Plan, group: int) -> str:
+    from ..slurm.render import index_ranges
+
+    return index_ranges(plan.groups[group].tasks)
 
 
 def _q(path: str) -> str:
@@ -133,8 +152,15 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None, in
     return 0
 
 
-def submit_command(console: Console, plan: Plan, executor: str, wait: bool) -> int:
+def submit_command(console: Console, plan: Plan, executor: str, wait: bool, as_json: bool = False) -> int:
     kind = resolve_executor(executor)
+    if as_json:
+        import json
+        import sys
+
+        sub = submit_plan(plan, executor=kind)
+        sys.stdout.write(json.dumps(sub.to_json(), indent=2) + "\n")
+        return 0
     _says_auto(console, executor, kind)
     sub = submit_plan(plan, executor=kind)
     console.print(_summary(sub, plan), soft_wrap=False)  # wrap inside the panel, never crop a path

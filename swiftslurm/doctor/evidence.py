@@ -53,6 +53,7 @@ class TaskRun:
     save: dict[str, Any] | None = None
     spec: dict[str, Any] = field(default_factory=dict)  # the task's resolved spec (spec.json), {} when absent
     restarts: int = 0
+    executor: str = ""  # "slurm" | "local" (the submission's), "" unknown
 
     @property
     def all_lines(self) -> list[Line]:

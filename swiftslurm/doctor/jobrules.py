@@ -87,7 +87,8 @@ def walltime_loop(run: TaskRun) -> list[Finding]:
         ev += (Evidence("checkpoint-save.json", None, 0, "", save.get("step") if isinstance(save.get("step"), int) else None,
                         f"last save took {save.get('save_s')} s, signal_grace_s {save.get('signal_grace_s')}"),)
     return [Finding(
-        "walltime_loop", f"stopped at walltime {len(tail)} times in a row without getting past step {step}",
+        "walltime_loop", f"stopped at walltime {len(tail)} times in a row "
+        + (f"without getting past step {step}" if isinstance(step, int) else "without recording a step (no checkpoint to resume from)"),
         cause,
         "save more often (train.save_steps), give the walltime save more time (slurm.signal_grace_s"
         + (f", now {grace}" if grace is not None else "") + "), or ask for a longer slurm.time",

@@ -33,7 +33,9 @@ COMM_PEER = re.compile(
 )
 # a rank ended by a signal, or a node lost (srun's, slurmstepd's and the runtime's words)
 NODE_LOST = re.compile(r"DUE TO NODE FAIL|Node failure on (\S+)|NODE_FAIL|node (\S+) not responding", re.I)
-SRUN_TASK = re.compile(r"srun: error: (?P<node>[^\s:]+): tasks? (?P<rank>\d+)(?:-\d+)?: (?P<how>Killed|Terminated|Segmentation fault|Aborted|Bus error)")
+# "Terminated" is not here: a SIGTERM comes from Slurm itself (the time limit, a requeue, scancel, preemption), never
+# from a node's fault, and a walltime requeue loop must not blame its healthy nodes
+SRUN_TASK = re.compile(r"srun: error: (?P<node>[^\s:]+): tasks? (?P<rank>\d+)(?:-\d+)?: (?P<how>Killed|Segmentation fault|Aborted|Bus error)")
 COMMAND_EXIT = re.compile(r"train\.command exited with (-?\d+)")
 KILLED_BY = re.compile(r"Fatal Python error: (Segmentation fault|Bus error|Aborted)|died with <Signals\.(SIG\w+)|exitcode\s*:\s*-(\d+)")
 FATAL_SIGNALS = {6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV"}  # a rank killed by one of these did not end on its own

@@ -57,12 +57,14 @@ def nan_grad_norm(run: TaskRun) -> list[Finding]:
         return []
     key = "grad_norm" if _non_finite(best[0][1].get("grad_norm")) else "loss"
     lr = run.train("learning_rate")
+    clip = run.train("max_grad_norm", 1.0)
+    clip_now = f", now {clip:g}" if isinstance(clip, (int, float)) else ""
     return [Finding(
         "nan_grad_norm", f"{key} was NaN/inf for {len(best)} consecutive logged steps from step {best[0][1].get('step')}",
         "the updates diverged: the learning rate is too high for this model and batch, or fp16 overflowed "
         "(bf16 does not), or a bad sample (empty labels) produced an undefined loss",
         f"lower train.learning_rate{f' (now {lr:g})' if isinstance(lr, (int, float)) else ''}, clip gradients harder "
-        "(train.max_grad_norm = 0.5), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
+        f"(train.max_grad_norm = 0.5{clip_now}), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
         ("train.learning_rate", "train.max_grad_norm", "train.bf16", "train.fp16"),
         (_evidence(best[0], key), _evidence(best[-1], key)), run.task, (0,))]
 
@@ -95,6 +97,14 @@ def gpu_util(run: TaskRun) -> float | None:
     return found[0] if found else None
 
 
+def _lowest_rank(row: dict[str, Any]) -> tuple[int, float] | None:
+    """(rank, utilisation) of the least busy GPU in a row the trainer wrote (``gpu_util_min_rank``), or None."""
+    rank, low = _number(row.get("gpu_util_min_rank")), _number(row.get("gpu_util_min"))
+    if rank is None or low is None or not rank.is_integer():
+        return None
+    return int(rank), (low / 100.0 if low > 1.0 else low)
+
+
 def speed(run: TaskRun) -> list[Finding]:
     rows = _steady(run)
     out: list[Finding] = []
@@ -108,12 +118,15 @@ def speed(run: TaskRun) -> list[Finding]:
             why.append("collectives (comm_bound below)")
         if data and data[0] > DATA_RATIO_MAX:
             why.append("the data loader (data_bound below)")
+        low = _lowest_rank(util[1][1])
         out.append(Finding(
-            "low_gpu_util", f"the GPUs were busy {util[0]:.0%} of the time (median over {len(rows)} logged steps; below {GPU_UTIL_MIN:.0%})",
+            "low_gpu_util", f"the GPUs were busy {util[0]:.0%} of the time (median over {len(rows)} logged steps; below {GPU_UTIL_MIN:.0%})"
+            + (f"; the least busy: rank {low[0]} at {low[1]:.0%}" if low else ""),
             "the GPUs wait for " + (" and ".join(why) if why else "something outside the step: host-side work between kernels, "
                                     "small micro-batches, CPU offload"),
             "follow the next findings; with none, raise train.per_device_train_batch_size (GPU memory allowing) and avoid CPU offload",
-            ("train.per_device_train_batch_size", "train.deepspeed"), (_evidence(util[1], util[2]),), run.task))
+            ("train.per_device_train_batch_size", "train.deepspeed"), (_evidence(util[1], util[2]),), run.task,
+            (low[0],) if low else ()))
     if comm and comm[0] > COMM_RATIO_MAX:
         preset = str(run.train("deepspeed", "") or "")
         out.append(Finding(

@@ -24,7 +24,9 @@ def runs_of(target: str) -> list[TaskRun]:
     out = []
     for ref in tasks:
         state, nodes, restarts = states.get(ref.task, ("", "", 0))
-        out.append(read_task(ref.task, ref.task_dir, ref.folder, ref.job_id, since, state, nodes, restarts))
+        run = read_task(ref.task, ref.task_dir, ref.folder, ref.job_id, since, state, nodes, restarts)
+        run.executor = sub.executor if sub is not None else ""
+        out.append(run)
     return out
 
 

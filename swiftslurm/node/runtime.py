@@ -79,7 +79,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
 
     if dist.rank == 0:
         check_master_port(dist, log)
-    the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")))
+    the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")), pg_timeout_s=spec.train.ddp_timeout)
     if spec.train.command:
         # Slurm signals every process of a job step (proctrack), the child included: forwarding as
         # well would deliver twice, and a second USR2 can kill a child already past its handlers.

@@ -97,6 +97,7 @@ def _lead(outcome: Any, dist: Any, spec: Any, output_dir: str, mode: str, t0: fl
     report = build_report(outcome.results, decision, meta)
     write_report(output_dir, report)
     _print(report)
+    remember_failed_nodes(outcome.results, dist, output_dir)
     if coord is not None:
         coord.put("decision", decision.to_json())
         coord.gather("ack", list(range(1, dist.world_size)), time.monotonic() + ACK_WAIT_S)
@@ -121,6 +122,41 @@ def _lead(outcome: Any, dist: Any, spec: Any, output_dir: str, mode: str, t0: fl
     elif decision.action == "warn":
         print(f"swiftslurm preflight WARNING: {decision.reason}", file=sys.stderr, flush=True)
     return decision.proceed
+
+
+def ledger_entries(results: list[Any], dist: Any, output_dir: str) -> list[Any]:
+    """The node-health ledger entries for failed checks (pure): the blamed nodes of a Slurm job, unless every node of a
+    multi-node job is blamed (a fault that is not any node's: a firewall, a threshold set too high)."""
+    from ..ledger import Entry
+    from .results import blamed_nodes
+
+    bad = [r for r in results if not r.ok and r.blocking]
+    blamed = blamed_nodes(bad)
+    if not blamed or getattr(dist, "executor", "") != "slurm" or (len(dist.nodes) > 1 and set(dist.nodes) <= set(blamed)):
+        return []
+    out = []
+    for node in blamed:
+        mine = [r for r in bad if node in r.nodes]
+        detail = "; ".join(f"{r.check} {r.node}: {r.observed}" for r in mine[:3])[:300]
+        out.append(Entry(node, "preflight", detail, str(dist.requeue_id), 0.0, output_dir))
+    return out
+
+
+def remember_failed_nodes(results: list[Any], dist: Any, output_dir: str) -> None:
+    """Record the blamed nodes in the ledger (a later submit avoids them); a ledger that cannot be written is a
+    warning, never the reason a job stops."""
+    from .. import ledger
+    from ..errors import SwiftSlurmError
+
+    entries = ledger_entries(results, dist, output_dir)
+    if not entries:
+        return
+    try:
+        ledger.record(entries)
+        print(f"swiftslurm preflight: recorded {', '.join(e.node for e in entries)} in the node-health ledger "
+              f"{ledger.ledger_path()} (`swiftslurm nodes`)", file=sys.stderr, flush=True)
+    except (SwiftSlurmError, OSError) as exc:
+        print(f"swiftslurm preflight WARNING: could not record the failing nodes in the ledger: {exc}", file=sys.stderr, flush=True)
 
 
 def exclusion_allowed(decision: Decision, dist: Any, spec: Any) -> Decision:

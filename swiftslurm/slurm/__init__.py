@@ -36,6 +36,8 @@ from .commands import (
     parse_req_node_list,
     required_among,
     merge_exclude,
+    parse_sinfo_nodes,
+    partition_nodes,
     exclude_and_requeue,
     job_paths,
 )
@@ -71,6 +73,8 @@ __all__ = [
     'parse_req_node_list',
     'required_among',
     'merge_exclude',
+    'parse_sinfo_nodes',
+    'partition_nodes',
     'exclude_and_requeue',
     'job_paths',
 ]

@@ -363,6 +363,33 @@ def exclude_and_requeue(job_id: str, nodes: list[str]) -> str:
     return merged
 
 
+# ---------------------------------------------------------------- the nodes a job may get (the ledger's exclusion)
+
+UNUSABLE_STATES = ("down", "drain", "drng", "fail", "maint", "inval", "futr", "unk", "npc", "reboot")
+
+
+def parse_sinfo_nodes(text: str, partition: str | None) -> list[str]:
+    """The usable nodes of ``partition`` (None: the default one, marked ``*``) from ``sinfo -h -N -o %N|%P|%t``
+    (pure). Down, drained, failed or not responding (``*``) nodes are not usable; a powered-down one (``idle~``) is
+    booted for a job, so it is."""
+    out: list[str] = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3:
+            continue
+        node, part, state = parts
+        mine = part.endswith("*") if partition is None else part.rstrip("*") == partition
+        if mine and not state.endswith("*") and not state.rstrip("~#!%$@^-+").lower().startswith(UNUSABLE_STATES):
+            out.append(node)
+    return sorted(set(out))
+
+
+def partition_nodes(partition: str | None) -> list[str] | None:
+    """The usable nodes of a partition (None: the default partition); None when sinfo does not answer."""
+    proc = _run(["sinfo", "-h", "-N", "-o", "%N|%P|%t"], check=False)
+    return parse_sinfo_nodes(proc.stdout, partition) if proc.returncode == 0 else None
+
+
 # ---------------------------------------------------------------- where a job wrote (doctor JOB_ID)
 
 

@@ -370,18 +370,22 @@ def child_env(
     dist: DistEnv,
     spec_env: Mapping[str, str],
     log_dir: str | None = None,
+    pg_timeout_s: int | None = None,
 ) -> dict[str, str]:
     """The ONE export step: the environment the rank's trainer runs with. Later wins:
 
     base env < NCCL/torch defaults < derived dist vars < the spec's [env] (user wins), except that
     [env] may not set per-rank variables (RANK, LOCAL_RANK, ... : RuntimeEnvError). To change a
-    default (say DEEPSPEED_TIMEOUT), set it in [env].
+    default (say DEEPSPEED_TIMEOUT), set it in [env]. ``pg_timeout_s`` (train.ddp_timeout) sets
+    DEEPSPEED_TIMEOUT, DeepSpeed's process-group timeout, in whole minutes rounded up.
     """
     check_spec_env(spec_env)
     out = dict(base_env)
     defaults = dict(NCCL_DEFAULTS)
     if log_dir:
         defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
+    if pg_timeout_s:
+        defaults["DEEPSPEED_TIMEOUT"] = str(-(-pg_timeout_s // 60))
     out.update(defaults)
     out.update(dist_vars(dist))
     out.update(spec_env)

@@ -117,6 +117,8 @@ class SlurmTable(_Table):
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
     python: str | None = None
+    avoid_bad_nodes: bool = True
+    bad_node_ttl_h: float = Field(24.0, gt=0, le=24 * 365)
 
     @field_validator("partition", "account", "qos", "constraint", "exclude", "nodelist", "reservation")
     @classmethod
@@ -208,6 +210,8 @@ class TrainTable(_Table):
     per_device_train_batch_size: int = Field(1, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
     learning_rate: float = Field(1e-4, gt=0, le=10)
+    max_grad_norm: float = Field(1.0, ge=0, le=1e6)
+    ddp_timeout: int | None = Field(None, ge=10, le=7 * 24 * 3600)
     weight_decay: float = Field(0.0, ge=0, le=10)
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"

@@ -103,6 +103,8 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         learning_rate=t.learning_rate,
+        max_grad_norm=t.max_grad_norm,  # DeepSpeed's gradient_clipping "auto" takes it
+        ddp_timeout=t.ddp_timeout or 1800,  # HF's default, the same 30 minutes as our DEEPSPEED_TIMEOUT
         weight_decay=t.weight_decay,
         warmup_steps=t.warmup_ratio,  # a float below 1 is a ratio of the total steps
         lr_scheduler_type=t.lr_scheduler_type,

@@ -21,6 +21,9 @@ assumes the answer (docs/training.md says how each is measured):
   under ``STATS_PREFIX`` keys; a padded one is counted from its ``attention_mask``.
 - memory: CPU RSS (VmRSS) always; GPU allocated / peak from the CUDA caching allocator on GPUs.
 - MFU (GPU only, peak FLOPs from a table): model FLOPs per token x measured tokens/s / peak.
+- GPU utilisation (GPU only, NVML through nvidia-ml-py; absent otherwise): each rank's share of time a kernel ran,
+  sampled every 0.5 s (``gpuutil``); ``gpu_util`` is the mean over ranks (a fraction 0..1), ``gpu_util_min`` and
+  ``gpu_util_min_rank`` the lowest and whose.
 """
 
 from __future__ import annotations
@@ -137,8 +140,9 @@ def peak_tflops(device_name: str) -> float | None:
 class StepMeter:
     """Accumulates one rank's measurements between two logging steps."""
 
-    def __init__(self, comm: CommTimer | None = None) -> None:
+    def __init__(self, comm: CommTimer | None = None, gpu: Any = None) -> None:
         self.comm = comm
+        self.gpu = gpu  # a gpuutil.GpuSampler for this rank's GPU, or None
         self.reset()
         self._step_start: float | None = None
         self._comm_start = 0.0

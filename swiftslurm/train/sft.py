@@ -106,8 +106,10 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     from . import kernels, nvme_swap
     from . import resume_from as resume_from_mod
     from .metrics import CommTimer, StepMeter, flops_per_token
+    from .gpuutil import GpuSampler
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback
+    from .watchdog import ProgressWatchdog
 
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -140,8 +142,10 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
                     liger_why, task.describe_data(spec, dataset))
 
     comm = CommTimer().install()
-    meter = StepMeter(comm)
-    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter)
+    gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
+    meter = StepMeter(comm, gpu)
+    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800))  # stacks of a rank that stops stepping
+    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:
@@ -160,7 +164,10 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:
+        watchdog.stop()
         comm.uninstall()
+        if gpu is not None:
+            gpu.stop()
         nvme_swap.cleanup(swap_folders, dist.rank)
     kernels_used = {"attn_implementation": attn, "liger": liger, "packing": job["packing"], "task": task.name}
     result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)

@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
+from .gpuutil import UNKNOWN, gpu_fields
 from .metrics import MetricsFile, StepMeter
 
 log = logging.getLogger("swiftslurm.train")
@@ -111,9 +112,13 @@ class SFTTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
-            tokens, samples, total = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens],
-                                                 tdist.ReduceOp.SUM, self.args.device)
+            own = self.meter.gpu.take() if self.meter.gpu is not None else None
+            slots = [0.0] * self.args.world_size  # every rank's GPU utilisation, each in its own slot of the same sum
+            slots[self.args.process_index] = UNKNOWN if own is None else own
+            tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
+                                                         tdist.ReduceOp.SUM, self.args.device)
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
+            logs.update(gpu_fields(utils))
         super().log(logs, start_time)
 
     # ---- verified checkpoints
@@ -182,10 +187,11 @@ class ScheduleCallback(TrainerCallback):
     only one of them saw the signal. On a stop: save now, then stop training.
     """
 
-    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter):
+    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, watchdog: Any = None):
         self.should_stop = should_stop
         self.fractions = fractions
         self.meter = meter
+        self.watchdog = watchdog  # a watchdog.ProgressWatchdog: re-armed at every step end
         self.stopped_for_requeue = False
         self.forced: set[int] = set()
 
@@ -194,6 +200,8 @@ class ScheduleCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()
+        if self.watchdog is not None:
+            self.watchdog.step_done(state.global_step)
         (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
         if flag > 0:
             self.stopped_for_requeue = True
@@ -202,6 +210,8 @@ class ScheduleCallback(TrainerCallback):
             log.warning("walltime signal: saving at step %d, then stopping for requeue", state.global_step)
         elif state.global_step in self.forced:
             control.should_save = True
+        if control.should_save and self.watchdog is not None:
+            self.watchdog.pause()  # a save is no stalled step: the next step end re-arms it
         return control
 
 

@@ -1,0 +1,141 @@
+"""The ledger file: a JSON list of entries (node, reason, detail, job, when, source), one per failure seen.
+
+Writers take an exclusive ``fcntl.lockf`` lock on a sibling ``.lock`` file (NFS's lock manager honours it), read,
+change and atomically replace the file; readers need no lock (they see the old list or the new). A torn or
+foreign file is one error that says how to start over (``swiftslurm nodes --clear-all``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from ..errors import SwiftSlurmError
+from ..fsutil import atomic_write_text
+
+LEDGER_ENV = "SWIFTSLURM_LEDGER"  # a file path; tests point it into their tmp dir
+DEFAULT_LEDGER = "~/.swiftslurm/ledger.json"
+REASONS = ("preflight", "hang", "node_failure")
+
+
+@dataclass(frozen=True)
+class Entry:
+    node: str
+    reason: str  # preflight | hang | node_failure
+    detail: str  # what was seen, one line (the failed checks, the rank and how it ended)
+    job: str = ""  # the Slurm job id
+    when: float = 0.0  # epoch seconds
+    source: str = ""  # the task dir (or output dir) whose files showed it
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Entry":
+        return cls(str(data["node"]), str(data["reason"]), str(data.get("detail", "")), str(data.get("job", "")),
+                   float(data.get("when", 0.0)), str(data.get("source", "")))
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """One entry per node, reason and job: doctor run twice on one job records it once."""
+        return (self.node, self.reason, self.job)
+
+
+def ledger_path(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(os.path.expanduser(env.get(LEDGER_ENV) or DEFAULT_LEDGER))
+
+
+def _parse(path: Path, text: str) -> list[Entry]:
+    try:
+        data = json.loads(text) if text.strip() else []
+        if not isinstance(data, list):
+            raise ValueError("not a JSON list")
+        return [Entry.from_json(item) for item in data]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", f"{type(exc).__name__}: {exc}"[:300],
+                              f"fix it by hand, or start it over with `swiftslurm nodes --clear-all` (or point ${LEDGER_ENV} elsewhere)") from None
+
+
+def read(path: Path | None = None) -> list[Entry]:
+    """Every entry, oldest first; [] when there is no ledger yet."""
+    path = ledger_path() if path is None else Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", str(exc), f"check its permissions, or point ${LEDGER_ENV} elsewhere") from None
+    return _parse(path, text)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _update(path: Path | None, change: Callable[[list[Entry]], list[Entry]], tolerate_torn: bool = False) -> tuple[list[Entry], list[Entry]]:
+    """(before, after): ``change`` applied under the lock, written atomically when it changed something."""
+    path = ledger_path() if path is None else Path(path)
+    with _locked(path):
+        try:
+            before = read(path)
+        except SwiftSlurmError:
+            if not tolerate_torn:
+                raise
+            before = []
+        after = change(list(before))
+        if after != before or tolerate_torn:
+            atomic_write_text(path, json.dumps([e.to_json() for e in after], indent=1) + "\n")
+    return before, after
+
+
+def record(entries: Iterable[Entry], path: Path | None = None) -> list[Entry]:
+    """Add ``entries`` (``when`` 0 means now); one already there (same node, reason and job) is not added twice.
+    Returns the entries added."""
+    now = time.time()
+    new = [e if e.when else Entry(e.node, e.reason, e.detail, e.job, now, e.source) for e in entries if e.node]
+    added: list[Entry] = []
+
+    def change(current: list[Entry]) -> list[Entry]:
+        seen = {e.key for e in current}
+        for e in new:
+            if e.key not in seen:
+                seen.add(e.key)
+                added.append(e)
+        return current + added
+
+    if new:
+        _update(path, change)
+    return added
+
+
+def clear(nodes: Iterable[str] | None, path: Path | None = None) -> list[Entry]:
+    """Forget ``nodes`` (every node: None). Returns the entries removed. Clearing every node also starts over a
+    ledger that cannot be read."""
+    names = None if nodes is None else set(nodes)
+    before, after = _update(path, lambda cur: [] if names is None else [e for e in cur if e.node not in names],
+                            tolerate_torn=names is None)
+    return [e for e in before if e not in after]
+
+
+def recent(entries: Iterable[Entry], now: float, ttl_h: float) -> dict[str, list[Entry]]:
+    """Each node with a failure in the last ``ttl_h`` hours: its entries, newest first (pure)."""
+    out: dict[str, list[Entry]] = {}
+    for e in sorted(entries, key=lambda e: -e.when):
+        if now - e.when <= ttl_h * 3600.0:
+            out.setdefault(e.node, []).append(e)
+    return out
