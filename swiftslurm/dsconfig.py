@@ -204,8 +204,10 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
           source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
     """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings).
 
-    The batch size counts data-parallel ranks only: the ranks of one sequence- or tensor-parallel group
-    train on the same samples (world / (sequence_parallel x tensor_parallel) of them see different ones)."""
+    ``train_batch_size`` is micro x accumulation x world size, the value HF Trainer requires of the config
+    it is given. With sequence or tensor parallel the ranks of one group train on the same samples, and
+    Accelerate/DeepSpeed count data-parallel ranks only (world / (sequence_parallel x tensor_parallel)):
+    the plan shows that global batch (``sizing.layout``)."""
     merged = deep_merge(base, overrides)
     problems = validate(merged, bf16=bool(spec_train.bf16))
     if problems:
@@ -219,7 +221,6 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     merged.pop(ALLOW_BOTH_OFFLOADS, None)
     micro = spec_train.per_device_train_batch_size
     accum = spec_train.gradient_accumulation_steps
-    data_parallel = max(1, world_size // (sequence_parallel * tensor_parallel))
     if tensor_parallel > 1:  # AutoTP training: DeepSpeed splits the Linear layers across the TP group
         merged["tensor_parallel"] = deep_merge(merged.get("tensor_parallel") if isinstance(merged.get("tensor_parallel"), dict) else {},
                                                {"autotp_size": tensor_parallel})
@@ -227,7 +228,7 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     if sequence_parallel > 1:
         merged["sequence_parallel_size"] = sequence_parallel
     merged.update({
-        "train_batch_size": micro * data_parallel * accum,
+        "train_batch_size": micro * world_size * accum,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "wall_clock_breakdown": False,

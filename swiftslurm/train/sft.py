@@ -105,7 +105,8 @@ def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:
     return section.get("device") in ("cpu", "nvme")
 
 
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False):
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False,
+                       parallelism_config=None):
     from transformers import TrainingArguments
 
     t = spec.train
@@ -140,6 +141,7 @@ def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: b
         use_liger_kernel=liger,
         disable_tqdm=True,
         save_only_model=False,
+        parallelism_config=parallelism_config,
     )
 
 
@@ -158,7 +160,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     cuda = _prepare_device_env()
     import transformers
 
-    from . import kernels, nvme_swap, resume
+    from . import kernels, nvme_swap, parallel, resume
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
@@ -169,11 +171,13 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, spec.train.packing, node)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
-    args = training_arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
+    args = training_arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))  # before the model: ZeRO-3 init needs it
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_spec_drift(resume_from, spec, planned_ds_config, log)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
+    parallel.check_model(spec, model)
+    parallel.init_comm(spec)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     total_params = sum(p.numel() for p in model.parameters())
@@ -238,8 +242,8 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
         if samples.dropped:
             log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
                         samples.dropped, t.max_length)
-    if not t.packing:
-        return samples, Collator(tok.pad_token_id)
+    if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
+        return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
     from . import packing
 
     packing.prepare_model(model)
