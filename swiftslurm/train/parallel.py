@@ -29,6 +29,18 @@ def degrees(spec) -> tuple[int, int]:
     return p.sequence_parallel, p.tensor_parallel
 
 
+def degrees_json(spec) -> dict[str, int]:
+    """The degrees as checkpoints record them (manifest meta ``parallel``)."""
+    sp, tp = degrees(spec)
+    return {"sequence_parallel": sp, "tensor_parallel": tp}
+
+
+def global_batch(spec) -> int:
+    """Samples (or packed rows) per optimizer step: the data-parallel ranks' micro-batches."""
+    t = spec.train
+    return Layout(spec.world_size, *degrees(spec), t.per_device_train_batch_size, t.gradient_accumulation_steps).global_batch
+
+
 def parallelism_config(spec, attn: str):
     """Accelerate's ParallelismConfig for Ulysses SP (None without SP)."""
     sp, _ = degrees(spec)

@@ -153,7 +153,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     (``resume.resolve``); a path = that checkpoint (checked by every rank); None = a fresh start.
     """
     started = time.perf_counter()
-    from ..checkpoint.fingerprint import check_spec_drift, training_fingerprint
+    from ..checkpoint.fingerprint import check_parallel_degrees, check_spec_drift, training_fingerprint
 
     planned_ds_config = ds_config
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
@@ -174,6 +174,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     args = training_arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))  # before the model: ZeRO-3 init needs it
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
+        check_parallel_degrees(resume_from, parallel.degrees_json(spec))
         check_spec_drift(resume_from, spec, planned_ds_config, log)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
     parallel.check_model(spec, model)
@@ -201,8 +202,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         callbacks.append(MetricsFileCallback(metrics_path))
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
-           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
-           "spec_fingerprint": fingerprint, "packing": spec.train.packing}
+           "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": spec.train.packing,
+           **parallel.degrees_json(spec)}
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
