@@ -171,7 +171,8 @@ def test_plan_shows_layout_global_batch_and_memory(tmp_path):
     plan = json.loads(run.stdout)
     [m] = plan["memory"]
     assert m["layout"] == {"world_size": 8, "data_parallel": 4, "sequence_parallel": 2, "tensor_parallel": 1, "global_batch": 24}
-    assert plan["deepspeed"][0]["train_batch_size"] == 24 and plan["deepspeed"][0]["sequence_parallel_size"] == 2
+    # HF Trainer requires micro x accumulation x world in the config it is given; Accelerate divides by SP
+    assert plan["deepspeed"][0]["train_batch_size"] == 48 and plan["deepspeed"][0]["sequence_parallel_size"] == 2
     assert m["shape"]["total_params"] == QWEN.total_params and m["gpu_memory_gib"] == 20
     assert not m["fits"] and m["total_gib"] > 20
     assert any("exceeds slurm.gpu_memory_gb = 20" in w for w in plan["warnings"])
@@ -188,4 +189,6 @@ def test_autotp_config_and_batch_in_the_merged_deepspeed_config(tmp_path):
     run = cli(path, "plan", "--json")
     assert run.returncode == 0, run.stderr
     ds = json.loads(run.stdout)["deepspeed"][0]
-    assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["train_batch_size"] == 2  # 4 ranks / TP 2 = 2 data ranks
+    assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["zero_optimization"]["gather_16bit_weights_on_model_save"]
+    [m] = json.loads(run.stdout)["memory"]
+    assert m["layout"]["data_parallel"] == 2 and m["layout"]["global_batch"] == 2  # 4 ranks / TP 2 = 2 data ranks
