@@ -310,6 +310,9 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             sizing, size_problems = size_task(task_spec, ds, check_disk)
             problems += size_problems
             warns = warns + (sizing.warnings() if sizing is not None else [])
+        elif task_spec.train.command and task_spec.parallel != type(task_spec.parallel)():
+            warns = warns + ["[parallel] applies to the built-in trainer; train.command runs your own script, which must "
+                             "set up sequence/tensor parallel itself (the degrees are in the plan file)"]
         if problems:
             failing.append(_task_problems(index, overrides, problems))
             continue

@@ -192,3 +192,18 @@ def test_autotp_config_and_batch_in_the_merged_deepspeed_config(tmp_path):
     assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["zero_optimization"]["gather_16bit_weights_on_model_save"]
     [m] = json.loads(run.stdout)["memory"]
     assert m["layout"]["data_parallel"] == 2 and m["layout"]["global_batch"] == 2  # 4 ranks / TP 2 = 2 data ranks
+
+
+def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(tmp_path):
+    shape = ("[train.model_shape]\nhidden_size = 96\nnum_layers = 2\nheads = 6\nkv_heads = 4\n"
+             "intermediate_size = 128\nvocab_size = 100")
+    run = cli(spec_file(tmp_path, 'model = "org/x"\n' + shape), "validate")
+    assert run.returncode == 2 and "must be a multiple of kv_heads" in run.stdout + run.stderr
+    big = ("[train.model_shape]\nhidden_size = 8192\nnum_layers = 80\nheads = 64\nkv_heads = 8\n"
+           "intermediate_size = 28672\nvocab_size = 128256")
+    cpu = json.loads(cli(spec_file(tmp_path, 'model = "org/70b"\ntrain_type = "full"\n' + big), "plan", "--json").stdout)
+    assert cpu["memory"][0]["fits"] is False and not any("gpu_memory_gb" in w for w in cpu["warnings"])
+    gpu = json.loads(cli(spec_file(tmp_path, 'model = "org/70b"\ntrain_type = "full"\n' + big, slurm="gpus_per_node = 8"),
+                         "plan", "--json").stdout)
+    [warning] = [w for w in gpu["warnings"] if "gpu_memory_gb" in w]
+    assert "these would fit: ZeRO-3" in warning, warning  # 70B full FT on 8 x 80 GB: only sharded parameters fit

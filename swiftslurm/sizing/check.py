@@ -26,6 +26,7 @@ class Sizing:
     memory: MemoryEstimate | None
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    gpus: bool = True  # a CPU job (gpus_per_node = 0) gets the estimate but no GPU-memory warning
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
@@ -36,7 +37,7 @@ class Sizing:
     def warnings(self) -> list[str]:
         """The plan's warning when the estimate exceeds the GPU's memory (naming what would fit)."""
         m = self.memory
-        if m is None or m.fits:
+        if m is None or m.fits or not self.gpus:
             return []
         fix = ("; these would fit: " + ", ".join(self.advice)) if self.advice else \
             "; no ZeRO setting fits: add GPUs, raise sequence_parallel, or shorten train.max_length"
@@ -91,4 +92,4 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node)
     memory = estimate(shape, settings, layout)
-    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes)), problems
+    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node)), problems

@@ -8,7 +8,7 @@ expert degrees as keys of this table; unknown keys are refused like everywhere e
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sizing.shape import ModelShape
 
@@ -35,6 +35,17 @@ class ModelShapeTable(Table):
     vocab_size: int = Field(..., ge=1, le=100_000_000)
     tie_word_embeddings: bool = False
     head_dim: int | None = Field(None, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelShapeTable":
+        kv = self.kv_heads or self.heads
+        if self.heads % kv:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({kv}): each KV head serves a whole group "
+                             "of query heads. HINT: copy num_attention_heads and num_key_value_heads from the model's config.json")
+        if self.head_dim is None and self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) does not divide by heads ({self.heads}): set head_dim as the "
+                             "model's config.json has it. HINT: copy head_dim from the model's config.json")
+        return self
 
     def shape(self) -> ModelShape:
         return ModelShape(self.hidden_size, self.num_layers, self.heads, self.kv_heads or self.heads, self.intermediate_size,
