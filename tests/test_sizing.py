@@ -207,3 +207,8 @@ def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(
                          "plan", "--json").stdout)
     [warning] = [w for w in gpu["warnings"] if "gpu_memory_gb" in w]
     assert "these would fit: ZeRO-3" in warning, warning  # 70B full FT on 8 x 80 GB: only sharded parameters fit
+
+
+def test_sp_with_packing_on_auto_attention_warns_that_the_nodes_need_flash(tmp_path):
+    run = cli(spec_file(tmp_path, 'model = "tiny-llama"', "sequence_parallel = 2"), "validate")
+    assert run.returncode == 0 and "needs flash attention" in run.stdout, run.stdout + run.stderr

@@ -27,6 +27,7 @@ class Sizing:
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     gpus: bool = True  # a CPU job (gpus_per_node = 0) gets the estimate but no GPU-memory warning
+    cautions: list[str] = field(default_factory=list)  # what only the nodes can decide
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
@@ -38,10 +39,10 @@ class Sizing:
         """The plan's warning when the estimate exceeds the GPU's memory (naming what would fit)."""
         m = self.memory
         if m is None or m.fits or not self.gpus:
-            return []
+            return list(self.cautions)
         fix = ("; these would fit: " + ", ".join(self.advice)) if self.advice else \
             "; no ZeRO setting fits: add GPUs, raise sequence_parallel, or shorten train.max_length"
-        return [f"estimated GPU memory per rank {m.total_bytes / GIB:.1f} GiB exceeds slurm.gpu_memory_gb = "
+        return list(self.cautions) + [f"estimated GPU memory per rank {m.total_bytes / GIB:.1f} GiB exceeds slurm.gpu_memory_gb = "
                 f"{m.gpu_memory_bytes / GIB:g}{fix}"]
 
 
@@ -84,12 +85,18 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
     stage, off_opt, off_param = _zero(ds)
     t = spec.train
     problems += lay.training_problems(layout, stage, t.train_type, t.attn_implementation, t.packing, t.max_length)
+    cautions = []
+    if layout.sequence_parallel > 1 and t.packing and t.attn_implementation == "auto":
+        cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "
+                        "have flash-attn for attn_implementation = \"auto\" to pick it, or training refuses to start "
+                        "(set packing = false to train with sdpa)")
     shape, shape_problems = shape_of(spec, read_disk)
     problems += shape_problems
     if shape is None:
-        return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE]), problems
+        return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions), problems
     problems += lay.shape_problems(layout, shape)
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node)
     memory = estimate(shape, settings, layout)
-    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node)), problems
+    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
+                  cautions), problems
