@@ -2,8 +2,9 @@
 through the built-in trainer, 2 ranks, against the same samples on one rank (degree 1), fp32, 10 steps.
 
 With SP or TP = 2 on 2 ranks the data-parallel size is 1, so the global batch is one rank's micro-batch,
-exactly what the one-rank run trains on: the losses must agree step for step. Then the checkpoint records
-its degrees, and resuming it at another degree is refused with the reason.
+exactly what the one-rank run trains on: the losses must agree step for step, on one machine and with one
+rank on each of 2 Slurm nodes. The checkpoint records its degrees, and resuming it at another degree is
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ SPEC = """
 [job]
 output_dir = "{out}"
 [slurm]
-nodes = 1
-tasks_per_node = {ranks}
+{slurm}
 [train]
 model = "tiny-llama"
 dataset = ["{data}"]
@@ -48,10 +48,11 @@ checks = []
 """
 
 
-def spec(tmp: Path, name: str, ranks: int, parallel: str) -> tuple[str, Path]:
+def spec(tmp: Path, name: str, ranks: int, parallel: str, slurm: str = "") -> tuple[str, Path]:
     out = tmp / name
     path = tmp / f"{name}.toml"
-    path.write_text(SPEC.format(out=out, ranks=ranks, data=ROOT / "examples/data/alpaca_demo.jsonl", parallel=parallel))
+    path.write_text(SPEC.format(out=out, slurm=slurm or f"nodes = 1\ntasks_per_node = {ranks}",
+                                data=ROOT / "examples/data/alpaca_demo.jsonl", parallel=parallel))
     return str(path), out
 
 
@@ -65,13 +66,19 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_sp2_and_tp2_train_like_one_rank_and_resume_only_at_their_degree(tmp_path):
-    import torch
-
-    base, procs = train(tmp_path, "base", 1, "")
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> list[float]:
+    """The losses of one rank (degree 1) on the same samples."""
+    base, procs = train(tmp_path_factory.mktemp("base"), "base", 1, "")
     assert procs[0].returncode == 0, procs[0].stdout[-4000:]
-    expected = losses(base)
-    assert len(expected) == 10 and expected[-1] < expected[0] - 1  # it learns
+    found = losses(base)
+    assert len(found) == 10 and found[-1] < found[0] - 1  # it learns
+    return found
+
+
+@pytest.mark.slow
+def test_sp2_and_tp2_train_like_one_rank_and_resume_only_at_their_degree(tmp_path, expected):
+    import torch
     for name, parallel in (("sp2", "sequence_parallel = 2"), ("tp2", "tensor_parallel = 2")):
         out, procs = train(tmp_path, name, 2, parallel)
         for rank, p in enumerate(procs):
@@ -90,3 +97,19 @@ def test_sp2_and_tp2_train_like_one_rank_and_resume_only_at_their_degree(tmp_pat
         assert p.returncode != 0 and "was saved at other parallel degrees" in p.stdout, p.stdout[-3000:]
         assert "tensor_parallel 2 -> 1" in p.stdout
     assert ck.newest_verified(out) == newest  # nothing new was written
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.parametrize("parallel", ["sequence_parallel = 2", "tensor_parallel = 2"])
+def test_sp2_and_tp2_across_two_slurm_nodes(tmp_path, slurm_cluster, expected, parallel):
+    """One rank on each of 2 Slurm nodes (gloo over 127.0.0.N), through `swiftslurm submit --wait`."""
+    import subprocess
+    import sys
+
+    path, out = spec(tmp_path, "two-nodes", 2, parallel,
+                     slurm='partition = "debug"\nnodes = 2\ntasks_per_node = 1\ntime = "00:10:00"\nsignal_grace_s = 60')
+    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", path, "--executor", "slurm", "--wait"],
+                          capture_output=True, text=True, timeout=500, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert losses(out) == pytest.approx(expected, abs=1e-4)
