@@ -212,3 +212,18 @@ def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(
 def test_sp_with_packing_on_auto_attention_warns_that_the_nodes_need_flash(tmp_path):
     run = cli(spec_file(tmp_path, 'model = "tiny-llama"', "sequence_parallel = 2"), "validate")
     assert run.returncode == 0 and "needs flash attention" in run.stdout, run.stdout + run.stderr
+
+
+def test_advice_names_the_smallest_sequence_parallel_degree_that_fits():
+    layout = Layout(8, 1, 1, 1, 1)
+    s = settings(2, max_length=65536, gpu_gb=80, ranks=8)  # 64K tokens of a 152K vocabulary: the logits alone ~90 GiB
+    assert not mem.estimate(QWEN, s, layout).fits
+    [sp] = [a for a in mem.advice(QWEN, s, layout) if a.startswith("parallel.")]
+    assert sp.startswith("parallel.sequence_parallel = 2 "), sp
+    assert mem.estimate(QWEN, s, Layout(8, 2, 1, 1, 1)).fits
+    # at 40 GB, SP 2 is not enough and 4 and 8 do not divide the 14 heads: no SP advice
+    tight = settings(2, max_length=65536, gpu_gb=40, ranks=8)
+    assert not [a for a in mem.advice(QWEN, tight, layout) if a.startswith("parallel.")]
+    eight_heads = ModelShape(896, 24, 16, 8, 4864, 151936, True)
+    [sp] = [a for a in mem.advice(eight_heads, tight, layout) if a.startswith("parallel.")]
+    assert sp.startswith("parallel.sequence_parallel = 4 ") or sp.startswith("parallel.sequence_parallel = 8 "), sp

@@ -204,4 +204,18 @@ def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
             out.append(f"{label} ({e.total_bytes / GIB:.1f} GiB per GPU)")
             if now.fits:
                 break
+    if not now.fits and layout.tensor_parallel == 1:  # long sequences: split them (the smallest SP degree that fits)
+        from dataclasses import replace as dc_replace
+
+        from .layout import shape_problems
+
+        sp = layout.sequence_parallel * 2
+        while sp <= layout.world_size and layout.world_size % sp == 0:
+            wider = dc_replace(layout, sequence_parallel=sp)
+            if s.max_length % sp == 0 and not shape_problems(wider, shape):
+                e = estimate(shape, s, wider)
+                if e.fits:
+                    out.append(f"parallel.sequence_parallel = {sp} ({e.total_bytes / GIB:.1f} GiB per GPU)")
+                    break
+            sp *= 2
     return out
