@@ -9,7 +9,7 @@ ver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 pure=(deepspeed hjson py-cpuinfo pydantic annotated-types typing-inspection submitit cloudpickle
       python-hostlist typer click shellingham rich markdown-it-py mdurl pygments peft tensorboard
-      tensorboard-data-server markdown werkzeug absl-py transformers trl "$@")
+      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py "$@")
 binary=(pydantic-core xxhash msgpack)
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -201,8 +201,13 @@ def _precision(spec_train) -> dict[str, Any]:
 
 
 def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_size: int,
-          source: str = "deepspeed") -> tuple[dict[str, Any], list[str]]:
-    """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings)."""
+          source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
+    """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings).
+
+    ``train_batch_size`` is micro x accumulation x world size, the value HF Trainer requires of the config
+    it is given. With sequence or tensor parallel the ranks of one group train on the same samples, and
+    Accelerate/DeepSpeed count data-parallel ranks only (world / (sequence_parallel x tensor_parallel)):
+    the plan shows that global batch (``sizing.layout``)."""
     merged = deep_merge(base, overrides)
     problems = validate(merged, bf16=bool(spec_train.bf16))
     if problems:
@@ -216,6 +221,12 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     merged.pop(ALLOW_BOTH_OFFLOADS, None)
     micro = spec_train.per_device_train_batch_size
     accum = spec_train.gradient_accumulation_steps
+    if tensor_parallel > 1:  # AutoTP training: DeepSpeed splits the Linear layers across the TP group
+        merged["tensor_parallel"] = deep_merge(merged.get("tensor_parallel") if isinstance(merged.get("tensor_parallel"), dict) else {},
+                                               {"autotp_size": tensor_parallel})
+        merged.setdefault("zero_optimization", {})["gather_16bit_weights_on_model_save"] = True  # a whole HF model on save
+    if sequence_parallel > 1:
+        merged["sequence_parallel_size"] = sequence_parallel
     merged.update({
         "train_batch_size": micro * world_size * accum,
         "train_micro_batch_size_per_gpu": micro,
@@ -246,4 +257,5 @@ def build_for_spec(spec) -> tuple[dict[str, Any], list[str]]:
     else:
         base = load_preset(name)
         source = f"deepspeed preset {name}"
-    return build(base, dict(spec.deepspeed), spec.train, spec.world_size, source)
+    parallel = spec.parallel
+    return build(base, dict(spec.deepspeed), spec.train, spec.world_size, source, parallel.sequence_parallel, parallel.tensor_parallel)

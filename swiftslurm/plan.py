@@ -25,6 +25,7 @@ from typing import Any
 from .errors import Problem, SpecError
 from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
+from .sizing.check import Sizing, size_task
 
 PLAN_FILE = "swiftslurm-plan.json"
 
@@ -150,6 +151,7 @@ class Plan:
     deepspeed: list[dict[str, Any] | None]  # per task; None when train.command runs a user script
     warnings: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    sizing: list[Sizing | None] = field(default_factory=list)  # per task: layout, model shape, memory estimate
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -212,6 +214,7 @@ class Plan:
             "arrays": arrays,
             "array_limits": None if limits is None else {"max_array_size": limits.max_array_size, "max_array_tasks": limits.max_array_tasks},
             "deepspeed": self.deepspeed,
+            "memory": [s.to_json() if s is not None else None for s in self.sizing],
             "env": self.env,
             "warnings": self.warnings,
         }
@@ -279,6 +282,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
     combos = _sweep_overrides(spec.sweep) if spec.sweep else [{}]
     tasks: list[Task] = []
     ds_configs: list[dict[str, Any] | None] = []
+    sizings: list[Sizing | None] = []
     warnings: list[str] = []
     failing: list[list[Problem]] = []
     checked: set[str] = set()
@@ -303,12 +307,21 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
                 ds, warns = dsconfig.build_for_spec(task_spec)
             except SpecError as exc:
                 problems += [p for p in exc.problems if (p.path, p.what) not in {(q.path, q.what) for q in problems}]
+        sizing = None
+        if ds is not None:  # the parallel rules and the memory estimate (a local config.json is read with check_disk)
+            sizing, size_problems = size_task(task_spec, ds, check_disk)
+            problems += size_problems
+            warns = warns + (sizing.warnings() if sizing is not None else [])
+        elif task_spec.train.command and task_spec.parallel != type(task_spec.parallel)():
+            warns = warns + ["[parallel] applies to the built-in trainer; train.command runs your own script, which must "
+                             "set up sequence/tensor parallel itself (the degrees are in the plan file)"]
         if problems:
             failing.append(_task_problems(index, overrides, problems))
             continue
         task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
         tasks.append(Task(index, overrides, task_out, task_spec))
         ds_configs.append(ds)
+        sizings.append(sizing)
         for w in warns:
             if w not in warnings:
                 warnings.append(w)
@@ -324,6 +337,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         deepspeed=ds_configs,
         warnings=warnings,
         env=dict(spec.env),
+        sizing=sizings,
     )
 
 

@@ -17,7 +17,7 @@ PKG = Path(swiftslurm.__file__).parent
 # unit -> layer; a unit may import its own modules and units of a strictly lower layer.
 LAYERS = {
     "__init__": 0, "errors": 0, "fsutil": 0, "quoting": 0, "resources": 0,
-    "dsconfig": 1,
+    "dsconfig": 1, "sizing": 1,
     "spec": 2,
     "plan": 3,
     "slurm": 4, "checkpoint": 4, "ledger": 4,

@@ -147,3 +147,23 @@ def check_spec_drift(checkpoint: Path | str, spec: Any, ds_config: dict[str, Any
         "restore those values, or use a new job.output_dir to start fresh, or set checkpoint.allow_spec_change = true "
         "to resume anyway (editing a sweep list renumbers its tasks: task N's directory may hold another combination's checkpoints)",
     )
+
+
+PARALLEL_KEY = "parallel"
+NO_PARALLEL = {"sequence_parallel": 1, "tensor_parallel": 1}  # what a checkpoint without the record was trained with
+
+
+def check_parallel_degrees(checkpoint: Path | str, degrees: dict[str, int]) -> None:
+    """Refuse to resume a checkpoint saved at other sequence/tensor parallel degrees: its DeepSpeed shards
+    (``mp_rank_XX`` per TP rank, ZeRO partitions over the SP ranks) only load at the degrees that wrote them.
+    Not overridable by checkpoint.allow_spec_change: converting is the universal-checkpoint path's job."""
+    checkpoint = Path(checkpoint)
+    recorded = read_manifest(checkpoint).meta.get(PARALLEL_KEY) or NO_PARALLEL
+    changed = [f"{key} {recorded.get(key, 1)} -> {value}" for key, value in degrees.items() if recorded.get(key, 1) != value]
+    if changed:
+        raise RuntimeEnvError(
+            f"{checkpoint.name} was saved at other parallel degrees; its DeepSpeed shards cannot be loaded at these",
+            f"{checkpoint}: " + ", ".join(changed),
+            "restore [parallel] to the degrees it was saved with to resume, or start fresh in a new job.output_dir "
+            "(resuming at another degree needs a universal-checkpoint conversion, not done here)",
+        )

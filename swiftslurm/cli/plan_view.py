@@ -56,6 +56,42 @@ def site_rows(plan: Plan, limits: ArrayLimits | None) -> list[tuple[str, str]]:
     return rows
 
 
+def sizing_table(plan: Plan) -> Table | None:
+    """Task 0's parallel layout and per-rank GPU memory estimate (the JSON has every task's)."""
+    sizing = plan.sizing[0] if plan.sizing else None
+    if sizing is None:
+        return None
+    lay = sizing.layout
+    table = Table(title="parallel layout and GPU memory per rank (estimate" + (", task 0)" if len(plan.tasks) > 1 else ")"),
+                  show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column(overflow="fold")
+    table.add_row("ranks", f"{lay.data_parallel} data x {lay.sequence_parallel} sequence x {lay.tensor_parallel} tensor parallel "
+                  f"= world size {lay.world_size}")
+    table.add_row("global batch", f"{lay.micro_batch} per rank x {lay.grad_accum} accumulation x {lay.data_parallel} data-parallel "
+                  f"= {lay.global_batch} {'rows' if plan.tasks[0].spec.train.packing else 'samples'} per step")
+    m = sizing.memory
+    if sizing.shape is not None:
+        sh = sizing.shape
+        table.add_row("model shape", Text(f"{sh.total_params / 1e9:.3g}B params: hidden {sh.hidden_size}, {sh.num_layers} layers, "
+                                          f"{sh.num_heads} heads / {sh.num_kv_heads} KV, vocab {sh.vocab_size} ({sh.source})"))
+    if m is not None:
+        gib = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
+        labels = {"weights": "weights", "gradients_optimizer": "gradients + optimizer", "activations": "activations",
+                  "logits_loss": "logits + loss", "overhead": "CUDA, NCCL, fragmentation"}
+        for name, value in m.parts.items():
+            table.add_row(labels.get(name, name), gib(value))
+        verdict = "[green]fits[/]" if m.fits else "[bold red]does not fit[/]"
+        table.add_row("total", Text.from_markup(f"{gib(m.total_bytes)} of {gib(m.gpu_memory_bytes)} (slurm.gpu_memory_gb): {verdict}"))
+        if m.cpu_bytes_per_node:
+            table.add_row("host memory (offload)", f"{gib(m.cpu_bytes_per_node)} per node")
+    for line in sizing.advice:
+        table.add_row("fits too" if m is not None and m.fits else "would fit", Text(line))
+    for note in sizing.notes:
+        table.add_row("note", Text(note))
+    return table
+
+
 def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: ArrayLimits | None = None) -> None:
     scripts = [sbatch] if isinstance(sbatch, str) else sbatch
     spec = plan.spec
@@ -91,6 +127,9 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     if plan.deepspeed and plan.deepspeed[0] is not None:
         console.print("[bold]DeepSpeed config (task 0):[/]")
         console.print(Syntax(json.dumps(plan.deepspeed[0], indent=2), "json"))
+    sizing = sizing_table(plan)
+    if sizing is not None:
+        console.print(sizing)
     if plan.env:
         console.print("[bold]environment on every node:[/] " + escape(", ".join(f"{k}={v}" for k, v in plan.env.items())), highlight=False)
     site = Table(title="site environment", show_header=False, title_justify="left")

@@ -172,7 +172,7 @@ def sweep_key_path(key: str) -> tuple[str, str]:
     return "train", key
 
 
-SWEEPABLE_TABLES = ("train", "slurm", "checkpoint", "preflight")
+SWEEPABLE_TABLES = ("train", "slurm", "checkpoint", "preflight", "parallel")
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

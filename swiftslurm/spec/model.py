@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
+from .parallel import ModelShapeTable, ParallelTable, Table
 from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
@@ -75,9 +76,8 @@ def time_limit_s(value: str) -> int:
     return a * 3600 + b * 60 + c
 
 
-class _Table(BaseModel):
-    # allow_inf_nan=False: `num_train_epochs = inf` or `learning_rate = nan` is a typo, never a setting
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+# allow_inf_nan=False: `num_train_epochs = inf` or `learning_rate = nan` is a typo, never a setting
+_Table = Table
 
 
 class JobTable(_Table):
@@ -112,6 +112,7 @@ class SlurmTable(_Table):
     mem: str | None = None
     time: str = "01:00:00"
     signal_grace_s: int = Field(120, ge=10, le=3600)
+    gpu_memory_gb: float = Field(80.0, gt=0, le=100_000)  # per GPU: `plan` warns when the estimate exceeds it
     max_requeues: int = Field(20, ge=0, le=1000)
     array_parallelism: int | None = Field(None, ge=1, le=100_000)
     extra_sbatch: list[str] = Field(default_factory=list)
@@ -245,6 +246,7 @@ class TrainTable(_Table):
     galore_rank: int = Field(128, ge=1, le=65536)
     galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
     galore_scale: float | None = Field(None, gt=0, le=1000)  # None: the library default (GaLore 0.25, APOLLO 1.0)
+    model_shape: ModelShapeTable | None = None  # a hub model not on disk: its shape, for `plan`'s memory estimate
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -461,6 +463,7 @@ class JobSpec(_Table):
     preflight: PreflightTable = Field(default_factory=PreflightTable)
     env: dict[str, str] = Field(default_factory=dict)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
+    parallel: ParallelTable = Field(default_factory=ParallelTable)
     container: ContainerTable | None = None
 
     @field_validator("env", mode="before")

@@ -93,7 +93,8 @@ def optimizer_arguments(t) -> dict[str, Any]:
             "optim_args": ",".join(f"{k}={v}" for k, v in args.items())}
 
 
-def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False) -> dict[str, Any]:
+def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False,
+                    parallelism_config=None) -> dict[str, Any]:
     """The TrainingArguments of every task (DPO's config adds its own keys): batch, schedule, saving, precision,
     DeepSpeed (none when ``ds_config`` is empty: ``train.deepspeed = "none"``, plain DDP) and the optimizer."""
     t = spec.train
@@ -131,14 +132,16 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
         disable_tqdm=True,
         save_only_model=False,
         ddp_find_unused_parameters=False,  # plain DDP (deepspeed = "none"): every trainable weight gets a gradient
+        parallelism_config=parallelism_config,  # [parallel] sequence_parallel: Accelerate's DeepSpeed Ulysses (train/parallel.py)
         **optimizer_arguments(t),
     )
 
 
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False):
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False,
+                       parallelism_config=None):
     from transformers import TrainingArguments
 
-    return TrainingArguments(**training_kwargs(spec, output_dir, ds_config, cuda, liger))
+    return TrainingArguments(**training_kwargs(spec, output_dir, ds_config, cuda, liger, parallelism_config))
 
 
 # The classes GaLore/APOLLO keep in their optimizer state (the projection of each matrix): a resume loads the

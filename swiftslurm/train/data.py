@@ -159,16 +159,21 @@ def load_dataset(paths: list[str], tokenizer, max_length: int) -> SFTDataset:
 
 
 class Collator:
-    """Right-pads a batch: input_ids with the pad id, labels with -100, attention_mask with 0."""
+    """Right-pads a batch: input_ids with the pad id, labels with -100, attention_mask with 0. For sequence
+    parallel (``fixed_width``): every batch padded to that width, with ``position_ids`` (0.. per row): the
+    Ulysses adapter gathers the batches of an SP group's ranks, which must then have one shape."""
 
-    def __init__(self, pad_id: int) -> None:
+    def __init__(self, pad_id: int, fixed_width: int | None = None) -> None:
         self.pad_id = pad_id
+        self.fixed_width = fixed_width
 
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
         import torch
 
-        width = max(len(ex["input_ids"]) for ex in batch)
+        width = self.fixed_width or max(len(ex["input_ids"]) for ex in batch)
         out = {"input_ids": [], "labels": [], "attention_mask": []}
+        if self.fixed_width:
+            out["position_ids"] = [list(range(width)) for _ in batch]
         for ex in batch:
             pad = width - len(ex["input_ids"])
             out["input_ids"].append(ex["input_ids"] + [self.pad_id] * pad)

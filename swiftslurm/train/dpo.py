@@ -73,8 +73,8 @@ class DPOTask:
 
     name = "dpo"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool):
-        return dpo_arguments(spec, output_dir, ds_config, cuda, liger)
+    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool, parallelism_config=None):
+        return dpo_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with DPO is refused at validate
 
     def prepare_model(self, model, spec):
         return model  # LoRA: TRL wraps it from peft_config, and then disables the adapter for the reference

@@ -55,8 +55,8 @@ class SFTTask:
 
     name = "sft"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool):
-        return training_arguments(spec, output_dir, ds_config, cuda, liger)
+    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool, parallelism_config=None):
+        return training_arguments(spec, output_dir, ds_config, cuda, liger, parallelism_config)
 
     def prepare_model(self, model, spec):
         if spec.train.train_type == "lora":
@@ -95,7 +95,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     (checked by every rank); None = a fresh start.
     """
     started = time.perf_counter()
-    from ..checkpoint.fingerprint import check_spec_drift, training_fingerprint
+    from ..checkpoint.fingerprint import check_parallel_degrees, check_spec_drift, training_fingerprint
 
     planned_ds_config = ds_config
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
@@ -103,7 +103,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     check_optimizer(spec.train.optimizer, cuda)
     import transformers
 
-    from . import kernels, nvme_swap
+    from . import kernels, nvme_swap, parallel
     from . import resume_from as resume_from_mod
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .gpuutil import GpuSampler
@@ -121,13 +121,17 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     if task.name == "dpo" and liger:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
         liger, liger_why = False, "not used by DPO"
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
-    args = task.arguments(spec, output_dir, ds_config, cuda, liger)  # before the model: ZeRO-3 init needs it
+    # before the model: ZeRO-3 init needs it
+    args = task.arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))
     # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
     start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node, dist.world_size)
     resume_from = start.full_resume
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
+        check_parallel_degrees(resume_from, parallel.degrees_json(spec))
         check_spec_drift(resume_from, spec, planned_ds_config, log)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
+    parallel.check_model(spec, model)
+    parallel.init_comm(spec)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
@@ -152,8 +156,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         callbacks.append(MetricsFileCallback(metrics_path))
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
-           "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
-           "spec_fingerprint": fingerprint, "packing": packs}
+           "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": packs,
+           **parallel.degrees_json(spec)}
     trainer = task.trainer(
         spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
@@ -198,8 +202,8 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
         if samples.dropped:
             log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
                         samples.dropped, t.max_length)
-    if not t.packing:
-        return samples, Collator(tok.pad_token_id)
+    if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
+        return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
     from . import packing
 
     packing.prepare_model(model)

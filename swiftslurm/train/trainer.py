@@ -117,6 +117,9 @@ class SFTTrainer(Trainer):
             slots[self.args.process_index] = UNKNOWN if own is None else own
             tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
                                                          tdist.ReduceOp.SUM, self.args.device)
+            # the ranks of a TP group train on copies of one batch; SP ranks on shards of the same samples
+            tp, sp = self.job.get("tensor_parallel", 1), self.job.get("sequence_parallel", 1)
+            tokens, total, samples = tokens / tp, total / tp, samples / (tp * sp)
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
             logs.update(gpu_fields(utils))
         super().log(logs, start_time)
@@ -156,7 +159,9 @@ class SFTTrainer(Trainer):
                     "data_position": {"epoch": self.state.epoch,
                                       ("packed_rows" if self.job.get("packing") else "samples"): step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"],
-                    "spec_fingerprint": self.job.get("spec_fingerprint")}
+                    "spec_fingerprint": self.job.get("spec_fingerprint"),
+                    "parallel": {"sequence_parallel": self.job.get("sequence_parallel", 1),
+                                 "tensor_parallel": self.job.get("tensor_parallel", 1)}}
             final = ck.final_dir(out, step)
             meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
             ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)

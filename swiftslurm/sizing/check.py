@@ -1,0 +1,107 @@
+"""A task's sizing as ``plan`` shows it: the model shape, the parallel rules, the memory estimate.
+
+Takes the spec and the merged DeepSpeed config by attribute and key (this package sits below ``spec``
+and imports none of it). ``shape_of`` reads a local model's config.json when ``read_disk``; the rest is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import Problem
+from . import layout as lay
+from .memory import GIB, MemoryEstimate, Settings, advice, estimate
+from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
+
+UNKNOWN_SHAPE = ("the model's shape is unknown (a hub id that is not on disk): no memory estimate, and the heads are "
+                 "checked against the parallel degrees on the nodes. Set train.model_shape to have both at validate")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    layout: lay.Layout
+    shape: ModelShape | None
+    memory: MemoryEstimate | None
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    gpus: bool = True  # a CPU job (gpus_per_node = 0) gets the estimate but no GPU-memory warning
+    cautions: list[str] = field(default_factory=list)  # what only the nodes can decide
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
+                               "notes": self.notes, "advice": self.advice}
+        out.update(self.memory.to_json() if self.memory else {"fits": None})
+        return out
+
+    def warnings(self) -> list[str]:
+        """The plan's warning when the estimate exceeds the GPU's memory (naming what would fit)."""
+        m = self.memory
+        if m is None or m.fits or not self.gpus:
+            return list(self.cautions)
+        fix = ("; these would fit: " + ", ".join(self.advice)) if self.advice else \
+            "; no ZeRO setting fits: add GPUs, raise sequence_parallel, or shorten train.max_length"
+        return list(self.cautions) + [f"estimated GPU memory per rank {m.total_bytes / GIB:.1f} GiB exceeds slurm.gpu_memory_gb = "
+                f"{m.gpu_memory_bytes / GIB:g}{fix}"]
+
+
+def layout_of(spec: Any) -> lay.Layout:
+    t = spec.train
+    return lay.Layout(spec.world_size, spec.parallel.sequence_parallel, spec.parallel.tensor_parallel,
+                      t.per_device_train_batch_size, t.gradient_accumulation_steps)
+
+
+def shape_of(spec: Any, read_disk: bool) -> tuple[ModelShape | None, list[Problem]]:
+    """The shape: a local model's config.json (when ``read_disk``), the built-in tiny model, or train.model_shape."""
+    model = spec.train.model
+    if model == "tiny-llama":
+        return TINY_LLAMA, []
+    if read_disk and model and Path(model).is_dir():
+        try:
+            shape = read_config_json(model)
+        except ShapeError as exc:
+            return None, [Problem("train.model", "cannot read the model's shape from its config.json", str(exc),
+                                  "fix the file, or point train.model at a directory with a transformers config.json")]
+        if shape is not None:
+            return shape, []
+    ms = spec.train.model_shape
+    return (ms.shape() if ms is not None else None), []
+
+
+def _zero(ds: dict[str, Any]) -> tuple[int, bool, bool]:
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    dev = lambda key: isinstance(zero.get(key), dict) and zero[key].get("device") in ("cpu", "nvme")  # noqa: E731
+    stage = zero.get("stage", 0)
+    return (stage if isinstance(stage, int) else 0), dev("offload_optimizer"), dev("offload_param")
+
+
+def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | None, list[Problem]]:
+    """(the task's sizing, its problems). Problems: the parallel rules, and an unreadable local config.json."""
+    layout = layout_of(spec)
+    problems = lay.degree_problems(layout)
+    if problems:
+        return None, problems
+    stage, off_opt, off_param = _zero(ds)
+    t = spec.train
+    problems += lay.training_problems(layout, stage, t.train_type, t.attn_implementation, t.packing, t.max_length)
+    if layout.model_parallel > 1 and getattr(t, "task", "sft") != "sft":
+        problems.append(Problem("parallel", f"sequence/tensor parallel is built for SFT; task = {t.task!r} goes through TRL's "
+                                "trainer, whose batches the Ulysses adapter and AutoTP do not see",
+                                f"sequence_parallel {layout.sequence_parallel}, tensor_parallel {layout.tensor_parallel}",
+                                "drop [parallel] for this run (ZeRO-3 with offload shards the DPO model and its reference)"))
+    cautions = []
+    if layout.sequence_parallel > 1 and t.packing and t.attn_implementation == "auto":
+        cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "
+                        "have flash-attn for attn_implementation = \"auto\" to pick it, or training refuses to start "
+                        "(set packing = false to train with sdpa)")
+    shape, shape_problems = shape_of(spec, read_disk)
+    problems += shape_problems
+    if shape is None:
+        return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions), problems
+    problems += lay.shape_problems(layout, shape)
+    settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
+                        t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node)
+    memory = estimate(shape, settings, layout)
+    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
+                  cautions), problems

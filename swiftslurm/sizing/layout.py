@@ -1,0 +1,127 @@
+"""The parallel layout of a job: world = data x sequence x tensor parallel ranks, and every combination
+DeepSpeed cannot train, as Problems (what, found, what to do). Pure.
+
+Sources for the rules (see docs/training.md): DeepSpeed's Ulysses wrapper for HF models
+(``deepspeed/runtime/sequence_parallel/ulysses_sp.py``: heads % sp == 0; kv % sp == 0 or sp % kv == 0;
+no eager attention; position_ids in every batch; seqlen % sp == 0; the 4D mask is dropped, so packed rows
+stay separate only with flash attention) and its AutoTP training tutorial (ZeRO stage 0, 1 or 2, full
+fine-tuning; heads and kv heads split across the TP ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import Problem
+from .shape import ModelShape
+
+# attention kernels that keep packed samples apart under Ulysses SP: they read sample boundaries from
+# position_ids (varlen), while sdpa and flex lose the block-diagonal mask the wrapper drops
+SP_PACKING_ATTN = ("flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    sequence_parallel: int
+    tensor_parallel: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def model_parallel(self) -> int:
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples: the world less the SP and TP groups (at least 1)."""
+        return max(1, self.world_size // self.model_parallel)
+
+    @property
+    def zero_partitions(self) -> int:
+        """How many ranks ZeRO shards the model states over: every rank of a TP shard, SP ranks included."""
+        return max(1, self.world_size // self.tensor_parallel)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples (or packed rows) per optimizer step: micro-batch x accumulation x data-parallel size."""
+        return self.micro_batch * self.grad_accum * self.data_parallel
+
+    def to_json(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "data_parallel": self.data_parallel,
+                "sequence_parallel": self.sequence_parallel, "tensor_parallel": self.tensor_parallel,
+                "global_batch": self.global_batch}
+
+
+def degree_problems(layout: Layout, where: str = "parallel") -> list[Problem]:
+    """The world size must split into whole SP x TP groups."""
+    sp, tp, world = layout.sequence_parallel, layout.tensor_parallel, layout.world_size
+    if world % (sp * tp) == 0:
+        return []
+    return [Problem(where, f"the world size is not a multiple of sequence_parallel x tensor_parallel = {sp * tp}",
+                    f"world size {world} (slurm.nodes x ranks per node), sequence_parallel {sp}, tensor_parallel {tp}",
+                    f"use nodes x gpus_per_node that is a multiple of {sp * tp}, or degrees whose product divides {world}")]
+
+
+def training_problems(layout: Layout, zero_stage: int, train_type: str, attn: str, packing: bool, max_length: int,
+                      where: str = "parallel") -> list[Problem]:
+    """What the spec alone refuses (no model shape needed)."""
+    sp, tp = layout.sequence_parallel, layout.tensor_parallel
+    out: list[Problem] = []
+    if sp > 1 and tp > 1:
+        out.append(Problem(where, "sequence_parallel and tensor_parallel together are not supported: DeepSpeed's Ulysses "
+                           "wrapper and AutoTP each build their own process groups, and no DeepSpeed release tests them together",
+                           f"sequence_parallel {sp}, tensor_parallel {tp}", "use one of them (the other = 1)"))
+    if tp > 1 and train_type != "full":
+        out.append(Problem(f"{where}.tensor_parallel", "AutoTP trains full fine-tuning only (DeepSpeed splits the base "
+                           "Linear layers; peft's LoRA layers wrap them and are not split)", f"train.train_type = {train_type!r}",
+                           'set train.train_type = "full", or tensor_parallel = 1 (ZeRO shards LoRA runs well)'))
+    if tp > 1 and zero_stage == 3:
+        out.append(Problem(f"{where}.tensor_parallel", "AutoTP training supports ZeRO stages 0, 1 and 2 (DeepSpeed's AutoTP "
+                           "tutorial; ZeRO-3 with AutoTP is unreleased work)", "ZeRO stage 3",
+                           'use train.deepspeed = "zero1" or "zero2"'))
+    if sp > 1:
+        if attn == "eager":
+            out.append(Problem(f"{where}.sequence_parallel", "Ulysses sequence parallel refuses eager attention (it needs an "
+                               "O(n^2) 4D mask)", 'train.attn_implementation = "eager"', 'use "sdpa", "flash_attention_2" or "auto"'))
+        elif packing and attn in ("sdpa", "flex_attention"):
+            out.append(Problem(f"{where}.sequence_parallel", "with sequence parallel, packed rows need flash attention: the Ulysses "
+                               "wrapper drops the mask that keeps packed samples apart, so with sdpa or flex_attention samples "
+                               "would attend to each other", f'train.packing = true, train.attn_implementation = "{attn}"',
+                               'set attn_implementation = "flash_attention_2" (GPU, flash-attn installed) or train.packing = false'))
+        if max_length % sp:
+            out.append(Problem("train.max_length", f"with sequence_parallel = {sp}, every sequence is split into {sp} equal "
+                               "shards, so max_length must be a multiple of it", f"max_length {max_length}",
+                               f"use {max_length + sp - max_length % sp} or {max_length - max_length % sp or sp}"))
+    return out
+
+
+def shape_problems(layout: Layout, shape: ModelShape, where: str = "parallel") -> list[Problem]:
+    """What the model's heads allow (a local config.json at validate, or the model on the nodes)."""
+    sp, tp = layout.sequence_parallel, layout.tensor_parallel
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    found = f"{heads} attention heads, {kv} KV heads ({shape.source or 'the model'})"
+    out: list[Problem] = []
+    if sp > 1:
+        if heads % sp:
+            out.append(Problem(f"{where}.sequence_parallel", f"Ulysses gives each of the {sp} ranks a whole number of attention "
+                               "heads: the head count must divide by sequence_parallel", found,
+                               f"use a sequence_parallel that divides {heads}: {_divisors(heads)}"))
+        elif kv % sp and sp % kv:
+            out.append(Problem(f"{where}.sequence_parallel", "Ulysses needs the KV heads to divide by sequence_parallel, or "
+                               "sequence_parallel to divide by the KV heads (they are then replicated)", found,
+                               f"use a sequence_parallel among {_divisors(heads)} that divides {kv} or is a multiple of it"))
+    if tp > 1:
+        if heads % tp or kv % tp:
+            out.append(Problem(f"{where}.tensor_parallel", "AutoTP splits the attention heads and KV heads across the "
+                               "tensor-parallel ranks: both must divide by tensor_parallel", found,
+                               f"use a tensor_parallel that divides {kv}: {_divisors(kv)}"))
+        if shape.intermediate_size % tp:
+            out.append(Problem(f"{where}.tensor_parallel", "AutoTP splits the MLP's intermediate size across the "
+                               "tensor-parallel ranks: it must divide by tensor_parallel",
+                               f"intermediate_size {shape.intermediate_size}", f"a tensor_parallel that divides {shape.intermediate_size}"))
+    return out
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)

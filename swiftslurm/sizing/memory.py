@@ -1,0 +1,221 @@
+"""Per-rank GPU memory of a training step, estimated before launch (pure). ``plan`` prints it.
+
+model states   DeepSpeed's own formulas (``estimate_zero2_model_states_mem_needs``,
+               ``estimate_zero3_model_states_mem_needs``; mixed precision: 2 bytes of 16-bit weights plus
+               18 bytes per trainable parameter = 16-bit grads 2 + fp32 grads 4 + fp32 master weights 4 + Adam
+               moments 8), over the ZeRO partitions (world / tensor_parallel), stage 0 and 1 by the same
+               accounting. fp32 training: 4 bytes of weights + 12 per trainable parameter (grads 4, moments 8).
+               LoRA: frozen weights keep only their weights; grads and optimizer states are the adapter's.
+               Tensor parallel divides the decoder layers' parameters (not the embeddings).
+activations    tokens per rank = micro-batch x max_length / sequence_parallel. With gradient checkpointing a
+               layer keeps its input (hidden x tokens) and one layer at a time holds its full activations;
+               without, every layer holds them. Plus the logits and the loss's fp32 copies (vocab x tokens).
+overhead       the CUDA context and kernels (outside torch's allocator), NCCL's buffers when there are
+               several ranks, and the caching allocator's fragmentation (a fraction of what is allocated).
+
+``allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` measures; ``total_bytes`` adds the overhead
+(what ``nvidia-smi`` shows). The coefficients are named below; benchmarks/gpu/memory_estimate.py compares
+them with a measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .layout import Layout
+from .shape import ModelShape
+
+GIB = 1 << 30
+ZERO_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for the CPU side
+# full activations of one layer, in elements per token: hidden-sized tensors (norm inputs/outputs, q, attention
+# output, o_proj input, residuals: 10 x hidden), k and v (2 x kv width), the MLP's gate, up, act and product
+# (4 x intermediate). Flash/sdpa/flex keep no seq x seq matrix.
+ACT_HIDDEN_TERMS = 10
+ACT_INTERMEDIATE_TERMS = 4
+LOGIT_BYTES_EXTRA = 8  # the loss upcasts logits to fp32 and keeps log-probs (4 + 4 bytes per logit) beside them
+CUDA_CONTEXT_BYTES = int(1.0 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces: not in max_memory_allocated
+NCCL_BYTES = int(0.5 * GIB)  # NCCL's communicator buffers when world > 1
+FRAGMENTATION = 0.10  # the caching allocator's reserved-but-unused share
+
+
+def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
+                       additional_buffer_factor: float = ZERO_BUFFER_FACTOR) -> tuple[int, int]:
+    """(cpu bytes, gpu bytes): DeepSpeed's ``estimate_zero2_model_states_mem_needs``, the same arithmetic."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                       cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+                       additional_buffer_factor: float = ZERO_BUFFER_FACTOR) -> tuple[int, int, int]:
+    """(cpu bytes, gpu bytes, largest layer bytes): DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
+    total_gpus = num_nodes * num_gpus_per_node
+    per_node = 1 / num_nodes
+    largest = 4 * largest_layer_params
+    if cpu_offload and cpu_offload_params:
+        gpu = largest
+        cpu = total_params * (18 * per_node if zero_init else max(4 * num_gpus_per_node, 18 * per_node)) * additional_buffer_factor
+    elif cpu_offload:
+        gpu = largest + int(2 * total_params / total_gpus)
+        cpu = total_params * (16 * per_node if zero_init else max(4 * num_gpus_per_node, 16 * per_node)) * additional_buffer_factor
+    else:
+        gpu = largest + int(18 * total_params / total_gpus)
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu), largest
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The spec's choices that move memory (plain values, so this module needs no spec)."""
+
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    train_type: str  # "full" | "lora"
+    lora_rank: int
+    lora_targets: Any  # str | list[str]
+    half_precision: bool  # bf16 or fp16
+    gradient_checkpointing: bool
+    max_length: int
+    gpu_memory_gb: float
+    ranks_per_node: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parts: dict[str, int]  # bytes per rank: weights, gradients+optimizer, activations, logits, overhead
+    allocated_bytes: int  # what torch's allocator peaks at (max_memory_allocated)
+    total_bytes: int  # allocated + fragmentation + CUDA context + NCCL
+    cpu_bytes_per_node: int  # host memory for offloaded states (DeepSpeed's formula), 0 without offload
+    gpu_memory_bytes: int
+    trainable_params: int
+    total_params: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu_memory_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        gb = lambda b: round(b / GIB, 2)  # noqa: E731
+        return {"per_rank_gib": {k: gb(v) for k, v in self.parts.items()}, "allocated_gib": gb(self.allocated_bytes),
+                "total_gib": gb(self.total_bytes), "gpu_memory_gib": gb(self.gpu_memory_bytes), "fits": self.fits,
+                "cpu_per_node_gib": gb(self.cpu_bytes_per_node), "total_params": self.total_params,
+                "trainable_params": self.trainable_params, "notes": list(self.notes)}
+
+
+def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int) -> tuple[int, int, int]:
+    """(weights bytes, grads + optimizer bytes, cpu bytes per node) on one rank."""
+    tp, n = layout.tensor_parallel, layout.zero_partitions
+    total = shape.num_layers * shape.layer_params // tp + shape.embedding_params + shape.hidden_size
+    if s.train_type == "full":
+        trainable = total
+    frozen = total - trainable
+    w_bytes = 2 if s.half_precision else 4
+    # per trainable parameter, beyond its weights: mixed precision 18 (DeepSpeed's multiplier), fp32 12 (grads, moments)
+    state_bytes = 18 if s.half_precision else 12
+    nodes = max(1, layout.world_size // max(1, s.ranks_per_node))
+    if s.zero_stage == 3:
+        # DeepSpeed: 4 x the largest layer (gathered, and the next one prefetched) + 18 bytes/param over the ranks,
+        # its 18 holding the 16-bit weight shard too; fp32: 4 + 12 = 16
+        weights = 2 * w_bytes * shape.largest_layer_params + (0 if s.offload_param else w_bytes * frozen // n)
+        sharded = 18 if s.half_precision else 16
+        if not s.offload_optimizer:
+            states = sharded * trainable // n
+        else:
+            states = 0 if s.offload_param else w_bytes * trainable // n
+        cpu = zero3_model_states(trainable, shape.largest_layer_params, s.ranks_per_node, nodes, True, s.offload_param)[0] \
+            if s.offload_optimizer else 0
+        return weights, states, cpu
+    weights = w_bytes * total
+    if s.offload_optimizer:  # ZeRO-Offload: grads and optimizer states live on the CPU
+        return weights, 0, zero2_model_states(trainable, s.ranks_per_node, nodes, True)[0]
+    if s.zero_stage == 2:
+        states = state_bytes * trainable // n
+    elif s.zero_stage == 1:  # model-dtype gradients whole on every rank, the rest sharded
+        states = w_bytes * trainable + (state_bytes - w_bytes) * trainable // n
+    else:
+        states = state_bytes * trainable
+    return weights, states, 0
+
+
+def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
+    """(activation bytes, logits/loss bytes) on one rank at the peak of a step."""
+    tokens = layout.micro_batch * s.max_length // layout.sequence_parallel
+    b = 2 if s.half_precision else 4
+    h, tp = shape.hidden_size, layout.tensor_parallel
+    kv_width = shape.num_kv_heads * shape.dim_per_head
+    per_token = (ACT_HIDDEN_TERMS * h + 2 * kv_width) // tp + ACT_INTERMEDIATE_TERMS * shape.intermediate_size // tp + 2 * h
+    one_layer = b * tokens * per_token
+    if s.gradient_checkpointing:
+        acts = b * tokens * h * shape.num_layers + one_layer  # each layer's input + one layer recomputed
+    else:
+        acts = one_layer * shape.num_layers
+    logits = tokens * shape.vocab_size * (b + LOGIT_BYTES_EXTRA)
+    return acts, logits
+
+
+def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
+    total = shape.total_params
+    notes: list[str] = []
+    if s.train_type == "full":
+        trainable = total
+    else:
+        trainable, exact = shape.lora_params(s.lora_rank, s.lora_targets)
+        if not exact:
+            notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
+    weights, states, cpu = _model_states(shape, s, layout, trainable)
+    acts, logits = _activations(shape, s, layout)
+    allocated = weights + states + acts + logits
+    frag = int(FRAGMENTATION * allocated)
+    overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
+    parts = {"weights": weights, "gradients_optimizer": states, "activations": acts, "logits_loss": logits, "overhead": overhead}
+    return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
+
+
+# ZeRO settings from the fastest to the most frugal: (label, stage, offload optimizer, offload params)
+ZERO_LADDER = (("ZeRO-2 without offload", 2, False, False), ("ZeRO-3 without offload", 3, False, False),
+               ("ZeRO-2 with optimizer offload", 2, True, False), ("ZeRO-3 with optimizer and parameter offload", 3, True, True))
+
+
+def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
+    """What to change, each with its estimate: when the estimate does not fit, the settings that would (the
+    fastest first); when it fits with ZeRO-3 or an offload, a faster ZeRO setting that fits too. Else nothing."""
+    from dataclasses import replace
+
+    now = estimate(shape, s, layout)
+    rung = lambda st: (st.zero_stage >= 3) + 2 * st.offload_optimizer + st.offload_param  # noqa: E731  (0 = fastest)
+    options = [(label, replace(s, zero_stage=stage, offload_optimizer=o, offload_param=p)) for label, stage, o, p in ZERO_LADDER]
+    if not s.gradient_checkpointing:
+        options.insert(0, ("train.gradient_checkpointing = true", replace(s, gradient_checkpointing=True)))
+    out: list[str] = []
+    for label, option in options:
+        if option == s or (now.fits and rung(option) >= rung(s)):
+            continue
+        e = estimate(shape, option, layout)
+        if e.fits:
+            out.append(f"{label} ({e.total_bytes / GIB:.1f} GiB per GPU)")
+            if now.fits:
+                break
+    if not now.fits and layout.tensor_parallel == 1:  # long sequences: split them (the smallest SP degree that fits)
+        from dataclasses import replace as dc_replace
+
+        from .layout import shape_problems
+
+        sp = layout.sequence_parallel * 2
+        while sp <= layout.world_size and layout.world_size % sp == 0:
+            wider = dc_replace(layout, sequence_parallel=sp)
+            if s.max_length % sp == 0 and not shape_problems(wider, shape):
+                e = estimate(shape, s, wider)
+                if e.fits:
+                    out.append(f"parallel.sequence_parallel = {sp} ({e.total_bytes / GIB:.1f} GiB per GPU)")
+                    break
+            sp *= 2
+    return out

@@ -1,0 +1,132 @@
+"""A decoder-only transformer's shape (what the memory estimate and the parallel rules need) and its
+parameter counts. Pure, apart from ``read_config_json`` which reads one local file.
+
+Counts follow the Llama/Qwen/Mistral layout: embeddings, per layer q/k/v/o projections, a gated MLP
+(gate, up, down) and two RMSNorms, a final norm and an lm_head unless tied. Biases (Qwen2's q/k/v) are
+below 0.1% of the total and left out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# the projections peft's "all-linear" picks in a Llama-like decoder (never lm_head)
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None  # None: hidden_size / num_heads
+    source: str = ""  # where the shape came from (for the plan's display)
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of one layer."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.dim_per_head
+        return {"q_proj": (h, self.num_heads * d), "k_proj": (h, self.num_kv_heads * d), "v_proj": (h, self.num_kv_heads * d),
+                "o_proj": (self.num_heads * d, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (projections + two norms)."""
+        return sum(a * b for a, b in self.linear_dims().values()) + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embeddings, plus the lm_head when it is not tied to them."""
+        per = self.vocab_size * self.hidden_size
+        return per if self.tie_word_embeddings else 2 * per
+
+    @property
+    def total_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embedding_params + self.hidden_size
+
+    @property
+    def largest_layer_params(self) -> int:
+        """The largest single module's parameters (DeepSpeed's ``largest_layer_params`` for ZeRO-3): the
+        embedding matrix for any real vocabulary, else the largest projection."""
+        return max([self.vocab_size * self.hidden_size] + [a * b for a, b in self.linear_dims().values()])
+
+    def lora_params(self, rank: int, targets: str | list[str]) -> tuple[int, bool]:
+        """(trainable LoRA parameters, exact): A (in x r) + B (r x out) per targeted projection and layer.
+
+        ``targets`` "all-linear" (or "all") = every projection; a list counts the names it shares with
+        LINEAR_NAMES (a module name ending in one, like "self_attn.q_proj", counts too). A list naming
+        none of them (custom modules) counts all-linear, an upper bound: exact is then False.
+        """
+        dims = self.linear_dims()
+        if isinstance(targets, str):
+            targets = list(LINEAR_NAMES) if targets in ("all-linear", "all") else [targets]
+        names = {n for n in LINEAR_NAMES for t in targets if t == n or t.endswith("." + n)}
+        exact = bool(names)
+        names = names or set(LINEAR_NAMES)
+        per_layer = sum(rank * (dims[n][0] + dims[n][1]) for n in names)
+        return self.num_layers * per_layer, exact
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "num_kv_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size,
+                "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
+                "head_dim": self.dim_per_head, "total_params": self.total_params, "source": self.source}
+
+
+# the built-in test model (train/tinymodel.py builds exactly this: 2 layers, 64 wide, 4 heads, byte vocabulary)
+TINY_LLAMA = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128,
+                        vocab_size=259, tie_word_embeddings=False, source="tiny-llama (built in)")
+
+
+class ShapeError(ValueError):
+    """A config.json without the keys a decoder's shape needs (the message names them)."""
+
+
+def shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
+    """A ModelShape from a transformers config dict (Llama, Qwen2/3, Mistral, Gemma ...: the usual key names;
+    a multimodal config's ``text_config`` is used when the top level has no hidden_size)."""
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", config["text_config"].get("tie_word_embeddings"))}
+    keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+            "num_heads": ("num_attention_heads", "n_head"), "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
+            "vocab_size": ("vocab_size",)}
+    values: dict[str, int] = {}
+    missing = []
+    for field, names in keys.items():
+        found = next((config[n] for n in names if isinstance(config.get(n), int) and not isinstance(config.get(n), bool)), None)
+        if found is None:
+            missing.append(names[0])
+        else:
+            values[field] = found
+    if missing:
+        raise ShapeError(f"{source} has no {', '.join(missing)}")
+    kv = config.get("num_key_value_heads")
+    head_dim = config.get("head_dim")
+    return ModelShape(**values, num_kv_heads=kv if isinstance(kv, int) and kv > 0 else values["num_heads"],
+                      tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                      head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None, source=source)
+
+
+def read_config_json(model_dir: str | Path) -> ModelShape | None:
+    """The shape in ``model_dir/config.json``; None when there is no such file. ShapeError when it is unreadable
+    or lacks the keys (the message says which). Reads the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ShapeError(f"{path} cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ShapeError(f"{path} is not a JSON object")
+    return shape_from_config(data, str(path))

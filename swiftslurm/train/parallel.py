@@ -1,0 +1,87 @@
+"""Sequence and tensor parallel in the built-in trainer (``[parallel]``): the one seam in ``sft.py``.
+
+- Ulysses SP (``sequence_parallel``): DeepSpeed's ALST pieces through HF Trainer + Accelerate, which
+  register ``UlyssesSPAttentionHF`` with transformers, hand DeepSpeed the SP process groups (mpu), wrap
+  the train DataLoader in ``UlyssesSPDataLoaderAdapter`` (each sample sharded over the SP group, labels
+  pre-shifted) and compute the loss with ``deepspeed_sp_compute_loss`` (token-weighted over the group).
+  We pass ``TrainingArguments.parallelism_config``; batches must carry ``position_ids`` (packed rows do;
+  the unpacked collator adds them) and a length that divides by the degree.
+- AutoTP (``tensor_parallel``): ``tensor_parallel.autotp_size`` in the DeepSpeed config (``dsconfig``);
+  the Trainer reads it for its data-parallel size, and DeepSpeed checks that a TP group's inputs agree.
+
+The rules ``plan`` checks against a local config.json run here again against the loaded model
+(``check_model``): a hub model's heads are only known on the nodes.
+"""
+
+from __future__ import annotations
+
+from ..errors import SwiftSlurmError
+from ..sizing.layout import SP_PACKING_ATTN, Layout, shape_problems
+from ..sizing.shape import ShapeError, shape_from_config
+
+
+class ParallelError(SwiftSlurmError):
+    exit_code = 2
+
+
+def degrees(spec) -> tuple[int, int]:
+    p = spec.parallel
+    return p.sequence_parallel, p.tensor_parallel
+
+
+def degrees_json(spec) -> dict[str, int]:
+    """The degrees as checkpoints record them (manifest meta ``parallel``)."""
+    sp, tp = degrees(spec)
+    return {"sequence_parallel": sp, "tensor_parallel": tp}
+
+
+def global_batch(spec) -> int:
+    """Samples (or packed rows) per optimizer step: the data-parallel ranks' micro-batches."""
+    t = spec.train
+    return Layout(spec.world_size, *degrees(spec), t.per_device_train_batch_size, t.gradient_accumulation_steps).global_batch
+
+
+def parallelism_config(spec, attn: str):
+    """Accelerate's ParallelismConfig for Ulysses SP (None without SP)."""
+    sp, _ = degrees(spec)
+    if sp == 1:
+        return None
+    if spec.train.packing and attn not in SP_PACKING_ATTN:
+        raise ParallelError(
+            f"sequence_parallel = {sp} with packed rows needs flash attention, and this node resolved attention to {attn!r}",
+            "the Ulysses wrapper drops the mask that keeps packed samples apart: with sdpa or flex_attention they would attend "
+            "to each other", 'install flash-attn on the nodes (attn_implementation = "auto" then picks it), or set train.packing = false')
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    world = spec.world_size
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=max(1, world // sp),
+                             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=attn))
+
+
+def init_comm(spec) -> None:
+    """DeepSpeed's comm layer on the process group TrainingArguments made: the Ulysses groups are built
+    through ``deepspeed.comm``, which Accelerate initialises itself only on GPUs (CPU runs: gloo)."""
+    sp, _ = degrees(spec)
+    if sp > 1:
+        import deepspeed
+
+        deepspeed.init_distributed()
+
+
+def check_model(spec, model) -> None:
+    """The head rules against the loaded model's config (exit 2 with the reason, before any step)."""
+    sp, tp = degrees(spec)
+    if sp == 1 and tp == 1:
+        return
+    config = getattr(model, "config", None)
+    try:
+        shape = shape_from_config(config.to_dict(), f"{spec.train.model} config")
+    except (ShapeError, AttributeError) as exc:
+        raise ParallelError("cannot read the attention heads of the model for the parallel degrees", str(exc),
+                            "use a decoder model with a transformers config (num_attention_heads, ...)") from None
+    t = spec.train
+    problems = shape_problems(Layout(spec.world_size, sp, tp, t.per_device_train_batch_size, t.gradient_accumulation_steps), shape)
+    if problems:
+        p = problems[0]
+        raise ParallelError(f"{p.path}: {p.what}", p.found, p.hint)
