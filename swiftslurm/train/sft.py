@@ -158,7 +158,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     cuda = _prepare_device_env()
     import transformers
 
-    from . import kernels, nvme_swap, resume
+    from . import deadline, kernels, nvme_swap, resume, worldsize
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .shutdown import shut_down_distributed
     from .trainer import MetricsFileCallback, ScheduleCallback, SFTTrainer
@@ -173,6 +173,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     resume_from = resume.resolve(resume_from, output_dir, dist.rank, dist.node)  # the process group exists now
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_spec_drift(resume_from, spec, planned_ds_config, log)
+    resume_from = worldsize.adapt(resume_from, output_dir, dist, args, spec.checkpoint.checksum,  # another DP size: convert
+                                  spec.checkpoint.convert_timeout_s)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -190,7 +192,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
 
     comm = CommTimer().install()
     meter = StepMeter(comm)
-    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter)
+    watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
+    schedule = ScheduleCallback(lambda: should_stop() or watch.due(), list(spec.checkpoint.forced_save_fractions), meter)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:
@@ -198,12 +201,14 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
            "global_batch": spec.train.per_device_train_batch_size * spec.train.gradient_accumulation_steps * dist.world_size,
-           "spec_fingerprint": fingerprint, "packing": spec.train.packing}
+           "spec_fingerprint": fingerprint, "packing": spec.train.packing,
+           "zero_stage": _zero_stage(ds_config)}
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
         flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
+    trainer.deadline = watch
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:

@@ -64,6 +64,7 @@ class SFTTrainer(Trainer):
         self.optimizer_name = ""
         self.save_seconds: list[float] = []
         self.committed: list[str] = []
+        self.deadline = None  # a train.deadline.DeadlineWatch: told each save's time, reports deadline_margin_s
 
     def create_optimizer(self, model=None):
         """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
@@ -149,7 +150,8 @@ class SFTTrainer(Trainer):
                     "data_position": {"epoch": self.state.epoch,
                                       ("packed_rows" if self.job.get("packing") else "samples"): step * self.job["global_batch"]},
                     "job_name": self.job["name"], "train_type": self.job["train_type"],
-                    "spec_fingerprint": self.job.get("spec_fingerprint")}
+                    "spec_fingerprint": self.job.get("spec_fingerprint"),
+                    "dp_world_size": self.args.world_size, "zero_stage": self.job.get("zero_stage")}  # universal.writer_layout
             final = ck.final_dir(out, step)
             meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
             ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)
@@ -162,7 +164,12 @@ class SFTTrainer(Trainer):
             phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
         self.save_seconds.append(seconds)
-        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}})
+        margin = {}
+        if self.deadline is not None:
+            self.deadline.saved(seconds)
+            if self.deadline.margin_s() is not None:  # rank 0 of a Slurm job: seconds left after this save
+                margin["deadline_margin_s"] = self.deadline.margin_s()
+        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin})
         if self.args.process_index == 0:
             self._check_grace(step, seconds, phases)
 
@@ -197,7 +204,7 @@ class ScheduleCallback(TrainerCallback):
             self.stopped_for_requeue = True
             control.should_save = True
             control.should_training_stop = True
-            log.warning("walltime signal: saving at step %d, then stopping for requeue", state.global_step)
+            log.warning("walltime stop: saving at step %d, then stopping for requeue", state.global_step)
         elif state.global_step in self.forced:
             control.should_save = True
         return control
