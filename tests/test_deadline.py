@@ -1,10 +1,12 @@
 """Deadline-aware saving: the pure decision, the end-time parser, the watch with a fake clock, and a real job on
 the Slurm cluster whose slow save would not fit the grace period.
 
-Cluster job: 2 minutes, ``signal_grace_s = 10``, every commit slowed by 3 x 10 s (the save-delay hook), so a save
-takes ~32 s. Slurm's USR2 comes 10-40 s before the end (slurmctld checks time limits every ~30 s); the save made
-on it would be killed. The watch saves when one more step and a save (+25%) + 5 s no longer fit, ~45 s before the
-end: before the earliest signal. The job must requeue, and that save must end before the job's end time.
+Cluster job: 2 minutes, ``signal_grace_s = 10``, a save every 10 steps, every commit slowed by 3 x 10 s (the
+save-delay hook), so a save takes ~30 s; steps take ~0.1 s. Slurm's USR2 comes 10-40 s before the end
+(slurmctld checks time limits every ~30 s); a save made on it would not fit. The first save (nothing known yet)
+ends ~50 s before the end; at the next save point the watch sees that after that save one more step and a save
+(+25%) + 5 s would not fit, decides before the signal came, and stops after that save. The job must requeue,
+and the stopping save must end before the job's end time (``deadline_margin_s >= 0``).
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ def test_decide_saves_when_one_more_step_and_a_save_would_not_fit():
     end = 1000.0
     # 100 s left; step 2 s, save 40 s (x1.25 = 50), reserve 5: 43 s to spare -> keep training
     keep = deadline.decide(900.0, end, 2.0, 40.0)
-    assert not keep.save_now and keep.margin_s == pytest.approx(43.0)
+    assert not keep.stop and keep.margin_s == pytest.approx(43.0)
     # 56 s left: 2 + 50 + 5 = 57 > 56 -> save now
     now = deadline.decide(944.0, end, 2.0, 40.0)
-    assert now.save_now and now.margin_s == pytest.approx(-1.0) and "would not fit" in now.reason
-    assert deadline.decide(944.0, end, 2.0, 40.0, reserve_s=0.0).save_now is False  # the reserve counts
+    assert now.stop and now.margin_s == pytest.approx(-1.0) and "would not fit" in now.reason
+    assert deadline.decide(944.0, end, 2.0, 40.0, reserve_s=0.0).stop is False  # the reserve counts
+    # a save point: after its own save (50 s) one more step and a save must fit too -> this save is the last
+    last = deadline.decide(900.0, end, 2.0, 40.0, saving=True)
+    assert last.stop and last.margin_s == pytest.approx(-7.0) and "after this save" in last.reason
+    assert not deadline.decide(880.0, end, 2.0, 40.0, saving=True).stop  # 120 s left: 13 s to spare
     # past the end already (a requeue that started late): save at once
-    assert deadline.decide(1010.0, end, 2.0, 40.0).save_now
+    assert deadline.decide(1010.0, end, 2.0, 40.0).stop
     # nothing known: never a deadline save (the signal still works)
     for args in ((900.0, None, 2.0, 40.0), (900.0, end, None, 40.0), (900.0, end, 2.0, None)):
         verdict = deadline.decide(*args)
-        assert not verdict.save_now and verdict.margin_s is None and verdict.reason
+        assert not verdict.stop and verdict.margin_s is None and verdict.reason
 
 
 def test_watch_uses_the_slowest_recent_step_fires_once_and_reports_the_margin():
@@ -122,7 +128,7 @@ def test_a_slow_save_is_made_before_the_signal_and_the_job_requeues(tmp_path, sl
     logs = "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").rglob("*")) if p.is_file())
     assert any(r.get("requeued") for r in requeues), f"no requeue: {requeues}\n{logs[-5000:]}"
     assert "deadline: the job ends at" in logs, logs[-5000:]
-    assert "saving now, before the walltime signal, then stopping for requeue" in logs, logs[-5000:]
+    assert "before the walltime signal, then stopping for requeue" in logs, logs[-5000:]  # decided before USR2 came
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     margins = [r["deadline_margin_s"] for r in rows if "deadline_margin_s" in r]
     stop = requeues[0]["global_step"]

@@ -4,8 +4,9 @@ The walltime signal comes ``slurm.signal_grace_s`` before the job's end; a save 
 step) is killed at the walltime and the job ends TIMEOUT instead of requeued. Rank 0 reads the job's end time
 from Slurm once per start (``slurm.commands.job_end_time``; a requeue is a new start) and keeps the measured
 step time and save time (this run's last save, else ``checkpoint-save.json`` of an earlier start). After each
-step ``decide`` (pure) says whether one more step and a save would still end before the deadline; when not,
-the trainer saves now and stops for requeue, exactly as on the signal. The signal, if it comes first, is
+step ``decide`` (pure) says whether one more step and a save (after this step's own save, at a save point) would
+still end before the deadline; when not, the trainer saves now (or lets this step's save be the last) and stops
+for requeue, exactly as on the signal. The signal, if it comes first, is
 handled as always. Every save logs ``deadline_margin_s``: the seconds between the end of that save and the
 job's end time.
 """
@@ -27,24 +28,31 @@ HEADROOM = savetime.HEADROOM  # a save may take 25% longer than the last one
 
 @dataclass(frozen=True)
 class Verdict:
-    save_now: bool
-    margin_s: float | None  # seconds left at the end if the trainer ran one more step and then saved (None: unknown)
+    stop: bool  # save at this step (if it is not a save point already) and stop for requeue
+    margin_s: float | None  # seconds that would be left at the end if training went on (None: unknown)
     reason: str
 
 
-def decide(now: float, end_time: float | None, step_s: float | None, save_s: float | None,
+def decide(now: float, end_time: float | None, step_s: float | None, save_s: float | None, saving: bool = False,
            reserve_s: float = RESERVE_S, headroom: float = HEADROOM) -> Verdict:
-    """Save now (and stop for requeue) when one more step of ``step_s`` and a save of ``save_s`` (with headroom)
-    would end later than ``reserve_s`` before ``end_time`` (pure). A regular save point before the deadline does
-    not change that: training continues past it and the last save still has to fit."""
+    """Stop for requeue after this step (pure) when, with saves of ``save_s`` (plus ``headroom``) and steps of
+    ``step_s``, going on could not end with a save ``reserve_s`` before ``end_time``:
+
+    - at a step that saves anyway (``saving``: a regular or forced save point): when after this save one more step
+      and another save would not fit, this save is the last one: stop after it;
+    - at any other step: when one more step and a save would not fit, save now and stop.
+    A regular save point further ahead is covered step by step: the step before it finds its save would not fit."""
     if end_time is None:
         return Verdict(False, None, "no end time from Slurm")
     if save_s is None or step_s is None:
         return Verdict(False, None, "no save or step measured yet")
-    margin = end_time - now - step_s - save_s * headroom - reserve_s
+    save = save_s * headroom
+    ahead = save if saving else 0.0  # the save this step makes anyway
+    margin = end_time - now - ahead - step_s - save - reserve_s
     if margin >= 0:
         return Verdict(False, margin, f"one more step and a save leave {margin:.1f} s")
-    return Verdict(True, margin, f"the job ends in {end_time - now:.0f} s: one more step ({step_s:.1f} s) and a save "
+    what = "after this save, one more" if saving else "one more"
+    return Verdict(True, margin, f"the job ends in {end_time - now:.0f} s: {what} step ({step_s:.1f} s) and a save "
                    f"({save_s:.1f} s, +{(headroom - 1) * 100:.0f}%) would not fit")
 
 
@@ -68,17 +76,19 @@ class DeadlineWatch:
         """Seconds from now to the job's end (after a save: that save's margin)."""
         return None if self.end_time is None else round(self.end_time - self.clock(), 3)
 
-    def due(self) -> bool:
+    def due(self, saving: bool = False) -> bool:
+        """After a step (``saving``: it is a save point anyway): True when the trainer should save and stop now."""
         if self.end_time is None or self.fired:
             return False
         step = self.last_step_s()
         if step is not None:
             self.steps.append(step)
-        verdict = decide(self.clock(), self.end_time, max(self.steps) if self.steps else None, self.save_s)
-        if verdict.save_now:
+        verdict = decide(self.clock(), self.end_time, max(self.steps) if self.steps else None, self.save_s, saving)
+        if verdict.stop:
             self.fired = True
-            log.warning("deadline: %s; saving now, before the walltime signal, then stopping for requeue", verdict.reason)
-        return verdict.save_now
+            log.warning("deadline: %s; %s, before the walltime signal, then stopping for requeue", verdict.reason,
+                        "this save is the last" if saving else "saving now")
+        return verdict.stop
 
 
 def watch_for(spec, dist, output_dir: str, last_step_s: Callable[[], float | None]) -> DeadlineWatch:

@@ -193,7 +193,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     comm = CommTimer().install()
     meter = StepMeter(comm)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
-    schedule = ScheduleCallback(lambda: should_stop() or watch.due(), list(spec.checkpoint.forced_save_fractions), meter)
+    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, deadline=watch)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:

@@ -187,8 +187,9 @@ class ScheduleCallback(TrainerCallback):
     only one of them saw the signal. On a stop: save now, then stop training.
     """
 
-    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter):
+    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, deadline=None):
         self.should_stop = should_stop
+        self.deadline = deadline  # a train.deadline.DeadlineWatch: stop before the signal when a save would not fit
         self.fractions = fractions
         self.meter = meter
         self.stopped_for_requeue = False
@@ -199,7 +200,9 @@ class ScheduleCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()
-        (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        saving = control.should_save or state.global_step in self.forced
+        stop = self.should_stop() or (self.deadline is not None and self.deadline.due(saving))
+        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device)
         if flag > 0:
             self.stopped_for_requeue = True
             control.should_save = True
