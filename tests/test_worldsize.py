@@ -85,27 +85,37 @@ def _run(spec: str, out: Path, ranks: int, **kw) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path, stage):
+    z = f"ZeRO-{stage[-1]}"
     spec, ref = _spec(tmp_path, "ref", stage, 2, 12)
     _run(spec, ref, 2)
     moved = tmp_path / "moved"
     moved.mkdir()
     shutil.copytree(ref / "checkpoint-4", moved / "checkpoint-4")
+    for killed in (4, 2):  # conversions killed midway left staging dirs: never read, cleaned after the next one
+        (moved / "universal" / f".staging-checkpoint-{killed}" / "global_step4_universal").mkdir(parents=True)
+        (moved / "universal" / f".staging-checkpoint-{killed}" / "trainer_state.json").write_text("{")
 
     spec4, _ = _spec(tmp_path, "moved4", stage, 4, 8, out=moved)
     stdout = _run(spec4, moved, 4, resume="newest")
-    assert "checkpoint-4 was written by 2 data-parallel rank(s) at ZeRO-2; this run has 4" in stdout, stdout[-4000:]
-    assert f"resuming at step 4 on 4 data-parallel rank(s) at ZeRO-2 from the universal checkpoint {moved}/universal/checkpoint-4" in stdout
+    assert f"checkpoint-4 was written by 2 data-parallel rank(s) at {z}; this run has 4" in stdout, stdout[-4000:]
+    assert f"resuming at step 4 on 4 data-parallel rank(s) at {z} from the universal checkpoint {moved}/universal/checkpoint-4" in stdout
     sibling = ck.verify(moved / "universal" / "checkpoint-4")
-    assert sibling.ok and sibling.manifest.meta["universal"]["writer"] == {"dp_world_size": 2, "zero_stage": 2, "mp_degree": 1}
+    assert sibling.ok and sibling.manifest.meta["universal"]["writer"] == {"dp_world_size": 2, "zero_stage": int(stage[-1]), "mp_degree": 1}
+    assert sorted(p.name for p in (moved / "universal").iterdir()) == ["checkpoint-4", "latest"]
     meta8 = ck.read_manifest(moved / "checkpoint-8").meta
-    assert (meta8["dp_world_size"], meta8["zero_stage"]) == (4, 2)
+    assert (meta8["dp_world_size"], meta8["zero_stage"]) == (4, int(stage[-1]))
 
     spec2, _ = _spec(tmp_path, "moved2", stage, 2, 12, out=moved)
     stdout = _run(spec2, moved, 2, resume="newest")
-    assert "checkpoint-8 was written by 4 data-parallel rank(s) at ZeRO-2; this run has 2" in stdout, stdout[-4000:]
+    assert f"checkpoint-8 was written by 4 data-parallel rank(s) at {z}; this run has 2" in stdout, stdout[-4000:]
     assert sorted(p.name for p in (moved / "universal").glob("checkpoint-*")) == ["checkpoint-8"]  # the older one went
+
+    said: list[str] = []  # a later start finds the verified sibling of the same source and reuses it
+    plan = ucp.plan_load(ucp.Layout(4, int(stage[-1])), ucp.Layout(2, int(stage[-1])))
+    again, _ = ucp.convert(moved / "checkpoint-8", moved, plan, algo="xxh3", timeout_s=60, log=said.append)
+    assert again == moved / "universal" / "checkpoint-8" and "reusing the universal checkpoint" in said[0]
 
     got, want = losses(moved), losses(ref)
     assert sorted(got) == list(range(5, 13)), got  # resumed at 5, then at 9: no step lost or repeated

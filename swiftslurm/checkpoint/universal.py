@@ -11,7 +11,8 @@ load as is, convert, or refuse with the reason and the manual way. ``convert`` (
 weights; hard links where possible) plus ``global_step<N>_universal/`` and ``latest_universal`` from the tool,
 sealed by the same ``commit`` as any checkpoint (staging dir, manifest last, rename): a kill mid-conversion
 leaves a staging dir, never a sibling that looks good. A sibling is reused when it verifies and names the
-source's manifest checksum; siblings of other steps are removed after a conversion.
+source's manifest checksum; siblings of other steps (and staging dirs of killed conversions) are removed after
+a conversion.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def convert(src: Path | str, output_dir: Path | str, plan: LoadPlan, *, algo: st
                           "writer": vars(plan.writer), "converted_for": vars(plan.reader),
                           "convert_s": round(time.perf_counter() - started, 3)}}
     commit(staging, sibling, algo=algo, meta=meta)
-    for other in sibling.parent.glob("checkpoint-*"):  # only the newest conversion is ever loaded
-        if other != sibling:
+    for other in sibling.parent.iterdir():  # only the newest conversion is ever loaded; a killed one left a staging dir
+        if other.is_dir() and other != sibling:
             shutil.rmtree(other, ignore_errors=True)
     return sibling, time.perf_counter() - started
