@@ -3,10 +3,10 @@ after the move follow the uninterrupted run's.
 
 Pure: ``plan_load`` (load as is, convert, refuse) and ``writer_layout`` (meta first, else the shard files).
 Real tool: a checkpoint DeepSpeed cannot convert is refused with DeepSpeed's reason and the manual way.
-Slow (real trainer, gloo, CPU), one chain per ZeRO stage:
-  ref    2 ranks x accumulation 2, 12 steps, checkpoints 4, 8, 12 (global batch 4: the demo's 36 packed rows are
-         exactly 9 steps per epoch, so no step is a short epoch tail)
-  2 -> 4 a new output dir holding only ref's checkpoint-4; 4 ranks x accumulation 1 (the same global batch) to step 8
+Slow (real trainer, gloo, CPU), ZeRO-2, the global batch always 4 (the demo's 36 packed rows are exactly 9
+steps per epoch, so no step is a short epoch tail):
+  ref    2 ranks x accumulation 2, 12 steps, checkpoints 4, 8, 12
+  2 -> 4 a new output dir holding only ref's checkpoint-4; 4 ranks x accumulation 1 to step 8
   4 -> 2 the same dir, 2 ranks x accumulation 2 to step 12, from the checkpoint-8 the 4 ranks wrote
 The losses of steps 5-8 and 9-12 stay within 1e-3 of ref's.
 """
@@ -30,6 +30,8 @@ def test_plan_load_decides_as_is_convert_or_refuse():
     L = ucp.Layout
     assert ucp.plan_load(L(2, 2), L(2, 2)).action == "as_is"
     assert ucp.plan_load(L(2, 0), L(8, 0)).action == "as_is"  # ZeRO-0: the whole optimizer is in mp_rank_00
+    bf16_optimizer = ucp.plan_load(L(2, 0, partitioned=True), L(8, 0))  # ... except DeepSpeed's bf16 optimizer
+    assert bf16_optimizer.action == "refuse" and "bf16 optimizer" in bf16_optimizer.reason
     for writer, reader in ((L(2, 2), L(4, 2)), (L(4, 2), L(2, 2)), (L(2, 2), L(2, 3)), (L(8, 3), L(2, 1))):
         assert ucp.plan_load(writer, reader).action == "convert", (writer, reader)
     refused = {(w, r): ucp.plan_load(w, r) for w, r in ((L(2, 0), L(4, 2)), (L(2, 2), L(4, 0)), (L(2, 2, 2), L(4, 2)),
@@ -43,6 +45,7 @@ def test_writer_layout_reads_the_meta_else_the_shard_files():
     files = {f"global_step5/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {} for r in range(3)}
     files["global_step5/mp_rank_00_model_states.pt"] = {}
     assert ucp.writer_layout({"dp_world_size": 4, "zero_stage": 3}, files) == ucp.Layout(4, 3)
+    assert ucp.writer_layout({"dp_world_size": 4, "zero_stage": 0}, files).partitioned
     old = {"world_size": 3, "spec_fingerprint": {"deepspeed.zero_optimization.stage": 2}}  # written before dp_world_size
     assert ucp.writer_layout(old, files) == ucp.Layout(3, 2)
     assert ucp.writer_layout({"world_size": 2}, {"global_step5/mp_rank_00_model_states.pt": {}}) == ucp.Layout(2, 0)
@@ -70,7 +73,7 @@ def _spec(tmp: Path, name: str, stage: str, ranks: int, max_steps: int, out: Pat
                                         per_device_train_batch_size=1, gradient_accumulation_steps=4 // ranks)
     data = tomllib.loads(Path(spec).read_text())
     data["slurm"]["tasks_per_node"] = ranks
-    data["checkpoint"].update(keep=3, allow_spec_change=True)  # the accumulation changes with the world size
+    data["checkpoint"].update(keep=3, allow_spec_change=True)  # micro-batch/accumulation change with the world size
     if out is not None:
         data["job"]["output_dir"] = str(out)
     Path(spec).write_text(to_toml(data))
@@ -85,7 +88,7 @@ def _run(spec: str, out: Path, ranks: int, **kw) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero2"])  # ZeRO-3: docs/checkpoints.md says why not here
 def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path, stage):
     z = f"ZeRO-{stage[-1]}"
     spec, ref = _spec(tmp_path, "ref", stage, 2, 12)

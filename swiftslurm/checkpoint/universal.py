@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +52,8 @@ class Layout:
     dp_world_size: int
     zero_stage: int
     mp_degree: int = 1
+    # per-rank optimizer partitions on disk (ZeRO-1/2/3, or DeepSpeed's bf16 optimizer at ZeRO-0); not compared
+    partitioned: bool = field(default=False, compare=False)
 
     def describe(self) -> str:
         mp = f", model-parallel degree {self.mp_degree}" if self.mp_degree != 1 else ""
@@ -78,13 +80,18 @@ def writer_layout(meta: dict[str, Any], files: dict[str, Any]) -> Layout:
     if stage is None:
         stage = 0 if not dp_ranks else None
     dp = meta.get("dp_world_size") or (len(dp_ranks) if dp_ranks else meta.get("world_size") or 1)
-    return Layout(int(dp), int(stage) if stage is not None else -1, max(len(mp), 1))
+    return Layout(int(dp), int(stage) if stage is not None else -1, max(len(mp), 1), partitioned=bool(dp_ranks))
 
 
 def plan_load(writer: Layout, reader: Layout) -> LoadPlan:
     """Load as is, convert to a universal checkpoint, or refuse (pure)."""
-    if writer == reader or (writer.zero_stage == reader.zero_stage == 0 and writer.mp_degree == reader.mp_degree):
-        return LoadPlan("as_is", writer, reader)  # ZeRO-0 keeps the whole optimizer in mp_rank_00: any DP size loads it
+    if writer == reader:
+        return LoadPlan("as_is", writer, reader)
+    if writer.zero_stage == reader.zero_stage == 0 and writer.mp_degree == reader.mp_degree:
+        if not writer.partitioned:  # ZeRO-0 keeps the whole optimizer in mp_rank_00: any DP size loads it
+            return LoadPlan("as_is", writer, reader)
+        return LoadPlan("refuse", writer, reader, "a ZeRO-0 checkpoint with per-rank optimizer partitions (DeepSpeed's "
+                        "bf16 optimizer) is not converted here (untested)")
     if writer.mp_degree != 1 or reader.mp_degree != 1:
         return LoadPlan("refuse", writer, reader, "a change of tensor/pipeline-parallel degree is not converted here "
                         "(swiftslurm trains with data parallelism only)")
@@ -96,6 +103,10 @@ def plan_load(writer: Layout, reader: Layout) -> LoadPlan:
     if reader.zero_stage == 0:
         return LoadPlan("refuse", writer, reader, "DeepSpeed loads a universal checkpoint only into a ZeRO-1/2/3 optimizer")
     return LoadPlan("convert", writer, reader)
+
+
+def _plain(layout: Layout) -> dict[str, int]:
+    return {"dp_world_size": layout.dp_world_size, "zero_stage": layout.zero_stage, "mp_degree": layout.mp_degree}
 
 
 def manual_way(src: Path | str, output_dir: Path | str, writer: Layout) -> str:
@@ -173,7 +184,7 @@ def convert(src: Path | str, output_dir: Path | str, plan: LoadPlan, *, algo: st
             manual_way(src, output_dir, plan.writer))
     meta = {**manifest.meta, "step": step,
             "universal": {"source": str(src), "source_checksum": source_checksum,
-                          "writer": vars(plan.writer), "converted_for": vars(plan.reader),
+                          "writer": _plain(plan.writer), "converted_for": _plain(plan.reader),
                           "convert_s": round(time.perf_counter() - started, 3)}}
     commit(staging, sibling, algo=algo, meta=meta)
     for other in sibling.parent.iterdir():  # only the newest conversion is ever loaded; a killed one left a staging dir
