@@ -257,6 +257,34 @@ def scancel(job_ids: list[str]) -> None:
         _run(["scancel", *job_ids])
 
 
+# ---------------------------------------------------------------- the job's end time (deadline-aware saving)
+
+_NO_END = {"", "N/A", "NONE", "UNKNOWN", "UNLIMITED", "INVALID"}
+
+
+def parse_end_time(text: str) -> float | None:
+    """``squeue -h -j ID -o %e`` output -> the end time as epoch seconds, or None when Slurm gives none (pure).
+
+    Slurm prints local time, ``2026-12-01T10:45:03``; ``N/A``/``Unknown``/``NONE`` mean no end time (pending, or
+    no time limit). Only the first line counts (one job).
+    """
+    import datetime
+
+    first = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if first.upper() in _NO_END:
+        return None
+    try:
+        return datetime.datetime.strptime(first, "%Y-%m-%dT%H:%M:%S").timestamp()  # naive: local time, as squeue prints
+    except ValueError:
+        return None
+
+
+def job_end_time(job_id: str) -> float | None:
+    """When Slurm will end job ``job_id`` (``123`` or ``123_4``), as epoch seconds; None when it cannot tell."""
+    proc = _run(["squeue", "-h", "-j", job_id, "-o", "%e"], check=False)
+    return parse_end_time(proc.stdout) if proc.returncode == 0 else None
+
+
 # ---------------------------------------------------------------- preflight: exclude bad nodes and requeue
 
 

@@ -83,6 +83,8 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.keep": "verified checkpoints kept (at least 2)",
     "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",
     "checkpoint.checksum": "`xxh3`, `md5` or `sha256`",
+    "checkpoint.convert_timeout_s": "resuming on another data-parallel world size or ZeRO stage converts the checkpoint with DeepSpeed's universal-checkpoint tool on rank 0; longer than this is an error on every rank (docs/checkpoints.md)",
+    "checkpoint.deadline_save": "save before the USR2 signal when the job's end time (read from Slurm at each start) leaves no room for the next regular save; `deadline_margin_s` in metrics.jsonl",
     "checkpoint.allow_spec_change": "resume a checkpoint although the training spec changed since it was saved (`train.*` but logging/saving, `[deepspeed]`, the resolved DeepSpeed essentials, the dataset files); off: such a resume is refused, naming the changed keys. The allocation never counts",
     "preflight.checks": "any of `ports`, `allreduce`, `iperf3`, `nvme`, `gpu`, `disk`, `sharedfs`; `[]` disables",
     "preflight.min_allreduce_busbw_gbps": "all-reduce bus bandwidth floor, GB/s (0 = report only)",

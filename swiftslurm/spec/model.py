@@ -347,6 +347,8 @@ class CheckpointTable(_Table):
     forced_save_fractions: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
     checksum: Literal["xxh3", "md5", "sha256"] = "xxh3"
     allow_spec_change: bool = False
+    convert_timeout_s: int = Field(1800, ge=10, le=86400)
+    deadline_save: bool = True
 
     @field_validator("forced_save_fractions")
     @classmethod

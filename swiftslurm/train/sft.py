@@ -103,7 +103,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     check_optimizer(spec.train.optimizer, cuda)
     import transformers
 
-    from . import kernels, nvme_swap, parallel
+    from . import deadline, kernels, nvme_swap, parallel, worldsize
     from . import resume_from as resume_from_mod
     from .metrics import CommTimer, StepMeter, flops_per_token
     from .gpuutil import GpuSampler
@@ -129,6 +129,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_parallel_degrees(resume_from, parallel.degrees_json(spec))
         check_spec_drift(resume_from, spec, planned_ds_config, log)
+    resume_from = worldsize.adapt(resume_from, output_dir, dist, args, spec.checkpoint.checksum,  # another DP size: convert
+                                  spec.checkpoint.convert_timeout_s)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
@@ -149,7 +151,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
     meter = StepMeter(comm, gpu)
     watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800))  # stacks of a rank that stops stepping
-    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog)
+    watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
+    schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:
@@ -157,12 +160,13 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
            "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
            "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": packs,
-           **parallel.degrees_json(spec)}
+           "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
     trainer = task.trainer(
         spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
         processing_class=tok, callbacks=callbacks, meter=meter, job=job,
         flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
+    trainer.deadline = watch
     if spec.train.optimizer != "adamw":
         allow_low_rank_optimizer_state(spec.train.optimizer)
     try:

@@ -65,6 +65,7 @@ class SFTTrainer(Trainer):
         self.optimizer_name = ""
         self.save_seconds: list[float] = []
         self.committed: list[str] = []
+        self.deadline = None  # a train.deadline.DeadlineWatch: told each save's time, reports deadline_margin_s
 
     def create_optimizer(self, model=None):
         """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
@@ -161,7 +162,8 @@ class SFTTrainer(Trainer):
                     "job_name": self.job["name"], "train_type": self.job["train_type"],
                     "spec_fingerprint": self.job.get("spec_fingerprint"),
                     "parallel": {"sequence_parallel": self.job.get("sequence_parallel", 1),
-                                 "tensor_parallel": self.job.get("tensor_parallel", 1)}}
+                                 "tensor_parallel": self.job.get("tensor_parallel", 1)},
+                    "dp_world_size": self.args.world_size, "zero_stage": self.job.get("zero_stage")}  # universal.writer_layout
             final = ck.final_dir(out, step)
             meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
             ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)
@@ -174,7 +176,12 @@ class SFTTrainer(Trainer):
             phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
         self.save_seconds.append(seconds)
-        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}})
+        margin = {}
+        if self.deadline is not None:
+            self.deadline.saved(seconds)
+            if self.deadline.margin_s() is not None:  # rank 0 of a Slurm job: seconds left after this save
+                margin["deadline_margin_s"] = self.deadline.margin_s()
+        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin})
         if self.args.process_index == 0:
             self._check_grace(step, seconds, phases)
 
@@ -192,8 +199,10 @@ class ScheduleCallback(TrainerCallback):
     only one of them saw the signal. On a stop: save now, then stop training.
     """
 
-    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, watchdog: Any = None):
+    def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, watchdog: Any = None,
+                 deadline=None):
         self.should_stop = should_stop
+        self.deadline = deadline  # a train.deadline.DeadlineWatch: stop before the signal when a save would not fit
         self.fractions = fractions
         self.meter = meter
         self.watchdog = watchdog  # a watchdog.ProgressWatchdog: re-armed at every step end
@@ -207,12 +216,14 @@ class ScheduleCallback(TrainerCallback):
         self.meter.end_step()
         if self.watchdog is not None:
             self.watchdog.step_done(state.global_step)
-        (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        saving = control.should_save or state.global_step in self.forced
+        stop = self.should_stop() or (self.deadline is not None and self.deadline.due(saving))
+        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device)
         if flag > 0:
             self.stopped_for_requeue = True
             control.should_save = True
             control.should_training_stop = True
-            log.warning("walltime signal: saving at step %d, then stopping for requeue", state.global_step)
+            log.warning("walltime stop: saving at step %d, then stopping for requeue", state.global_step)
         elif state.global_step in self.forced:
             control.should_save = True
         if control.should_save and self.watchdog is not None:

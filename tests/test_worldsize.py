@@ -1,0 +1,128 @@
+"""Resuming on another data-parallel world size: the checkpoint becomes a verified universal sibling, and the losses
+after the move follow the uninterrupted run's.
+
+Pure: ``plan_load`` (load as is, convert, refuse) and ``writer_layout`` (meta first, else the shard files).
+Real tool: a checkpoint DeepSpeed cannot convert is refused with DeepSpeed's reason and the manual way.
+Slow (real trainer, gloo, CPU), ZeRO-2, the global batch always 4 (the demo's 36 packed rows are exactly 9
+steps per epoch, so no step is a short epoch tail):
+  ref    2 ranks x accumulation 2, 12 steps, checkpoints 4, 8, 12
+  2 -> 4 a new output dir holding only ref's checkpoint-4; 4 ranks x accumulation 1 to step 8
+  4 -> 2 the same dir, 2 ranks x accumulation 2 to step 12, from the checkpoint-8 the 4 ranks wrote
+The losses of steps 5-8 and 9-12 stay within 1e-3 of ref's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from swiftslurm import checkpoint as ck
+from swiftslurm.checkpoint import universal as ucp
+from swiftslurm.train.launch import launch
+from test_train import losses, quickstart_spec, to_toml
+
+
+def test_plan_load_decides_as_is_convert_or_refuse():
+    L = ucp.Layout
+    assert ucp.plan_load(L(2, 2), L(2, 2)).action == "as_is"
+    assert ucp.plan_load(L(2, 0), L(8, 0)).action == "as_is"  # ZeRO-0: the whole optimizer is in mp_rank_00
+    bf16_optimizer = ucp.plan_load(L(2, 0, partitioned=True), L(8, 0))  # ... except DeepSpeed's bf16 optimizer
+    assert bf16_optimizer.action == "refuse" and "bf16 optimizer" in bf16_optimizer.reason
+    for writer, reader in ((L(2, 2), L(4, 2)), (L(4, 2), L(2, 2)), (L(2, 2), L(2, 3)), (L(8, 3), L(2, 1))):
+        assert ucp.plan_load(writer, reader).action == "convert", (writer, reader)
+    refused = {(w, r): ucp.plan_load(w, r) for w, r in ((L(2, 0), L(4, 2)), (L(2, 2), L(4, 0)), (L(2, 2, 2), L(4, 2)),
+                                                       (L(2, -1), L(4, 2)))}
+    assert all(p.action == "refuse" and p.reason for p in refused.values())
+    assert "issue 7200" in refused[(L(2, 0), L(4, 2))].reason
+    assert "tensor/pipeline" in refused[(L(2, 2, 2), L(4, 2))].reason
+
+
+def test_writer_layout_reads_the_meta_else_the_shard_files():
+    files = {f"global_step5/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {} for r in range(3)}
+    files["global_step5/mp_rank_00_model_states.pt"] = {}
+    assert ucp.writer_layout({"dp_world_size": 4, "zero_stage": 3}, files) == ucp.Layout(4, 3)
+    assert ucp.writer_layout({"dp_world_size": 4, "zero_stage": 0}, files).partitioned
+    old = {"world_size": 3, "spec_fingerprint": {"deepspeed.zero_optimization.stage": 2}}  # written before dp_world_size
+    assert ucp.writer_layout(old, files) == ucp.Layout(3, 2)
+    assert ucp.writer_layout({"world_size": 2}, {"global_step5/mp_rank_00_model_states.pt": {}}) == ucp.Layout(2, 0)
+    assert ucp.writer_layout({}, files).zero_stage == -1  # shards but no stage recorded: refused by plan_load
+
+
+def test_a_checkpoint_deepspeed_cannot_convert_is_refused_with_its_reason_and_the_manual_way(tmp_path):
+    staging = ck.prepare_staging(tmp_path / "run", 3)
+    (staging / "global_step3").mkdir()
+    (staging / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"not a torch file")
+    (staging / "trainer_state.json").write_text("{}")
+    src = tmp_path / "run" / "checkpoint-3"
+    ck.commit(staging, src, algo="xxh3", meta={"step": 3})
+    plan = ucp.plan_load(ucp.Layout(2, 2), ucp.Layout(4, 2))
+    with pytest.raises(ucp.CheckpointNotConvertible) as err:
+        ucp.convert(src, tmp_path / "new", plan, algo="xxh3", timeout_s=300)
+    msg = err.value.message()
+    assert "could not convert checkpoint-3" in msg and "optim_states" in msg, msg  # DeepSpeed's own reason
+    assert "ds_to_universal --input_folder" in msg and "2 data-parallel rank(s) at ZeRO-2" in msg
+    assert not (tmp_path / "new" / "universal" / "checkpoint-3").exists()  # nothing that looks like a checkpoint
+
+
+def _spec(tmp: Path, name: str, stage: str, ranks: int, max_steps: int, out: Path | None = None) -> tuple[str, Path]:
+    spec, default_out = quickstart_spec(tmp, name, logging_steps=1, max_steps=max_steps, save_steps=4, deepspeed=stage,
+                                        per_device_train_batch_size=1, gradient_accumulation_steps=4 // ranks)
+    data = tomllib.loads(Path(spec).read_text())
+    data["slurm"]["tasks_per_node"] = ranks
+    data["checkpoint"].update(keep=3, allow_spec_change=True)  # micro-batch/accumulation change with the world size
+    if out is not None:
+        data["job"]["output_dir"] = str(out)
+    Path(spec).write_text(to_toml(data))
+    return spec, Path(data["job"]["output_dir"])
+
+
+def _run(spec: str, out: Path, ranks: int, **kw) -> str:
+    procs = launch(spec, str(out), nprocs=ranks, timeout_s=900, **kw)
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {rank} of {ranks} failed:\n{p.stdout[-6000:]}"
+    return procs[0].stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2"])  # ZeRO-3: docs/checkpoints.md says why not here
+def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path, stage):
+    z = f"ZeRO-{stage[-1]}"
+    spec, ref = _spec(tmp_path, "ref", stage, 2, 12)
+    _run(spec, ref, 2)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copytree(ref / "checkpoint-4", moved / "checkpoint-4")
+    for killed in (4, 2):  # conversions killed midway left staging dirs: never read, cleaned after the next one
+        (moved / "universal" / f".staging-checkpoint-{killed}" / "global_step4_universal").mkdir(parents=True)
+        (moved / "universal" / f".staging-checkpoint-{killed}" / "trainer_state.json").write_text("{")
+
+    spec4, _ = _spec(tmp_path, "moved4", stage, 4, 8, out=moved)
+    stdout = _run(spec4, moved, 4, resume="newest")
+    assert f"checkpoint-4 was written by 2 data-parallel rank(s) at {z}; this run has 4" in stdout, stdout[-4000:]
+    assert f"resuming at step 4 on 4 data-parallel rank(s) at {z} from the universal checkpoint {moved}/universal/checkpoint-4" in stdout
+    sibling = ck.verify(moved / "universal" / "checkpoint-4")
+    assert sibling.ok and sibling.manifest.meta["universal"]["writer"] == {"dp_world_size": 2, "zero_stage": int(stage[-1]), "mp_degree": 1}
+    assert sorted(p.name for p in (moved / "universal").iterdir()) == ["checkpoint-4", "latest"]
+    meta8 = ck.read_manifest(moved / "checkpoint-8").meta
+    assert (meta8["dp_world_size"], meta8["zero_stage"]) == (4, int(stage[-1]))
+
+    spec2, _ = _spec(tmp_path, "moved2", stage, 2, 12, out=moved)
+    stdout = _run(spec2, moved, 2, resume="newest")
+    assert f"checkpoint-8 was written by 4 data-parallel rank(s) at {z}; this run has 2" in stdout, stdout[-4000:]
+    assert sorted(p.name for p in (moved / "universal").glob("checkpoint-*")) == ["checkpoint-8"]  # the older one went
+
+    said: list[str] = []  # a later start finds the verified sibling of the same source and reuses it
+    plan = ucp.plan_load(ucp.Layout(4, int(stage[-1])), ucp.Layout(2, int(stage[-1])))
+    again, _ = ucp.convert(moved / "checkpoint-8", moved, plan, algo="xxh3", timeout_s=60, log=said.append)
+    assert again == moved / "universal" / "checkpoint-8" and "reusing the universal checkpoint" in said[0]
+
+    got, want = losses(moved), losses(ref)
+    assert sorted(got) == list(range(5, 13)), got  # resumed at 5, then at 9: no step lost or repeated
+    for step in range(5, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-3), (step, got, want)
+    rows = [json.loads(line) for line in (moved / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r["step"] >= 5 for r in rows)
