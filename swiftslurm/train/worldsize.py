@@ -51,8 +51,8 @@ def load_plan(resume_from: str, world_size: int, ds_config: dict[str, Any]) -> u
 def adapt(resume_from: str | None, output_dir: str, dist, args, algo: str, timeout_s: float) -> str | None:
     """The checkpoint to hand the Trainer: ``resume_from`` itself, or its verified universal sibling (then the
     DeepSpeed config in ``args`` loads it with ``load_universal``). Raises the same error on every rank."""
-    if not resume_from:
-        return resume_from
+    if not resume_from or getattr(args, "hf_deepspeed_config", None) is None:
+        return resume_from  # nothing to resume, or plain DDP (deepspeed = "none"): HF's own checkpoint, any world size
     plan = load_plan(resume_from, dist.world_size, args.hf_deepspeed_config.config)
     src = Path(resume_from)
     if plan.action == "as_is":
