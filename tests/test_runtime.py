@@ -134,7 +134,10 @@ def test_usr1_dumps_the_rank_stack(tmp_path):
 def test_interrupted_rank_stops_its_command(tmp_path):
     """Ctrl-C on a rank (KeyboardInterrupt while it waits) TERMs the user's command instead of orphaning it."""
     plan = make_plan_file(tmp_path, command_spec(tmp_path, SIGNALLED, str(tmp_path)))
-    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+    # a suite started in the background (nohup ... &) inherits SIGINT ignored, and Python then keeps it ignored:
+    # give the rank the default disposition, so it gets its KeyboardInterrupt as from a terminal
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(tmp_path / "ready", 30)
         proc.send_signal(signal.SIGINT)  # to the rank only, not to its process group
