@@ -61,7 +61,7 @@ DESCRIPTIONS: dict[str, str] = {
     "train.lora_target_modules": "`all-linear` or a list of module names",
     "train.report_to": "`tensorboard` and/or `none`",
     "train.packing": "pack whole samples into rows of exactly `max_length` tokens (`per_device_train_batch_size` then counts packed rows); attention and labels never cross a sample",
-    "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else `flex_attention` for packed rows on GPUs, `sdpa`; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `flash_attention_2`, `flash_attention_3`",
+    "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else on GPUs `sdpa` for packed rows under 4096 tokens and padded batches, `flex_attention` for packed rows of 4096 or more; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `flash_attention_2`, `flash_attention_3`",
     "train.use_liger_kernel": "Liger's fused kernels (linear cross-entropy, RMSNorm, RoPE, SwiGLU): `true` (a GPU, `liger-kernel`, not ZeRO-3), `false`, or `auto` = off: measured on an H200 it halved memory but cost 23% of packed tokens/s",
     "train.dataset_scan": "validate, plan and submit read every record of the dataset and name a malformed one (file and line, or row index); false skips that scan (huge data: the trainer still checks every record when it tokenizes)",
     "train.dataset_num_proc": "processes that tokenize the dataset (once: the result is cached next to the checkpoints)",
