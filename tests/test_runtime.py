@@ -17,7 +17,7 @@ import pytest
 
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm import distenv
-from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, decide_requeue, read_requeues, stop_reason, walltime_requeues
+from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, read_requeues, report_stopped, stop_reason, walltime_requeues
 from swiftslurm.spec import parse_spec
 
 PY = sys.executable
@@ -261,6 +261,40 @@ def test_decide_requeue(done, limit, executor, requeue, count, outcome):
     assert (d.requeue, d.count, d.outcome) == (requeue, count, outcome)
     if outcome == "max_requeues":
         assert f"stopped at walltime after {done} requeue(s): max_requeues reached" in d.message
+
+
+def test_rank_0_ends_a_walltime_stop_only_after_the_other_ranks_report_theirs(tmp_path, caplog):
+    """Slurm's USR2 reaches the ranks at different moments; rank 0's exit (or requeue) ends the step, so it
+    waits for every rank's report (a rank still saving would be killed), and names those that never report."""
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    ranks = [SimpleNamespace(rank=r, world_size=4, requeue_id="12_3", restart_count=1) for r in range(4)]
+    log = logging.getLogger("test-stops")
+    report_stopped(str(tmp_path), ranks[1])
+    late = threading.Timer(0.6, report_stopped, (str(tmp_path), ranks[2]))
+    late.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, "test-stops"):
+        await_other_ranks(ranks[0], str(tmp_path), 2.0, log)  # rank 3 never reports
+    waited = time.monotonic() - t0
+    late.join()
+    assert 2.0 <= waited < 10, waited
+    assert "rank(s) 3 did not report" in caplog.text and "rank(s) 2" not in caplog.text
+    assert not (tmp_path / ".swiftslurm-stops").exists()  # nothing left in the task dir
+
+    for r in ranks[1:]:
+        report_stopped(str(tmp_path), r)
+    caplog.clear()
+    t0 = time.monotonic()
+    await_other_ranks(ranks[0], str(tmp_path), 30.0, log)
+    assert time.monotonic() - t0 < 5 and "did not report" not in caplog.text
+    # a report of another run of the job (restart count 0) does not count for this one
+    report_stopped(str(tmp_path), SimpleNamespace(rank=1, world_size=2, requeue_id="12_3", restart_count=0))
+    with caplog.at_level(logging.WARNING, "test-stops"):
+        await_other_ranks(SimpleNamespace(rank=0, world_size=2, requeue_id="12_3", restart_count=1), str(tmp_path), 0.5, log)
+    assert "rank(s) 1 did not report" in caplog.text
 
 
 def test_requeues_are_counted_per_job_not_per_directory():

@@ -3,7 +3,9 @@
 Rank 0 decides (``decide_requeue``, pure) and records the outcome in ``<task dir>/requeues.json``; the
 other ranks wait for that record before they exit, so that (a) a stop that is not requeued fails every
 rank and with it the step and the job (sacct FAILED, not COMPLETED), and (b) under ``srun
---kill-on-bad-exit=1`` no rank's exit kills rank 0 before it has requeued.
+--kill-on-bad-exit=1`` no rank's exit kills rank 0 before it has requeued. Rank 0 in turn waits (bounded) until every rank has
+reported its stop in ``<task dir>/.swiftslurm-stops/``: Slurm's signal reaches the ranks at different
+moments, and rank 0's exit (non-zero) or requeue would otherwise kill a rank still saving.
 
 Requeues are counted per job (Slurm keeps the job id, ``123`` or ``123_4``, across requeues), so a new
 ``submit`` of the same spec starts a new count. Records of an earlier job that had the same id (a
@@ -13,6 +15,7 @@ cluster whose job ids restarted) are told apart by SLURM_RESTART_COUNT, which on
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ NOT_REQUEUED_EXIT = 75
 # outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
 REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
 POLL_S = 0.2
+STOPS_DIR = ".swiftslurm-stops"
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,45 @@ def _record(out_dir: str, entry: dict[str, Any]) -> None:
     atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records + [entry], indent=2))
 
 
+def _stops_dir(out_dir: str, dist) -> Path:
+    return Path(out_dir, STOPS_DIR, f"{dist.requeue_id}.{dist.restart_count}")
+
+
+def report_stopped(out_dir: str, dist) -> None:
+    """This rank has finished its walltime stop (its save, its command): rank 0 may now end the step."""
+    where = _stops_dir(out_dir, dist)
+    where.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(where / f"rank-{dist.rank}", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def missing_stops(out_dir: str, dist) -> list[int]:
+    """The ranks (other than 0) that have not reported their stop yet."""
+    where = _stops_dir(out_dir, dist)
+    return [r for r in range(1, dist.world_size) if not (where / f"rank-{r}").exists()]
+
+
+def await_other_ranks(dist, out_dir: str, timeout_s: float, log) -> None:
+    """Rank 0: wait up to ``timeout_s`` for every other rank to report its stop, then clear the reports."""
+    deadline = time.monotonic() + timeout_s
+    missing = missing_stops(out_dir, dist)
+    while missing and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        missing = missing_stops(out_dir, dist)
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        log.warning("walltime stop: rank(s) %s did not report their stop within %d s; ending the step anyway", shown, timeout_s)
+    where = _stops_dir(out_dir, dist)
+    shutil.rmtree(where, ignore_errors=True)
+    try:
+        where.parent.rmdir()  # the last stop of this task dir: leave nothing behind
+    except OSError:
+        pass
+
+
 def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> int:
     """Rank 0: decide, record, requeue. Returns this rank's exit code (0 requeued, else NOT_REQUEUED_EXIT)."""
+    # half the grace: what is left of it after the save must still hold the requeue
+    await_other_ranks(dist, out_dir, max(10.0, spec.slurm.signal_grace_s / 2), log)
     done = walltime_requeues(read_requeues(out_dir), dist.requeue_id, dist.restart_count)
     decision = decide_requeue(done, spec.slurm.max_requeues, dist.executor)
     entry = {
@@ -138,4 +179,5 @@ def walltime_exit(dist, spec, out_dir: str, log, step: int | None) -> int:
     """Every rank after a walltime stop: rank 0 decides and requeues, the others wait for its word."""
     if dist.rank == 0:
         return after_walltime_stop(dist, spec, out_dir, log, step)
+    report_stopped(out_dir, dist)
     return await_walltime_decision(dist, out_dir, max(30.0, float(spec.slurm.signal_grace_s)), log)
