@@ -403,10 +403,72 @@ def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_
     dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
     assert set(dumps) == {0, 1}, sorted(dumps)
     assert dumps[0].in_collective and not dumps[1].in_collective and "step_done" in dumps[1].top()
+    # each rank's watchdog also dumped its flight record; rank 0 gathered them and logged who is where
+    assert set(run.flight) == {0, 1}, sorted(run.flight)
+    said = "\n".join(ln.text for ln in run.all_lines if ln.rank == 0 and "watchdog:" in ln.text)
+    assert "rank 0 (localhost): waits in collective #" in said, said
+    assert "hang: rank 1 (localhost) never joined collective #" in said, said
     found = culprits(run)
     assert found.ranks == (1,) and found.waiting == (0,)
+    assert "flight record stops before collective #" in found.how and found.evidence[0].file == "logs/nccl_trace_rank_1.json"
     hang = [f for f in diagnose_task(run) if f.code == "hang"]
     assert hang and hang[0].ranks == (1,) and hang[0].nodes == ("localhost",)
+
+
+def _fr_dump(rank: int, enqueued: int, completed: int, node: str = "", pg: str = "0") -> dict:
+    """A flight record shaped as torch 2.13's gloo dump (``_dump_fr_trace_json``), trimmed to what is read."""
+    entries = [{"collective_seq_id": i, "pg_id": int(pg), "profiling_name": "gloo:all_reduce" if i % 2 else "gloo:broadcast",
+                "process_group": [pg, "default_pg"], "state": "scheduled"} for i in range(1, enqueued + 1)]
+    dump = {"entries": entries, "pg_status": {pg: {"last_completed_collective": str(completed),
+                                                   "last_enqueued_collective": str(enqueued), "last_started_collective": "-1"}}, "version": "2.10"}
+    if node:
+        dump["swiftslurm"] = {"rank": rank, "node": node, "time": 0}
+    return dump
+
+
+def test_flight_records_name_the_rank_missing_from_the_collective_the_others_wait_in(tmp_path):
+    from swiftslurm.train import frtrace
+
+    # 4 ranks: 0, 1 and 3 entered collective #7 (an all_reduce) and wait; rank 2 finished #6 and never entered #7
+    records = {r: _fr_dump(r, 6 if r == 2 else 7, 6, f"node{r + 1}") for r in range(4)}
+    v = frtrace.verdict(records, [0, 1, 2, 3])
+    assert (v.collective, v.op, v.waiting, v.behind, v.gone, v.culprits) == (7, "gloo:all_reduce", (0, 1, 3), (2,), (), (2,))
+    lines = frtrace.describe(v, frtrace.nodes_of(records))
+    assert "rank 2 (node3): last entered collective #6, completed #6: not in #7" in lines
+    assert lines[-1] == "hang: rank 2 (node3) never joined collective #7 gloo:all_reduce that ranks 0, 1, 3 wait in"
+    # a rank that left no record (dead, or stuck outside Python): gone, and a culprit too
+    del records[3]
+    v = frtrace.verdict(records, [0, 1, 2, 3])
+    assert v.culprits == (2, 3) and v.gone == (3,)
+    # everyone waits in the same collective (a slow step, a bad link): nobody is missing, no verdict
+    assert frtrace.verdict({r: _fr_dump(r, 7, 6) for r in range(3)}, [0, 1, 2]) is None
+    # all finished: nobody waits
+    assert frtrace.verdict({r: _fr_dump(r, 7, 7) for r in range(3)}, [0, 1, 2]) is None
+    # a rank whose last async op is not marked done yet is still behind by what it entered
+    v = frtrace.verdict({0: _fr_dump(0, 9, 8), 1: _fr_dump(1, 8, 7)}, [0, 1])
+    assert v.behind == (1,) and v.waiting == (0,)
+
+
+def test_flight_record_files_are_read_whatever_wrote_them_and_hostile_pickles_are_refused(tmp_path):
+    import pickle
+
+    from swiftslurm.train import frtrace
+
+    prefix = tmp_path / "logs" / "nccl_trace_rank_"
+    prefix.parent.mkdir()
+    (tmp_path / "logs" / "nccl_trace_rank_0").write_bytes(pickle.dumps(_fr_dump(0, 7, 6)))  # torch's own, on NCCL timeout
+    (tmp_path / "logs" / "nccl_trace_rank_1.json").write_text(json.dumps(_fr_dump(1, 6, 6, "node2")))  # our watchdog's
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (tmp_path / "logs" / "nccl_trace_rank_2").write_bytes(pickle.dumps({"entries": [Boom()]}))
+    (tmp_path / "logs" / "nccl_trace_rank_3.json").write_text('{"entries": [')  # torn
+    records = frtrace.read_dumps(str(prefix))
+    assert sorted(records) == [0, 1] and not (tmp_path / "pwned").exists()
+    assert records[1]["_file"].endswith("nccl_trace_rank_1.json")
+    assert frtrace.read_dumps(str(prefix), since=time.time() + 60) == {}  # an earlier run's dumps do not count
 
 
 def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout():

@@ -16,6 +16,8 @@ from typing import Any
 from ..checkpoint.savetime import read_save
 from ..node.requeue import read_requeues
 from ..submit import TASK_SPEC_FILE
+from ..slurm.distenv import FR_DUMP_NAME
+from ..train import frtrace
 from ..train.sft import SUMMARY_FILE
 from ..watch import logs as L
 from ..watch.progress import METRICS_FILE
@@ -54,6 +56,7 @@ class TaskRun:
     spec: dict[str, Any] = field(default_factory=dict)  # the task's resolved spec (spec.json), {} when absent
     restarts: int = 0
     executor: str = ""  # "slurm" | "local" (the submission's), "" unknown
+    flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its flight-recorder dump (frtrace)
 
     @property
     def all_lines(self) -> list[Line]:
@@ -171,6 +174,9 @@ def read_task(task: int, task_dir: str, folder: str = "", job_id: str = "", sinc
     run.save = read_save(task_dir)
     spec = read_json(root / TASK_SPEC_FILE)
     run.spec = spec.get("spec") or {} if isinstance(spec, dict) else {}
+    env = run.spec.get("env") if isinstance(run.spec.get("env"), dict) else {}
+    prefix = str(env.get(frtrace.PREFIX_ENV) or root / "logs" / FR_DUMP_NAME)  # distenv.child_env's default
+    run.flight = frtrace.read_dumps(prefix, since)
     run.end_time = time.time() if state in ("RUNNING", "COMPLETING") else _last_write(run)
     return run
 

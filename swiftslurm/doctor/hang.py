@@ -4,9 +4,11 @@ The culprit is named from, in this order of trust:
 
 1. the watchdog's own words: torch's desync report (``[Rank 2] ... didn't join collective``), a monitored
    barrier (``Rank 2 failed to pass monitoredBarrier``), the flight-recorder analysis (``missing ranks: {2}``);
-2. stack dumps (faulthandler's, which every rank registers on SIGUSR1, or ``py-spy dump``): the ranks whose
+2. the flight records themselves (``frtrace``: our watchdog's JSON dumps, torch's timeout pickles): the ranks
+   whose record stops before the collective the others entered, and the ranks that left none;
+3. stack dumps (faulthandler's, which every rank registers on SIGUSR1, or ``py-spy dump``): the ranks whose
    stacks are inside a collective wait for the ranks whose stacks are not (or that left no dump: gone);
-3. the communication errors: ranks stuck in a collective time out together (or lose their peers right after);
+4. the communication errors: ranks stuck in a collective time out together (or lose their peers right after);
    a rank with no such error, or one that reported it only long after the first timeout, never joined.
 
 A hang without any of these (a run still going, or killed at walltime) is found from the metrics: no step
@@ -18,7 +20,9 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..train import frtrace
 from .evidence import Line, TaskRun
 from .findings import Evidence, Finding
 from .logrules import COMM_PEER, COMM_TIMEOUT, bare, evidence_of
@@ -154,8 +158,35 @@ def culprits(run: TaskRun) -> Culprits | None:
             ranks |= {int(m.group(1) or m.group(2))} if (m.group(1) or m.group(2)) else {int(x) for x in m.group(3).replace(" ", "").split(",") if x}
         return Culprits(tuple(sorted(ranks)), tuple(r for r in world if r not in ranks),
                         "named by torch's collective watchdog", evidence_of(run, [ln for ln, _ in named]))
-    found = _by_stacks(run, world)
+    found = _by_flight_records(run, world)
+    if found is None:
+        found = _by_stacks(run, world)
     return found if found is not None else _by_comm_errors(run, world)
+
+
+def _by_flight_records(run: TaskRun, world: list[int]) -> Culprits | None:
+    v = frtrace.verdict(run.flight, world) if run.flight else None
+    if v is None:
+        return None
+    nodes = {**run.rank_nodes(), **frtrace.nodes_of(run.flight)}
+
+    def shown(rank: int) -> str:
+        path = str(run.flight[rank].get("_file", ""))
+        try:
+            return str(Path(path).relative_to(run.task_dir))
+        except ValueError:
+            return path
+
+    ev = [Evidence(shown(r), None, r, nodes.get(r, ""), None,
+                   f"flight record: last entered collective #{v.last[r].enqueued}, completed #{v.last[r].completed}")
+          for r in v.behind]
+    ev += [Evidence(shown(r), None, r, nodes.get(r, ""), None, f"flight record: waits in collective #{v.collective} {v.op}")
+           for r in v.waiting[:2]]
+    how = (f"its flight record stops before collective #{v.collective} {v.op}, which the others entered" if v.behind else
+           f"it left no flight record while the others wait in collective #{v.collective} {v.op} (its process is gone)")
+    if v.behind and v.gone:
+        how += f"; rank(s) {', '.join(map(str, v.gone))} left none"
+    return Culprits(v.culprits, v.waiting, how, tuple(ev))
 
 
 def _by_stacks(run: TaskRun, world: list[int]) -> Culprits | None:

@@ -43,6 +43,7 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # on a collective timeout, dump the flight recorder
     "TORCH_FR_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
 }
+FR_DUMP_NAME = "nccl_trace_rank_"  # flight-recorder dumps: <task dir>/logs/<this><rank>[.json]
 # Not set: NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE, the
 # pre-2.2 / deprecated names of the same settings: torch >= 2.2 reads the names above, and prints a
 # deprecation warning on every rank when the old ones are set.
@@ -383,7 +384,7 @@ def child_env(
     out = dict(base_env)
     defaults = dict(NCCL_DEFAULTS)
     if log_dir:
-        defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/nccl_trace_rank_"
+        defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/{FR_DUMP_NAME}"
     if pg_timeout_s:
         defaults["DEEPSPEED_TIMEOUT"] = str(-(-pg_timeout_s // 60))
     out.update(defaults)

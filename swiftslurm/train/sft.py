@@ -150,7 +150,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     comm = CommTimer().install()
     gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
     meter = StepMeter(comm, gpu)
-    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800))  # stacks of a rank that stops stepping
+    # stacks and flight record of a rank that stops stepping; rank 0 logs which collective each rank is in
+    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800), world_size=dist.world_size, node=dist.node)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
     callbacks = [schedule]

@@ -1,7 +1,9 @@
 """The progress watchdog on every rank: no training step for K x the median step time, and every thread's Python
 stack goes into the rank's stderr (its submitit log; rank 0's too), written by faulthandler's own C thread, so a
-rank stuck in a collective, in C code or asleep is dumped all the same. `doctor` reads the dumps: the ranks inside a
-collective waited for the rank whose stack is elsewhere (docs/doctor.md).
+rank stuck in a collective, in C code or asleep is dumped all the same. At the same moment a Python thread dumps
+the rank's flight record (``frtrace``: which collective it entered last) next to torch's own dump path, and rank 0
+waits a little for every rank's record and logs which collective each rank is in and who never joined. `doctor`
+reads both: the ranks inside a collective waited for the rank whose record stops before it (docs/doctor.md).
 
 Each step end re-arms ``faulthandler.dump_traceback_later`` with the limit (pure ``limit_s``): K (10) x the median of
 the last steps, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the process-group timeout, so the dump comes
@@ -11,11 +13,15 @@ nor during a checkpoint save (``pause``). A ``train.command`` script has no step
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
+
+from . import frtrace
 
 K = 10
 FLOOR_S = 60.0
@@ -24,6 +30,7 @@ WARMUP_STEPS = 3
 WINDOW = 50  # the median over this many recent steps
 FLOOR_ENV = "SWIFTSLURM_WATCHDOG_FLOOR_S"  # tests: a shorter floor
 STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS" makes that rank sleep after that step
+GATHER_S = 20.0  # rank 0 waits at most this long (and at most the limit) for the other ranks' flight records
 
 
 def limit_s(durations: list[float], timeout_s: float, k: float = K, floor_s: float = FLOOR_S) -> float | None:
@@ -34,9 +41,15 @@ def limit_s(durations: list[float], timeout_s: float, k: float = K, floor_s: flo
 
 
 class ProgressWatchdog:
-    def __init__(self, rank: int, timeout_s: float, target: Any = None, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, rank: int, timeout_s: float, target: Any = None, environ: dict[str, str] | None = None,
+                 world_size: int = 1, node: str = "") -> None:
         env = os.environ if environ is None else environ
         self.rank = rank
+        self.world_size = world_size
+        self.node = node
+        self.fr_prefix = env.get(frtrace.PREFIX_ENV, "")
+        self._timer: threading.Timer | None = None
+        self.reported: list[str] = []  # rank 0: the lines of its last report (tests)
         self.timeout_s = timeout_s
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
@@ -64,12 +77,46 @@ class ProgressWatchdog:
             self.armed_s = limit
         except (ValueError, RuntimeError, OSError, AttributeError):  # no real file behind stderr: no dumps
             self.armed_s = None
+        self._cancel_timer()
+        if self.fr_prefix:
+            self._timer = threading.Timer(limit, self._fire, (limit,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self, limit: float) -> None:
+        """No step for ``limit`` s (this runs in the timer's thread while the main one is stuck): dump this
+        rank's flight record; rank 0 then gathers every rank's and logs where each one is."""
+        fired = time.time()
+        frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
+        if self.rank != 0 or self.world_size < 2:
+            return
+        since = fired - limit  # records of this stall, not of an earlier one
+        deadline = time.monotonic() + min(GATHER_S, limit)
+        records = frtrace.read_dumps(self.fr_prefix, since)
+        while len(records) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.5)
+            records = frtrace.read_dumps(self.fr_prefix, since)
+        found = frtrace.verdict(records, list(range(self.world_size)))
+        log = logging.getLogger("swiftslurm.train")
+        if found is None:
+            self.reported = [f"no step for {limit:.0f} s; the flight records of {len(records)} rank(s) show no rank "
+                             "missing from a collective (stacks above)"]
+        else:
+            self.reported = frtrace.describe(found, frtrace.nodes_of(records))
+        for line in self.reported:
+            log.warning("watchdog: %s", line)
 
     def pause(self) -> None:
         """No dump until the next step end (a checkpoint save follows: it may take longer than any step)."""
         import faulthandler
 
         faulthandler.cancel_dump_traceback_later()
+        self._cancel_timer()
         self.armed_s = None
 
     stop = pause
