@@ -255,3 +255,22 @@ def test_a_torn_ledger_refuses_the_submission_with_one_message(tmp_path, monkeyp
     assert proc.returncode == 3 and "cannot be read" in proc.stderr and "--clear-all" in proc.stderr, proc.stderr
     assert "avoid_bad_nodes = false" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "torn" / "swiftslurm-plan.json").exists()  # nothing was sent
+
+
+@pytest.mark.slurm
+def test_plan_shows_the_exclusion_submit_would_make(tmp_path, monkeypatch):
+    """`plan` sends nothing but shows what `submit` would do now: the ledger's node3 in the script's --exclude, and why."""
+    path = tmp_path / "ledger.json"
+    monkeypatch.setenv("SWIFTSLURM_LEDGER", str(path))
+    ledger.record([Entry("node3", "preflight", "ports node2->node3: connection refused", "41")])
+    spec = tmp_path / "s.toml"
+    spec.write_text(SPEC.format(name="plan", out=tmp_path / "plan", nodes=2, checks="[]", slurm_extra='exclude = "node1"'))
+    data = json.loads(cli("plan", str(spec), "--json").stdout)
+    assert [(a["excluded"], a["exclude"]) for a in data["avoided"]] == [(["node3"], "node[1,3]")]
+    assert "#SBATCH --exclude='node[1,3]'" in data["sbatch"], data["sbatch"]
+    shown = cli("plan", str(spec)).stdout
+    assert "bad nodes:" in shown and "excluding node3 (recently failed: node3: preflight in job 41" in shown, shown
+    assert not (tmp_path / "plan").exists()  # nothing written, nothing sent
+    # a preflight-only spec is how a node gets tested again: never avoided
+    spec.write_text(SPEC.format(name="plan", out=tmp_path / "plan", nodes=2, checks="[]", slurm_extra="").replace('[train]\ncommand = ["hostname"]\n', ""))
+    assert json.loads(cli("plan", str(spec), "--json").stdout)["avoided"] == []

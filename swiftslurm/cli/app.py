@@ -197,15 +197,20 @@ def plan(
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
     from ..slurm.render import render_all
 
+    from ..submit import avoid_bad_nodes
+
     the_plan = load_plan(spec_path)
+    avoided: list[dict] = []
+    if the_plan.spec.has_training:  # as submit to Slurm would: the ledger's recently failed nodes excluded
+        the_plan, avoided = avoid_bad_nodes(the_plan)
     limits = _limits(max_array_size)
     scripts = render_all(the_plan, limits=limits)
     if as_json:
-        sys.stdout.write(json.dumps(the_plan.to_json(scripts, limits), indent=2) + "\n")
+        sys.stdout.write(json.dumps({**the_plan.to_json(scripts, limits), "avoided": avoided}, indent=2) + "\n")
         return 0
     from .plan_view import print_plan
 
-    print_plan(console, the_plan, scripts, limits)
+    print_plan(console, the_plan, scripts, limits, avoided)
     return 0
 
 

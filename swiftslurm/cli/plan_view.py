@@ -92,7 +92,22 @@ def sizing_table(plan: Plan) -> Table | None:
     return table
 
 
-def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: ArrayLimits | None = None) -> None:
+def avoided_lines(avoided: list[dict], plan: Plan) -> list[str]:
+    """What the node-health ledger changed (markup): the nodes excluded, the ones it could not exclude and why."""
+    from ..slurm.render import index_ranges
+
+    out = []
+    for item in avoided:
+        prefix = f"tasks {index_ranges(plan.groups[item['group']].tasks)}: " if len(plan.groups) > 1 else ""
+        for note in item.get("notes", []):
+            out.append(f"[yellow]bad nodes:[/]   {escape(prefix + note)}")
+        if item.get("excluded"):
+            out.append(f"             --exclude={escape(str(item.get('exclude')))}  (the ledger: swiftslurm nodes; slurm.avoid_bad_nodes = false to keep them)")
+    return out
+
+
+def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: ArrayLimits | None = None,
+               avoided: list[dict] | None = None) -> None:
     scripts = [sbatch] if isinstance(sbatch, str) else sbatch
     spec = plan.spec
     s = spec.slurm
@@ -140,6 +155,8 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     console.print(site)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+    for line in avoided_lines(avoided or [], plan):  # what submit would exclude now, from the ledger
+        console.print(line, highlight=False, soft_wrap=True)
     parts = plan.arrays(limits)
     for part, script in zip(parts, scripts):
         group = part.group

@@ -15,6 +15,7 @@ from .. import slurm
 from ..plan import Plan
 from ..errors import SwiftSlurmError
 from ..submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
+from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
 
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
@@ -52,22 +53,10 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         f"logs:        {escape(str(sub.folder))}  and <task dir>/logs/",
         "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
         f"follow:      swiftslurm status {escape(_q(plan.output_dir))}   (or submit with --wait)",
-        *_avoided_lines(sub, plan),
+        *avoided_lines(sub.avoided, plan),
     ]
     # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
-
-
-def _avoided_lines(sub: Submission, plan: Plan) -> list[str]:
-    """What the node-health ledger changed: the nodes excluded, the ones it could not exclude and why."""
-    out = []
-    for item in sub.avoided:
-        prefix = f"tasks {index_ranges_of(plan, item['group'])}: " if len(plan.groups) > 1 else ""
-        for note in item.get("notes", []):
-            out.append(f"[yellow]bad nodes:[/]   {escape(prefix + note)}")
-        if item.get("excluded"):
-            out.append(f"             --exclude={escape(str(item.get('exclude')))}  (the ledger: swiftslurm nodes; slurm.avoid_bad_nodes = false to keep them)")
-    return out
 
 
 def index_ranges_of(plan: Plan, group: int) -> str:
