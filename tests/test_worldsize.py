@@ -68,9 +68,9 @@ def test_a_checkpoint_deepspeed_cannot_convert_is_refused_with_its_reason_and_th
     assert not (tmp_path / "new" / "universal" / "checkpoint-3").exists()  # nothing that looks like a checkpoint
 
 
-def _spec(tmp: Path, name: str, stage: str, ranks: int, max_steps: int, out: Path | None = None) -> tuple[str, Path]:
+def _spec(tmp: Path, name: str, stage: str, ranks: int, max_steps: int, out: Path | None = None, **train) -> tuple[str, Path]:
     spec, default_out = quickstart_spec(tmp, name, logging_steps=1, max_steps=max_steps, save_steps=4, deepspeed=stage,
-                                        per_device_train_batch_size=1, gradient_accumulation_steps=4 // ranks)
+                                        per_device_train_batch_size=1, gradient_accumulation_steps=4 // ranks, **train)
     data = tomllib.loads(Path(spec).read_text())
     data["slurm"]["tasks_per_node"] = ranks
     data["checkpoint"].update(keep=3, allow_spec_change=True)  # micro-batch/accumulation change with the world size
@@ -95,13 +95,15 @@ def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path,
     _run(spec, ref, 2)
     moved = tmp_path / "moved"
     moved.mkdir()
-    shutil.copytree(ref / "checkpoint-4", moved / "checkpoint-4")
+    before = sorted(str(p.relative_to(ref)) for p in ref.rglob("*"))
     for killed in (4, 2):  # conversions killed midway left staging dirs: never read, cleaned after the next one
         (moved / "universal" / f".staging-checkpoint-{killed}" / "global_step4_universal").mkdir(parents=True)
         (moved / "universal" / f".staging-checkpoint-{killed}" / "trainer_state.json").write_text("{")
 
-    spec4, _ = _spec(tmp_path, "moved4", stage, 4, 8, out=moved)
+    # a new run on 4 ranks starts from the 2-rank run's checkpoint (train.resume_from): converted into its own dir
+    spec4, _ = _spec(tmp_path, "moved4", stage, 4, 8, out=moved, resume_from=str(ref / "checkpoint-4"))
     stdout = _run(spec4, moved, 4, resume="newest")
+    assert sorted(str(p.relative_to(ref)) for p in ref.rglob("*")) == before  # the source is only read
     assert f"checkpoint-4 was written by 2 data-parallel rank(s) at {z}; this run has 4" in stdout, stdout[-4000:]
     assert f"resuming at step 4 on 4 data-parallel rank(s) at {z} from the universal checkpoint {moved}/universal/checkpoint-4" in stdout
     sibling = ck.verify(moved / "universal" / "checkpoint-4")

@@ -13,7 +13,8 @@ Where a run starts (``resolve_start``), on every start, requeues included:
 A full resume restores weights, optimizer, scheduler, every rank's RNG and the data position (the HF
 Trainer's ``resume_from_checkpoint`` on that directory). ``train.resume_weights_only`` (always so for a
 model or adapter dir, which hold no training state) loads only the weights (``load_weights``) and starts
-at step 0 with a fresh optimizer, schedule and data order.
+at step 0 with a fresh optimizer, schedule and data order. A checkpoint written by another data-parallel size
+or ZeRO stage is converted into ``<output_dir>/universal/`` like the run's own (``worldsize.adapt``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Start:
         return None if self.weights_only else self.path
 
 
-def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, rank: int, node: str, world_size: int) -> Start:
+def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, rank: int, node: str) -> Start:
     """Where this run starts, the same on every rank (see the module docstring)."""
     if resume_arg is not True:  # an explicit path from the local launcher, or None: as before
         found = resume.resolve(resume_arg, output_dir, rank, node)
@@ -54,7 +55,7 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     own = resume.agreed_resume_point(output_dir, rank, node, log=say)
     if own is not None or spec.train.resume_from is None:
         return Start(own, False, "own" if own else "")
-    prepared = _prepare_on_rank_0(spec, output_dir, world_size) if rank == 0 else {}
+    prepared = _prepare_on_rank_0(spec, output_dir) if rank == 0 else {}
     prepared = resume.exchange().broadcast(prepared)
     if "error" in prepared:
         code, what, found, hint = prepared["error"]
@@ -65,10 +66,10 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     return Start(str(chosen), bool(prepared["weights_only"]), "resume_from")
 
 
-def _prepare_on_rank_0(spec: Any, output_dir: str, world_size: int) -> dict[str, Any]:
+def _prepare_on_rank_0(spec: Any, output_dir: str) -> dict[str, Any]:
     """``prepare_source`` as a broadcastable verdict: the path, or the error every rank must raise alike."""
     try:
-        path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec, world_size)
+        path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec)
         return {"path": str(path), "weights_only": weights_only}
     except SwiftSlurmError as exc:  # every rank must stop with the same message, none may wait on rank 0
         return {"error": [exc.exit_code, exc.what, exc.found, exc.hint]}
@@ -80,7 +81,7 @@ def _prepare_on_rank_0(spec: Any, output_dir: str, world_size: int) -> dict[str,
                           "run `swiftslurm import PATH --into DIR` on it to see what it holds; report this with `--debug`"]}
 
 
-def prepare_source(src: str, output_dir: str, spec: Any, world_size: int) -> tuple[Path, bool]:
+def prepare_source(src: str, output_dir: str, spec: Any) -> tuple[Path, bool]:
     """(a verified checkpoint of ours to start from, weights only?) for ``train.resume_from = src`` (rank 0)."""
     path = Path(src)
     if not path.is_dir():
@@ -107,7 +108,7 @@ def prepare_source(src: str, output_dir: str, spec: Any, world_size: int) -> tup
                         "at step 0 (as train.resume_weights_only = true)", facts.kind)
             weights_only = True
     if not weights_only:
-        _check_fits(chosen, world_size)
+        _check_fits(chosen)
     return chosen, weights_only
 
 
@@ -117,21 +118,15 @@ def _damaged(path: Path, problems: list[str]) -> CheckpointDamaged:
                              f"`swiftslurm verify {path}` lists every damaged file; point train.resume_from at a checkpoint that verifies")
 
 
-def _check_fits(ckpt: Path, here: int) -> None:
-    """A full resume needs DeepSpeed's optimizer shards, and they and the per-rank RNG states fit only the world
-    size that wrote them."""
+def _check_fits(ckpt: Path) -> None:
+    """A full resume needs DeepSpeed's optimizer shards. Another data-parallel size or ZeRO stage is fine: the
+    trainer converts the checkpoint to a universal one in the run's own dir (``worldsize.adapt``), or refuses it
+    there with the reason and the manual way."""
     manifest = ck.read_manifest(ckpt)
     if not any(rel.startswith("global_step") for rel in manifest.files):
         raise RuntimeEnvError(
             "train.resume_from holds no DeepSpeed optimizer state to resume (written without DeepSpeed)", str(ckpt),
             "set train.resume_weights_only = true to start from its weights with a fresh optimizer")
-    written = manifest.meta.get("world_size")
-    if isinstance(written, int) and written != here:
-        raise RuntimeEnvError(
-            f"train.resume_from was written by {written} data-parallel ranks; this run has {here}",
-            str(ckpt),
-            "run with the same slurm.nodes x slurm.tasks_per_node to restore the optimizer and data position, or set "
-            "train.resume_weights_only = true to start from its weights with a fresh optimizer")
 
 
 def load_weights(model: Any, start: Start, stage: str, train_type: str) -> None:

@@ -124,7 +124,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     # before the model: ZeRO-3 init needs it
     args = task.arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))
     # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
-    start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node, dist.world_size)
+    start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
     resume_from = start.full_resume
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_parallel_degrees(resume_from, parallel.degrees_json(spec))
