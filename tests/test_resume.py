@@ -12,6 +12,8 @@ Two jobs of the same spec (2 nodes x 1 CPU rank, ZeRO-2, tiny-llama, full fine-t
 
 The requeued job must finish after >= 2 walltime requeues, and every loss it logged (metrics.jsonl, each
 step, including steps logged twice around a stop) must equal the reference's loss at that step, bitwise.
+Then the same run is resubmitted on 1 node for 10 more steps: its 2-rank checkpoint is converted to a
+universal one and the run continues at the next step (the losses of a world-size change: test_worldsize.py).
 Bitwise is expected: on the CPU the same ops on the same data in the same order give the same bits,
 and the checkpoint restores weights, optimizer and scheduler state, every rank's RNG state and the
 data position.
@@ -71,10 +73,13 @@ OMP_NUM_THREADS = "1"
 """
 
 
-def submit(tmp: Path, name: str, time_limit: str) -> tuple[str, Path]:
+def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS) -> tuple[str, Path]:
     out = tmp / name
     spec = tmp / f"{name}.toml"
-    spec.write_text(SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=DATA, steps=MAX_STEPS))
+    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=DATA, steps=steps)
+    if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)
+        text = text.replace("nodes = 2", f"nodes = {nodes}").replace("[checkpoint]\n", "[checkpoint]\nallow_spec_change = true\n")
+    spec.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -132,3 +137,19 @@ def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
     newest = ck.newest_verified(req_out, log=None)
     assert newest is not None and ck.read_manifest(newest).step == MAX_STEPS
     assert ck.read_manifest(newest).meta["world_size"] == 2
+
+    # the queue is short of nodes: resubmit the same run on 1 node for 10 more steps. The 2-rank checkpoint is
+    # converted (DeepSpeed's universal checkpoint, in the run's own dir) and the run goes on at step K+1.
+    job, _ = submit(tmp_path, "requeued", "00:10:00", nodes=1, steps=MAX_STEPS + 10)
+    try:
+        state = wait_for_job(job, timeout_s=600)
+    finally:
+        subprocess.run(["scancel", "--name=resume-requeued", job], capture_output=True, timeout=30)
+    assert state[job] == "COMPLETED", f"1-node leg {state}\n{explain(req_out)}"
+    said = "\n".join(p.read_text(errors="replace") for p in (req_out / "logs").rglob("*") if p.is_file() and p.suffix in (".out", ".err"))
+    assert f"checkpoint-{MAX_STEPS} was written by 2 data-parallel rank(s) at ZeRO-2; this run has 1" in said, explain(req_out)
+    after = losses(req_out)
+    assert [s for s in sorted(after) if s > MAX_STEPS] == list(range(MAX_STEPS + 1, MAX_STEPS + 11))
+    last = ck.read_manifest(ck.newest_verified(req_out, log=None))
+    assert (last.step, last.meta["world_size"], last.meta["dp_world_size"]) == (MAX_STEPS + 10, 1, 1)
+    assert ck.verify(req_out / "universal" / f"checkpoint-{MAX_STEPS}").ok
