@@ -14,7 +14,8 @@ from rich.text import Text
 from .. import slurm
 from ..plan import Plan
 from ..errors import SwiftSlurmError
-from ..submit import Submission, TaskStatus, load_submission, resolve_executor, submit_plan
+from ..submission import Submission, TaskStatus, load_submission
+from ..submit import resolve_executor, submit_plan
 from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
 

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
-from ..submit import Submission
+from ..submission import Submission
 from ..watch.progress import Progress, Total, Watcher, override_text, rank_sweep, total_of
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}

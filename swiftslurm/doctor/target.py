@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import slurm
 from ..errors import SwiftSlurmError
-from ..submit import SUBMISSION_FILE, Submission, load_submission
+from ..submission import SUBMISSION_FILE, Submission, load_submission
 from ..watch.target import TaskRef, refs, resolve
 from .evidence import TaskRun, read_task
 

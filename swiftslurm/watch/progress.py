@@ -360,7 +360,7 @@ class Watcher:
         self.files = {d: TaskFiles(d) for d in task_dirs if d}
 
     def rows(self, statuses: Iterable[Any], now: float | None = None) -> list[Progress]:
-        """``statuses``: objects with task, job_id, state, nodes, restarts, elapsed, output_dir (submit.TaskStatus)."""
+        """``statuses``: objects with task, job_id, state, nodes, restarts, elapsed, output_dir (submission.TaskStatus)."""
         out = []
         for st in statuses:
             info = dict(task=st.task, state=st.state, elapsed_s=elapsed_seconds(st.elapsed), now=now,

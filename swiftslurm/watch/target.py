@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SwiftSlurmError
-from ..submit import SUBMISSION_FILE, Submission, load_submission
+from ..submission import SUBMISSION_FILE, Submission, load_submission
 
 
 @dataclass(frozen=True)

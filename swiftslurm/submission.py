@@ -1,0 +1,306 @@
+"""A submission's record and its tasks' state: ``submission.json`` in the output dir, read back by ``status``,
+``watch``, ``cancel`` and ``doctor`` from the output dir alone.
+
+``Submission`` holds what was sent (executor, job ids, the global tasks each array covers, output dirs, the
+submitit folder) and answers for its tasks: Slurm's accounting through ``slurm/`` for a Slurm job, or, where
+Slurm has no answer and for the local executor, what each rank left in submitit's folder. Sending lives in
+``submit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from . import slurm
+from .errors import SwiftSlurmError
+from .fsutil import atomic_write_text
+
+SUBMISSION_FILE = "submission.json"
+POLL_S = 2.0
+# sacct may not know a job for a moment after sbatch returned: PENDING until then, UNKNOWN after this.
+UNSEEN_GRACE_S = 120.0
+
+
+@dataclass
+class TaskStatus:
+    task: int
+    job_id: str
+    state: str
+    nodes: str = ""
+    restarts: int = 0
+    elapsed: str = ""
+    output_dir: str = ""
+    last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
+    stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
+
+
+def _last_save(task_dir: str) -> dict[str, Any] | None:
+    """The trainer's record of its last checkpoint save (timings, and advice when it outgrew signal_grace_s)."""
+    from .checkpoint.savetime import read_save
+
+    return read_save(task_dir) if task_dir else None
+
+
+def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
+    """This job's walltime requeues as the runtime recorded them (``requeues.json``: the count where sacct
+    has none), and why its last walltime stop was not requeued (None when it was, or none happened)."""
+    from .node.requeue import read_requeues, stop_reason, walltime_requeues
+
+    records = read_requeues(task_dir) if task_dir else []
+    return walltime_requeues(records, job_id), stop_reason(records, job_id)
+
+
+# ---------------------------------------------------------------- the record of one submission
+
+
+@dataclass
+class Submission:
+    executor: str  # "slurm" | "local"
+    job_ids: list[str]  # per task, in global task order: "123", "123_4", or a local controller pid
+    output_dir: str
+    task_dirs: list[str]
+    folder: str  # submitit folder of this submission
+    mode: str = "train"
+    submitted_at: float = field(default_factory=time.time)
+    source: str = ""
+    cancelled: bool = False
+    ranks_per_task: int = 1  # local: a task is COMPLETED only when this many ranks reported success
+    job_name: str = ""  # Slurm: a record under our id with another name is a later job (cluster reset)
+    # One entry per sbatch call (per allocation group, or per part of a group split under the site's array cap):
+    # {"job_id": "123" (Slurm array/job id, "" locally), "tasks": [global task indices], "ranks_per_task": N}
+    arrays: list[dict[str, Any]] = field(default_factory=list)
+    # local: controller pid -> its start time (/proc/PID/stat field 22): a pid reused by another process is not ours
+    pid_starts: dict[str, int] = field(default_factory=dict)
+    # the node-health ledger's exclusion, one entry per allocation group it concerned: {"group": i, **Avoidance.to_json()}
+    avoided: list[dict[str, Any]] = field(default_factory=list)
+    _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        out["submitted_iso"] = datetime.fromtimestamp(self.submitted_at, timezone.utc).isoformat(timespec="seconds")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Submission":
+        keys = {f for f in cls.__dataclass_fields__ if not f.startswith("_")}
+        return cls(**{k: v for k, v in data.items() if k in keys})
+
+    @property
+    def slurm_job_ids(self) -> list[str]:
+        """What sacct/squeue/scancel take: each array job id once, or the single job ids."""
+        return sorted({j.split("_")[0] for j in self.job_ids}, key=lambda j: (len(j), j))
+
+    def ranks_of(self, task: int) -> int:
+        """How many ranks task ``task`` runs (its group's allocation)."""
+        for array in self.arrays:
+            if task in array.get("tasks", ()):
+                return int(array.get("ranks_per_task", self.ranks_per_task))
+        return self.ranks_per_task
+
+    # ---------------------------------------------------------------- status
+
+    def statuses(self) -> list[TaskStatus]:
+        rows = self._slurm_statuses() if self.executor == "slurm" else self._local_statuses()
+        for row in rows:
+            requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
+            row.restarts = max(row.restarts, requeues)
+            row.last_save = _last_save(row.output_dir)  # a small JSON: cheap
+        return rows
+
+    def _slurm_statuses(self) -> list[TaskStatus]:
+        records = slurm.job_records(self.slurm_job_ids)
+        self._refresh_cancelled()
+        return self._rows_from(records)
+
+    def _refresh_cancelled(self) -> None:
+        """`swiftslurm cancel DIR` from another process marks the record: a killed rank's error means CANCELLED."""
+        if not self.cancelled and self.output_dir:
+            self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
+
+    def _rows_from(self, records: dict[str, slurm.JobRecord]) -> list[TaskStatus]:
+        """Task rows from sacct/squeue records; where they have none, from the result files the ranks left."""
+        unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
+        rows = []
+        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
+            rec = records.get(jid)
+            if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
+                rec = None  # the id now belongs to another job: Slurm forgot ours
+            if rec is None or rec.state == "UNKNOWN":
+                # sacct down or missing, and squeue no longer lists it: what the ranks left says how it ended
+                left = _result_state(Path(self.folder), jid, self.ranks_of(index)) if self.folder else None
+                if left == "FAILED" and self.cancelled:
+                    left = "CANCELLED"  # the ranks we cancelled left errors behind
+                rows.append(TaskStatus(index, jid, left or unseen, output_dir=task_dir))
+            else:
+                rows.append(TaskStatus(index, jid, rec.state, rec.nodes, rec.restarts, rec.elapsed, task_dir))
+        return rows
+
+    def _local_statuses(self) -> list[TaskStatus]:
+        live = {str(j.job_id): j for j in (self._jobs or [])}
+        self._refresh_cancelled()
+        rows = []
+        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
+            state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_of(index), self.pid_starts.get(jid))
+            elapsed = _local_elapsed(Path(self.folder), jid, state, self.submitted_at)
+            rows.append(TaskStatus(index, jid, state, "localhost", 0, elapsed, task_dir))
+        return rows
+
+    def states(self) -> dict[str, str]:
+        return {str(row.task): row.state for row in self.statuses()}
+
+    def wait(self, timeout_s: float | None = None, on_update: Callable[[list[TaskStatus]], None] | None = None, poll_s: float = POLL_S) -> dict[str, str]:
+        """Poll until every task is in a final state (or ``timeout_s`` passed): task index -> state.
+
+        On timeout the states are returned as they are (some not final); the job keeps running.
+        A Slurm task that neither sacct nor squeue has listed for UNSEEN_GRACE_S ends the wait as UNKNOWN.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            rows = self.statuses()
+            if on_update is not None:
+                on_update(rows)
+            if all(slurm.is_final(r.state) or r.state == "UNKNOWN" for r in rows):  # UNKNOWN: Slurm lost it
+                return {str(r.task): r.state for r in rows}
+            if deadline is not None and time.monotonic() >= deadline:
+                return {str(r.task): r.state for r in rows}
+            time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    def is_active(self) -> bool:
+        """Some task is pending, running or requeued (UNKNOWN, Slurm lost it, is not active)."""
+        return any(not slurm.is_final(r.state) and r.state != "UNKNOWN" for r in self.statuses())
+
+    def cancel(self) -> None:
+        if self.executor == "slurm":
+            slurm.scancel(self.slurm_job_ids)
+        else:
+            import signal
+
+            for jid in self.job_ids:
+                # only our controller: a recorded pid may since belong to another process
+                if jid.isdigit() and _same_process(int(jid), self.pid_starts.get(jid)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(jid), signal.SIGTERM)  # the submitit controller forwards it to the ranks
+        self.cancelled = True
+        if self.output_dir:
+            update_record(self)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _local_elapsed(folder: Path, job_id: str, state: str, submitted_at: float) -> str:
+    """The local executor's clock: from the submission to now while it runs, to the last rank's result once it ended."""
+    if state == "RUNNING":
+        return _hms(time.time() - submitted_at)
+    ends = []
+    for pattern in (f"{job_id}_*_result.pkl", f"{job_id}_*_log.*"):  # killed ranks leave no result: their logs' last write
+        for path in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                ends.append(path.stat().st_mtime)
+        if ends:
+            break
+    return _hms(max(ends) - submitted_at) if ends and max(ends) >= submitted_at else ""
+
+
+def _local_state(folder: Path, job_id: str, job: Any, cancelled: bool, ranks: int, started: int | None = None) -> str:
+    """A local job from submitit's files: every rank's result pickle says success -> COMPLETED."""
+    if job is not None:
+        running = job._process is not None and job._process.poll() is None
+    else:
+        running = _same_process(int(job_id), started) if job_id.isdigit() else False
+    if running:
+        return "RUNNING"
+    left = _result_state(folder, job_id, ranks)
+    if left == "COMPLETED":
+        return left
+    return "CANCELLED" if cancelled else "FAILED"
+
+
+def _result_state(folder: Path, job_id: str, ranks: int) -> str | None:
+    """How a finished task ended, from the result file each rank's submitit wrapper wrote.
+
+    COMPLETED when ``ranks`` results all say success, FAILED when any says error; None when
+    fewer than ``ranks`` results exist (still running, or killed before it could write one).
+    """
+    import pickle
+
+    outcomes = []
+    for path in sorted(folder.glob(f"{job_id}_*_result.pkl")):
+        try:
+            with path.open("rb") as fh:
+                outcomes.append(pickle.load(fh)[0])
+        except Exception:  # a torn or foreign pickle: not a success
+            outcomes.append("error")
+    if any(o != "success" for o in outcomes):
+        return "FAILED"
+    return "COMPLETED" if outcomes and len(outcomes) >= ranks else None
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks after boot, /proc/PID/stat field 22); None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _same_process(pid: int, started: int | None) -> bool:
+    """Process ``pid`` is alive, not a zombie, and is the one that started at ``started``.
+
+    Without a recorded start time the pid cannot be told apart from a later process that reuses it: not ours.
+    """
+    if started is None or process_start(pid) != started:
+        return False
+    try:  # a zombie (exited, not reaped) is not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# ---------------------------------------------------------------- records on disk
+
+
+def records_path(output_dir: str) -> Path:
+    return Path(output_dir) / SUBMISSION_FILE
+
+
+def _write_records(output_dir: str, records: list[dict[str, Any]]) -> None:
+    atomic_write_text(records_path(output_dir), json.dumps({"submissions": records}, indent=2) + "\n")
+
+
+def load_records(output_dir: str) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads(records_path(output_dir).read_text()).get("submissions", []))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SwiftSlurmError("the submission record is unreadable", f"{records_path(output_dir)}: {exc}", "it is rewritten by the next `swiftslurm submit`") from None
+
+
+def load_submission(output_dir: str) -> Submission:
+    """The latest submission recorded in an output dir."""
+    records = load_records(output_dir)
+    if not records:
+        raise SwiftSlurmError("no submission recorded here", str(records_path(output_dir)), "pass the job.output_dir of a submitted spec, or a job id")
+    return Submission.from_json(records[-1])
+
+
+def update_record(sub: Submission) -> None:
+    records = load_records(sub.output_dir)
+    for i, rec in enumerate(records):
+        if rec.get("folder") == sub.folder:
+            records[i] = sub.to_json()
+            break
+    else:
+        records.append(sub.to_json())
+    _write_records(sub.output_dir, records)
