@@ -408,6 +408,9 @@ def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_
     said = "\n".join(ln.text for ln in run.all_lines if ln.rank == 0 and "watchdog:" in ln.text)
     assert "rank 0 (localhost): waits in collective #" in said, said
     assert "hang: rank 1 (localhost) never joined collective #" in said, said
+    # and py-spy (the train extra installs it) dumped each rank from outside: idle or active, per thread
+    spied = {ln.rank for ln in run.all_lines if "py-spy dump of rank" in ln.text}
+    assert spied == {0, 1}, spied
     found = culprits(run)
     assert found.ranks == (1,) and found.waiting == (0,)
     assert "flight record stops before collective #" in found.how and found.evidence[0].file == "logs/nccl_trace_rank_1.json"

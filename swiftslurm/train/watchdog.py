@@ -1,6 +1,7 @@
 """The progress watchdog on every rank: no training step for K x the median step time, and every thread's Python
 stack goes into the rank's stderr (its submitit log; rank 0's too), written by faulthandler's own C thread, so a
-rank stuck in a collective, in C code or asleep is dumped all the same. At the same moment a Python thread dumps
+rank stuck in a collective, in C code or asleep is dumped all the same. At the same moment a Python thread runs
+``py-spy dump`` on the rank when py-spy is installed (idle/active per thread, into the same stderr), dumps
 the rank's flight record (``frtrace``: which collective it entered last) next to torch's own dump path, and rank 0
 waits a little for every rank's record and logs which collective each rank is in and who never joined. `doctor`
 reads both: the ranks inside a collective waited for the rank whose record stops before it (docs/doctor.md).
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +33,8 @@ WARMUP_STEPS = 3
 WINDOW = 50  # the median over this many recent steps
 FLOOR_ENV = "SWIFTSLURM_WATCHDOG_FLOOR_S"  # tests: a shorter floor
 STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS" makes that rank sleep after that step
+PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # prctl(2)
+SPY_TIMEOUT_S = 60
 GATHER_S = 20.0  # rank 0 waits at most this long (and at most the limit) for the other ranks' flight records
 
 
@@ -93,6 +98,7 @@ class ProgressWatchdog:
         rank's flight record; rank 0 then gathers every rank's and logs where each one is."""
         fired = time.time()
         frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
+        self._py_spy(limit)
         if self.rank != 0 or self.world_size < 2:
             return
         since = fired - limit  # records of this stall, not of an earlier one
@@ -110,6 +116,24 @@ class ProgressWatchdog:
             self.reported = frtrace.describe(found, frtrace.nodes_of(records))
         for line in self.reported:
             log.warning("watchdog: %s", line)
+
+    def _py_spy(self, limit: float) -> None:
+        """``py-spy dump`` of this process into the rank's stderr, when py-spy is installed (the train extra has it):
+        each thread's Python frames and whether it is idle or active, as seen from outside the interpreter."""
+        exe = shutil.which("py-spy")
+        if exe is None:
+            return
+        try:
+            import ctypes
+
+            # Yama's ptrace_scope 1 lets only ancestors trace: allow our child (an EINVAL without Yama is fine)
+            ctypes.CDLL(None).prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
+            out = subprocess.run([exe, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=SPY_TIMEOUT_S)
+            text = out.stdout if out.returncode == 0 else f"py-spy could not dump this rank: {(out.stderr or out.stdout).strip()[:300]}\n"
+            self.target.write(f"watchdog: no step for {limit:.0f} s: py-spy dump of rank {self.rank} (pid {os.getpid()})\n{text}")
+            self.target.flush()
+        except (OSError, ValueError, AttributeError, subprocess.SubprocessError):
+            pass
 
     def pause(self) -> None:
         """No dump until the next step end (a checkpoint save follows: it may take longer than any step)."""
