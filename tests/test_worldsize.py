@@ -3,7 +3,7 @@ after the move follow the uninterrupted run's.
 
 Pure: ``plan_load`` (load as is, convert, refuse) and ``writer_layout`` (meta first, else the shard files).
 Real tool: a checkpoint DeepSpeed cannot convert is refused with DeepSpeed's reason and the manual way.
-Slow (real trainer, gloo, CPU), ZeRO-2, the global batch always 4 (the demo's 36 packed rows are exactly 9
+Slow (real trainer, gloo, CPU), ZeRO-2 and ZeRO-3, the global batch always 4 (the demo's 36 packed rows are exactly 9
 steps per epoch, so no step is a short epoch tail):
   ref    2 ranks x accumulation 2, 12 steps, checkpoints 4, 8, 12
   2 -> 4 a new output dir holding only ref's checkpoint-4; 4 ranks x accumulation 1 to step 8
@@ -68,6 +68,41 @@ def test_a_checkpoint_deepspeed_cannot_convert_is_refused_with_its_reason_and_th
     assert not (tmp_path / "new" / "universal" / "checkpoint-3").exists()  # nothing that looks like a checkpoint
 
 
+def test_a_step_counter_shared_by_sub_groups_is_untied_before_training():
+    """DeepSpeed's ZeRO-3 universal load hands every sub-group's state the same ``step`` tensor; torch's Adam then
+    advances it once per sub-group per step (bias correction off). ``untie_step_counters`` gives each its own."""
+    import torch
+
+    from swiftslurm.train.worldsize import untie_step_counters
+
+    def adam_after_load():
+        params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+        opt = torch.optim.AdamW([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1, foreach=False)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        shared = torch.tensor(4.0)  # as stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 assigns it
+        for p in params:
+            opt.state[p]["step"] = shared
+        return opt, params
+
+    opt, params = adam_after_load()
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [6.0, 6.0]  # the bug: one step counted twice
+
+    opt, params = adam_after_load()
+    assert untie_step_counters(opt) == 1 and untie_step_counters(opt) == 0
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [5.0, 5.0]
+
+    class ZeroWrapper:  # DeepSpeed's optimizer holds the torch one as .optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    opt, params = adam_after_load()
+    assert untie_step_counters(ZeroWrapper(opt)) == 1 and untie_step_counters(None) == 0
+
+
 def _spec(tmp: Path, name: str, stage: str, ranks: int, max_steps: int, out: Path | None = None, **train) -> tuple[str, Path]:
     spec, default_out = quickstart_spec(tmp, name, logging_steps=1, max_steps=max_steps, save_steps=4, deepspeed=stage,
                                         per_device_train_batch_size=1, gradient_accumulation_steps=4 // ranks, **train)
@@ -88,7 +123,7 @@ def _run(spec: str, out: Path, ranks: int, **kw) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2"])  # ZeRO-3: docs/checkpoints.md says why not here
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path, stage):
     z = f"ZeRO-{stage[-1]}"
     spec, ref = _spec(tmp_path, "ref", stage, 2, 12)

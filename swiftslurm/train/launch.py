@@ -18,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from ..slurm.distenv import free_port
@@ -25,9 +27,12 @@ from ..slurm.distenv import free_port
 
 def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None, stop_at_step: int | None = None,
            timeout_s: float = 600, extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Run ``nprocs`` ranks to completion; returns their CompletedProcess (stdout+stderr in .stdout)."""
+    """Run ``nprocs`` ranks to completion; returns their CompletedProcess (stdout+stderr in .stdout).
+
+    Each rank writes to its own temporary file, not a pipe: waiting on rank 0 while rank 1 filled its pipe (64 KiB
+    of ZeRO-3's per-call deprecation warnings) blocked rank 1 in a write and rank 0 in the next collective."""
     port = free_port()
-    procs = []
+    procs, outs = [], []
     for rank in range(nprocs):
         env = {**os.environ, **(extra_env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -37,16 +42,20 @@ def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None,
             argv += ["--resume", resume]
         if stop_at_step:
             argv += ["--stop-at-step", str(stop_at_step)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs.append(tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace"))
+        procs.append(subprocess.Popen(argv, env=env, stdout=outs[-1], stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout_s
     results = []
-    for p in procs:
+    for p, f in zip(procs, outs):
         try:
-            stdout, _ = p.communicate(timeout=timeout_s)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            stdout, _ = p.communicate()
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
+            p.wait()
+        f.seek(0)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, f.read(), ""))
+        f.close()
     return results
 
 

@@ -211,6 +211,12 @@ class ScheduleCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
+        from .worldsize import untie_step_counters
+
+        # after any checkpoint load, before the first step: a ZeRO-3 universal load shares one step counter
+        untied = untie_step_counters(kwargs.get("optimizer"))
+        if untied:
+            log.info("gave %d optimizer sub-groups their own step counter (DeepSpeed's ZeRO-3 universal load shares one)", untied)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()
