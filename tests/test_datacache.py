@@ -28,10 +28,30 @@ def test_cache_holds_what_the_reader_encodes_and_is_read_back_without_tokenizing
     assert len(built) == len(plain) == 60 and [built[i] for i in range(60)] == plain.examples
     assert built.lengths().tolist() == plain.lengths()
     calls = []
-    monkeypatch.setattr(datacache.data, "encode", lambda *a: calls.append(a))  # a second run must not encode
+    monkeypatch.setattr(datacache.data, "encode_many", lambda *a: calls.append(a))  # a second run must not encode
     again = datacache.cached_dataset(FILES, tok, 128, tmp_path)
     assert not again.tokenized_now and calls == [] and again.directory == built.directory
     assert [again[i] for i in range(60)] == plain.examples
+
+
+def test_one_tokenizer_call_per_chunk_encodes_each_record_as_one_call_per_record_does(tok):
+    """The cache tokenizes a chunk of records in one call per kind (alpaca: the tokenizer's special tokens; chat:
+    the template's): kinds interleaved and records that truncation drops must come back in place, unchanged."""
+    from swiftslurm.train import data
+
+    records = [rec for path in FILES for _, rec in data.read_records(path)]
+    kinds = [data.check_record(Path(FILES[0]), 1, r) for r in records]
+    mixed = [k for pair in zip(kinds[:30], kinds[30:]) for k in pair]  # alpaca, chat, alpaca, chat, ...
+    for max_length in (24, 40, 128):
+        one_by_one = [data.encode(kind, rec, tok, max_length) for kind, rec in mixed]
+        assert data.encode_many(mixed, tok, max_length) == one_by_one
+    assert None in [data.encode(kind, rec, tok, 24) for kind, rec in mixed]  # some were dropped at 24 tokens
+    calls = []
+    real = tok.__call__
+    tok_calls = type("Counting", (), {"__call__": lambda self, *a, **k: calls.append(1) or real(*a, **k),
+                                      "__getattr__": lambda self, name: getattr(tok, name)})()
+    data.encode_many(mixed, tok_calls, 128)
+    assert len(calls) == 2  # one per kind, not one per record
 
 
 def test_a_changed_file_tokenizer_or_max_length_is_a_new_cache(tmp_path, tok):

@@ -79,14 +79,31 @@ def _label_spans(kind: str, rec: Any, tokenizer) -> tuple[str, list[tuple[int, i
 
 def encode(kind: str, rec: Any, tokenizer, max_length: int) -> dict[str, list[int]] | None:
     """input_ids / labels / attention_mask of one record, or None when truncation left no label."""
-    text, spans = _label_spans(kind, rec, tokenizer)
-    add_special = kind == "alpaca"  # chat templates carry their own special tokens
-    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    return encode_many([(kind, rec)], tokenizer, max_length)[0]
+
+
+def encode_many(records: list[tuple[str, Any]], tokenizer, max_length: int) -> list[dict[str, list[int]] | None]:
+    """``encode`` of each (kind, record), with one tokenizer call per kind of record instead of one per record
+    (a fast tokenizer encodes a batch in Rust, in parallel): the same ids and labels, record by record."""
+    prepared = [(kind == "alpaca", *_label_spans(kind, rec, tokenizer)) for kind, rec in records]
+    out: list[dict[str, list[int]] | None] = [None] * len(prepared)
+    for special in (True, False):  # chat templates carry their own special tokens; alpaca gets the tokenizer's
+        which = [i for i, (add, _, _) in enumerate(prepared) if add == special]
+        if not which:
+            continue
+        enc = tokenizer([prepared[i][1] for i in which], add_special_tokens=special, return_offsets_mapping=True)
+        for j, i in enumerate(which):
+            out[i] = _with_labels(enc["input_ids"][j], enc["offset_mapping"][j], prepared[i][2], max_length)
+    return out
+
+
+def _with_labels(all_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+                 max_length: int) -> dict[str, list[int]] | None:
     import numpy as np  # here: `swiftslurm validate` checks records with this module on a light install
 
-    ids = enc["input_ids"][:max_length]
+    ids = list(all_ids[:max_length])
     # a token is trained on when its first character lies in a span (numpy: this loop is most of the cost)
-    starts = np.fromiter((start for start, _ in enc["offset_mapping"][: len(ids)]), dtype=np.int64, count=len(ids))
+    starts = np.fromiter((start for start, _ in offsets[: len(ids)]), dtype=np.int64, count=len(ids))
     inside = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
         inside |= (starts >= s) & (starts < e)

@@ -121,7 +121,7 @@ def _init_worker(tokenizer, max_length: int) -> None:
 
 
 def _encode_chunk(records: list[tuple[str, Any]]) -> list[dict[str, list[int]] | None]:
-    return [data.encode(kind, body, _worker_tokenizer, _worker_max_length) for kind, body in records]
+    return data.encode_many(records, _worker_tokenizer, _worker_max_length)  # one tokenizer call per chunk
 
 
 def _chunks(records: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
