@@ -175,11 +175,13 @@ def test_galore_trains_on_plain_ddp_and_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_dpo_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
-    """The DPO example, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`: the reward
-    accuracy is all-reduced over both nodes' pairs and still rises."""
+    """The DPO example as full fine-tuning under ZeRO-3 in bf16 (the reference model: TRL's sharded copy),
+    2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`: the reward accuracy is all-reduced over
+    both nodes' pairs and still rises. (The LoRA / ZeRO-2 / fp32 example is the module's fixture above.)"""
     from swiftslurm import checkpoint as ck
 
-    spec, out = example_spec(tmp_path, "dpo2", max_steps=12, save_steps=6, logging_steps=1)
+    spec, out = example_spec(tmp_path, "dpo2", max_steps=12, save_steps=6, logging_steps=1, train_type="full",
+                             deepspeed="zero3", bf16=True)
     hosts = submit_on_two_nodes(spec, out, "dpo-2node-test")
     assert len(set(hosts)) == 2, hosts
     for name in ("checkpoint-6", "checkpoint-12"):
@@ -188,6 +190,9 @@ def test_dpo_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
     acc = [r["rewards/accuracies"] for r in rows if "rewards/accuracies" in r]
     assert len(acc) == 12 and acc[-1] > 0.8, acc
     assert "reward accuracy" in json.loads((out / "train-summary.json").read_text())["text"]
+    plan = json.loads((out / "swiftslurm-plan.json").read_text())
+    assert plan["deepspeed"][0]["zero_optimization"]["stage"] == 3 and plan["deepspeed"][0]["bf16"]["enabled"]
+    assert (out / "checkpoint-12" / "model.safetensors").exists()  # full weights, gathered from the ZeRO-3 shards
 
 
 def test_galore_8bit_without_a_gpu_is_one_clear_error():
