@@ -143,6 +143,7 @@ REFUSALS = [  # (train keys, parallel keys, slurm keys, the message's words)
     ('model = "org/hub-model"\npacking = false\n[train.model_shape]\nhidden_size = 96\nnum_layers = 2\nheads = 6\n'
      'kv_heads = 3\nintermediate_size = 128\nvocab_size = 100', "sequence_parallel = 4", None, "head count must divide"),
     ('model = "tiny-llama"', "pipeline_parallel = 2", None, "unknown key"),
+    ('model = "tiny-llama"\ntrain_type = "full"\ndeepspeed = "none"', "tiled_mlp = true", None, "plain DDP would reduce it"),
 ]
 
 

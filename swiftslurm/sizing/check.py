@@ -90,6 +90,10 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
                                 "trainer, whose batches the Ulysses adapter and AutoTP do not see",
                                 f"sequence_parallel {layout.sequence_parallel}, tensor_parallel {layout.tensor_parallel}",
                                 "drop [parallel] for this run (ZeRO-3 with offload shards the DPO model and its reference)"))
+    if spec.parallel.tiled_mlp and t.deepspeed == "none":
+        problems.append(Problem("parallel.tiled_mlp", "TiledMLP runs one backward per slice of the sequence; DeepSpeed's ZeRO "
+                                "waits for the last slice before reducing a gradient, plain DDP would reduce it at the first",
+                                'train.deepspeed = "none"', 'use a ZeRO preset (zero1, zero2, zero3), or tiled_mlp = false'))
     cautions = []
     if layout.sequence_parallel > 1 and t.packing and t.attn_implementation == "auto":
         cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "

@@ -98,6 +98,7 @@ DESCRIPTIONS: dict[str, str] = {
     "preflight.timeout_s": "bound on each check (a hung rank is reported, never waited for)",
     "parallel.sequence_parallel": "Ulysses sequence parallel degree (DeepSpeed ALST): each sequence is split over this many ranks; heads must divide by it, `max_length` must be a multiple of it",
     "parallel.tensor_parallel": "DeepSpeed AutoTP degree: each Linear layer is split over this many ranks (full fine-tuning, ZeRO 0-2); world size = data x sequence x tensor parallel",
+    "parallel.tiled_mlp": "DeepSpeed's TiledMLP for long sequences: each gated MLP computes over ceil(seq / hidden) slices of the sequence and recomputes them in the backward (less activation memory, one more MLP forward); a ZeRO preset, not `deepspeed = \"none\"`",
     "container.runtime": "`pyxis` (`srun --container-image`, pyxis/enroot) or `apptainer` (`apptainer exec`)",
     "container.image": "a registry image (`nvcr.io#nvidia/pytorch:24.05-py3`, `docker://...`; pin with `@sha256:`) or a local `.sif`/`.sqsh` file (checked by `validate`)",
     "container.mounts": "`SRC:DST[:FLAGS]` host paths into the container (Apptainer flags: `ro`/`rw`); the output dir is mounted automatically",

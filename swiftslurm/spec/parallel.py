@@ -24,6 +24,7 @@ class Table(BaseModel):
 class ParallelTable(Table):
     sequence_parallel: int = Field(1, ge=1, le=MAX_DEGREE)
     tensor_parallel: int = Field(1, ge=1, le=MAX_DEGREE)
+    tiled_mlp: bool = False  # DeepSpeed's TiledMLP: the MLP over ceil(seq / hidden) slices of the sequence
 
 
 class ModelShapeTable(Table):

@@ -8,6 +8,10 @@
   the unpacked collator adds them) and a length that divides by the degree.
 - AutoTP (``tensor_parallel``): ``tensor_parallel.autotp_size`` in the DeepSpeed config (``dsconfig``);
   the Trainer reads it for its data-parallel size, and DeepSpeed checks that a TP group's inputs agree.
+- TiledMLP (``tiled_mlp``, ``tile_mlps``): each gated MLP (Llama, Qwen, Mistral: gate/up/down projections)
+  computes its intermediate activations slice by slice of the sequence, ``ceil(seq / hidden)`` slices, the
+  same on every rank (MAX over the process group: ZeRO-3 would deadlock on uneven counts), and recomputes
+  them in the backward: the peak of the MLP's ``seq x intermediate`` activations divides by the slice count.
 
 The rules ``plan`` checks against a local config.json run here again against the loaded model
 (``check_model``): a hub model's heads are only known on the nodes.
@@ -85,3 +89,40 @@ def check_model(spec, model) -> None:
     if problems:
         p = problems[0]
         raise ParallelError(f"{p.path}: {p.what}", p.found, p.hint)
+
+
+def tile_mlps(spec, model) -> int:
+    """``[parallel] tiled_mlp``: route every gated MLP of ``model`` through DeepSpeed's ``TiledMLP``; how many."""
+    if not spec.parallel.tiled_mlp:
+        return 0
+    import types
+
+    count = 0
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            module.forward = types.MethodType(_tiled_forward, module)
+            count += 1
+    if not count:
+        raise ParallelError("[parallel] tiled_mlp = true, but the model has no gated MLP to tile",
+                            f"{type(model).__name__}: no module with gate_proj, up_proj, down_proj and act_fn",
+                            "set tiled_mlp = false for this model")
+    return count
+
+
+def _mlp(module, x):
+    return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+
+def _tiled_forward(module, x):
+    import math
+
+    import torch
+    import torch.distributed as tdist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    slices = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        agreed = torch.tensor(slices, device=x.device)
+        tdist.all_reduce(agreed, op=tdist.ReduceOp.MAX)
+        slices = int(agreed.item())
+    return TiledMLP.apply(_mlp, module, x, slices, list(module.parameters()))

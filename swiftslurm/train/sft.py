@@ -139,6 +139,9 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
     total_params = sum(p.numel() for p in model.parameters())
     model = task.prepare_model(model, spec)
+    tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
+    if tiled and dist.rank == 0:
+        log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)
     if spec.train.train_type == "lora" and task.name == "sft":  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
