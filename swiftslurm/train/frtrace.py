@@ -25,20 +25,30 @@ PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 
 
 def dump_json() -> dict[str, Any] | None:
-    """This rank's flight record, or None (no torch.distributed, no FR in this torch, nothing recorded)."""
+    """This rank's flight record, or None (no torch.distributed, no FR in this torch, nothing recorded). NCCL
+    keeps its own recorder (``_dump_nccl_trace_json``, CUDA builds) beside the one of gloo and the other CPU
+    backends (``_dump_fr_trace_json``): both are read, their entries and process-group states merged."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        import torch._C._distributed_c10d as c10d
     except ImportError:
         return None
-    try:
-        raw = _dump_fr_trace_json(True, True)  # includeCollectives, onlyActive
-    except Exception:  # noqa: BLE001 -- forensics never fail the run
-        return None
-    try:
-        data = json.loads(raw)
-    except (TypeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    merged: dict[str, Any] | None = None
+    for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            data = json.loads(dump(True, True))  # includeCollectives, onlyActive
+        except Exception:  # noqa: BLE001 -- forensics never fail the run (no recorder, torn output, ...)
+            continue
+        if not isinstance(data, dict):
+            continue
+        if merged is None:
+            merged = data
+        else:
+            merged["entries"] = list(merged.get("entries") or []) + list(data.get("entries") or [])
+            merged["pg_status"] = {**(data.get("pg_status") or {}), **(merged.get("pg_status") or {})}
+    return merged
 
 
 def dump_path(prefix: str, rank: int) -> Path:
