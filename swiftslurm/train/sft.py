@@ -20,6 +20,8 @@ from typing import Any, Callable
 from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
                     allow_low_rank_optimizer_state, check_optimizer, load_model_and_tokenizer, training_arguments)
 
+from ..errors import SwiftSlurmError
+
 log = logging.getLogger("swiftslurm.train")
 SUMMARY_FILE = "train-summary.json"
 CACHE_DIR = ".swiftslurm-cache/tokenized"  # under output_dir: a requeue finds the tokens there
@@ -124,7 +126,12 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     # before the model: ZeRO-3 init needs it
     args = task.arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))
     # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
-    start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
+    try:
+        start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
+    except SwiftSlurmError as exc:
+        if getattr(exc, "agreed", False):  # rank 0's verdict, raised on every rank: leave together, or a rank
+            shut_down_distributed()  # aborts at exit (SIGABRT instead of the error's exit code; shutdown.py)
+        raise
     resume_from = start.full_resume
     if resume_from:  # the agreed checkpoint, on every rank: the same verdict everywhere
         check_parallel_degrees(resume_from, parallel.degrees_json(spec))
