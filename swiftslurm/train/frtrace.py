@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..fsutil import atomic_write_text
 
 PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 
@@ -62,11 +63,9 @@ def write_dump(prefix: str, rank: int, node: str, when: float) -> Path | None:
         return None
     data["swiftslurm"] = {"rank": rank, "node": node, "time": when}
     path = dump_path(prefix, rank)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(data))
     except OSError:
         return None
     return path

@@ -54,7 +54,6 @@ class ProgressWatchdog:
         self.node = node
         self.fr_prefix = env.get(frtrace.PREFIX_ENV, "")
         self._timer: threading.Timer | None = None
-        self.reported: list[str] = []  # rank 0: the lines of its last report (tests)
         self.timeout_s = timeout_s
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
@@ -110,11 +109,11 @@ class ProgressWatchdog:
         found = frtrace.verdict(records, list(range(self.world_size)))
         log = logging.getLogger("swiftslurm.train")
         if found is None:
-            self.reported = [f"no step for {limit:.0f} s; the flight records of {len(records)} rank(s) show no rank "
+            lines = [f"no step for {limit:.0f} s; the flight records of {len(records)} rank(s) show no rank "
                              "missing from a collective (stacks above)"]
         else:
-            self.reported = frtrace.describe(found, frtrace.nodes_of(records))
-        for line in self.reported:
+            lines = frtrace.describe(found, frtrace.nodes_of(records))
+        for line in lines:
             log.warning("watchdog: %s", line)
 
     def _py_spy(self, limit: float) -> None:
