@@ -11,6 +11,7 @@ from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, resol
 
 CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
 GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
+GPU_VARLEN = NodeFacts(cuda=True, varlen=True)  # torch >= 2.10: its own flash kernel for packed samples
 
 
 @pytest.mark.parametrize("node,packing,row,expected", [
@@ -20,10 +21,24 @@ GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
     (GPU, True, 2048, "sdpa"),  # short packed rows: sdpa with the packed-sequence mask measured faster on an H200
     (GPU, False, 8192, "sdpa"),  # padded batches change shape every step: flex would recompile
     (GPU_ALL, True, 2048, "flash_attention_2"), (NodeFacts(cuda=False, flash_attn=True), True, 8192, "sdpa"),
+    # torch's varlen kernel is there but measured slower end to end on an H200 (36.7k vs sdpa's 42.2k): not taken
+    (GPU_VARLEN, True, 2048, "sdpa"), (GPU_VARLEN, True, 8192, "flex_attention"), (GPU_VARLEN, False, 2048, "sdpa"),
+    (NodeFacts(cuda=True, flash_attn=True, varlen=True), True, 2048, "flash_attention_2"),
 ])
 def test_auto_attention(node, packing, row, expected):
     attn, why = resolve_attention("auto", packing, node, row)
     assert attn == expected and why.startswith("auto")
+
+
+@pytest.mark.parametrize("node,packing,half,what", [
+    (CPU, True, True, "needs a CUDA GPU"), (GPU, True, True, "needs torch >= 2.10"),
+    (GPU_VARLEN, False, True, "needs packed rows"), (GPU_VARLEN, True, False, "needs bf16 or fp16"),
+])
+def test_explicit_varlen_where_it_cannot_run_is_one_clear_error(node, packing, half, what):
+    with pytest.raises(KernelError, match=what) as info:
+        resolve_attention("varlen_attn", packing, node, 2048, half=half)
+    assert info.value.hint
+    assert resolve_attention("varlen_attn", True, GPU_VARLEN, 2048)[0] == "varlen_attn"
 
 
 def test_explicit_attention_is_kept_or_refused_with_a_reason():

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_serializer, model_validator
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
 # transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3")
 # TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
                   "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")

@@ -10,6 +10,8 @@ import os
 from typing import Any
 
 from ..errors import SwiftSlurmError
+from .varlen import NAME as VARLEN
+from .varlen import register as register_varlen
 
 
 class ModelUnavailable(SwiftSlurmError):
@@ -31,6 +33,8 @@ def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"
     import torch
 
     train = spec.train
+    if attn_implementation == VARLEN:
+        register_varlen()
     if train.model == "tiny-llama":
         from .tinymodel import build_model, build_tokenizer
 

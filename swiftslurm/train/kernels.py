@@ -7,7 +7,11 @@ plain values; ``node_facts()`` is the one place that looks. Measured on one H200
 also lost 9% on unpacked full rows), so "auto" takes sdpa for rows up to ``FLEX_MIN_ROW`` tokens; on longer
 rows the block-diagonal mask leaves most of a row's attention to skip, which flex_attention does and sdpa
 does not, so it takes flex there (flex recompiles for every new shape: only with packing, whose rows have
-one static shape). flash-attention, where installed, reads packed rows from ``position_ids``. On the CPU
+one static shape). flash-attention, where installed, reads packed rows from ``position_ids``; where it is
+not, PyTorch's own flash kernel for packed samples (``varlen_attn``, torch >= 2.10; ``train/varlen.py``)
+does the same for bf16/fp16 packed rows when asked for: "auto" does not take it, since through
+``swiftslurm submit`` on an H200 it ran 36.7k useful tokens/s on rows of 2048 against sdpa's 42.2k in the
+same run (its layout copies and GQA repeat cost more than the mask it saves; docs/benchmarks.md). On the CPU
 sdpa is the fast correct one.
 """
 
@@ -17,6 +21,8 @@ import importlib.util
 from dataclasses import dataclass
 
 from ..errors import SwiftSlurmError
+from .varlen import NAME as VARLEN
+from .varlen import available as varlen_available
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 FLEX_MIN_ROW = 4096  # packed rows at least this long go to flex_attention under "auto" (see the docstring)
@@ -35,6 +41,7 @@ class NodeFacts:
     flash_attn: bool = False
     flash_attn_3: bool = False
     liger: bool = False
+    varlen: bool = False  # torch has torch.nn.attention.varlen.varlen_attn (a CUDA kernel)
 
 
 def node_facts(cuda: bool) -> NodeFacts:
@@ -42,12 +49,14 @@ def node_facts(cuda: bool) -> NodeFacts:
         return importlib.util.find_spec(name) is not None
 
     return NodeFacts(cuda=cuda, flash_attn=has("flash_attn"), flash_attn_3=has("flash_attn_interface"),
-                     liger=has("liger_kernel"))
+                     liger=has("liger_kernel"), varlen=cuda and varlen_available())
 
 
-def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0) -> tuple[str, str]:
+def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0,
+                      half: bool = True) -> tuple[str, str]:
     """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible.
-    ``row_length``: tokens per packed row (``train.max_length``)."""
+    ``row_length``: tokens per packed row (``train.max_length``); ``half``: bf16 or fp16 weights (flash
+    kernels take nothing else)."""
     if requested == "auto":
         if not node.cuda:
             return "sdpa", "auto: sdpa on the CPU"
@@ -66,6 +75,16 @@ def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length
         if not installed:
             raise KernelError(f"train.attn_implementation = {requested!r} needs the {FLASH_PACKAGE[requested]} package",
                               "it is not installed in the nodes' Python", 'install it there, or use "auto" (flex_attention or sdpa)')
+    if requested == VARLEN:
+        problem = (("needs a CUDA GPU", "no CUDA device on this node", 'use "auto" or "sdpa" for CPU runs') if not node.cuda
+                   else ("needs torch >= 2.10", "this torch has no torch.nn.attention.varlen", 'upgrade torch, or use "auto"')
+                   if not node.varlen
+                   else ("needs packed rows", "train.packing is off (or the task does not pack)",
+                         'set train.packing = true, or use "auto"') if not packing
+                   else ("needs bf16 or fp16", "bf16 and fp16 are both off (a flash kernel has no fp32 path)",
+                         'set train.bf16 = true, or use "auto"') if not half else None)
+        if problem:
+            raise KernelError(f"train.attn_implementation = {VARLEN!r} {problem[0]}", problem[1], problem[2])
     return requested, "as set in the spec"
 
 
@@ -79,8 +98,8 @@ def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts) -> tu
         if zero_stage >= 3:
             return False, "auto: off under ZeRO-3 (the fused loss reads an lm_head shard that ZeRO-3 left empty)"
         # Measured on one H200 (0.5B shape, packed rows of 8192, flex_attention; docs/benchmarks.md): Liger cut
-        # peak memory about in half but useful tokens/s by 23% (46.1k -> 35.4k). Speed is the default's goal.
-        return False, ("auto: off (measured on an H200: about half the memory, 23% fewer useful tokens/s); "
+        # peak memory about in half but useful tokens/s by 12-23% (46.1k -> 35.4k; 36.7k -> 32.4k). Speed is the default's goal.
+        return False, ("auto: off (measured on an H200: about half the memory, 12-23% fewer useful tokens/s); "
                        "set use_liger_kernel = true when memory, not speed, is the limit")
     if not requested:
         return False, "off in the spec"

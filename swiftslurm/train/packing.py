@@ -20,6 +20,8 @@ A packed row, for samples A (3 tokens) and B (2 tokens) in a row of 8::
   sample, and predicting across a boundary would teach the model that samples follow each other.
   (Unpacked, that token is never a target either, so packed and unpacked losses are the same.)
 - The padding at a row's end is a sequence of its own (positions restart at 0), without labels.
+- ``varlen_attn`` (``varlen.py``) takes the boundaries with the batch (``boundaries=True``: the
+  ``cu_seq_lens``/``max_length`` keys transformers' flash path reads), computed here on the CPU.
 - flash_attention_2/3 detect packing from ``position_ids`` only when the batch holds ONE row
   (``modeling_flash_attention_utils._is_packed_sequence``): with a flash kernel the collator flattens
   the batch into one row of ``rows x max_length`` (``flatten=True``), which keeps the shape static.
@@ -182,10 +184,11 @@ class PackingCollator:
     ``[rows, max_length]`` (``[1, rows x max_length]`` with ``flatten``), plus per-row counts under
     ``STATS_PREFIX`` that the trainer takes out for its metrics before the forward pass."""
 
-    def __init__(self, max_length: int, pad_id: int, flatten: bool = False) -> None:
+    def __init__(self, max_length: int, pad_id: int, flatten: bool = False, boundaries: bool = False) -> None:
         self.max_length = max_length
         self.pad_id = pad_id
         self.flatten = flatten
+        self.boundaries = boundaries
 
     def __call__(self, batch: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
         import torch
@@ -194,6 +197,10 @@ class PackingCollator:
         out = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
         if self.flatten:
             out = {k: v.reshape(1, -1) for k, v in out.items()}
+        if self.boundaries:
+            from .varlen import boundaries
+
+            out.update(boundaries(out["position_ids"]))
         out[REAL_TOKENS] = torch.tensor([r["real"] for r in rows], dtype=torch.long)
         out[SAMPLES] = torch.tensor([r["samples"] for r in rows], dtype=torch.long)
         return out

@@ -117,7 +117,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and spec.train.task == "sft"
-    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length)
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
+                                               half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     task = _task(spec)
     if task.name == "dpo" and liger:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
@@ -219,11 +220,12 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
                         samples.dropped, t.max_length)
     if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
         return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
-    from . import packing
+    from . import kernels, packing
 
     packing.prepare_model(model)
     rows = packing.PackedDataset(samples, t.max_length, t.seed)
-    return rows, packing.PackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"))
+    return rows, packing.PackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"),
+                                         boundaries=attn == kernels.VARLEN)
 
 
 def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: float, rank: int,

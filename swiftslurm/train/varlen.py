@@ -1,0 +1,115 @@
+"""Packed rows through PyTorch's own flash kernel: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA).
+
+flash-attention is rarely installed on a cluster's nodes (it builds for an hour against one CUDA), but
+PyTorch ships the same variable-length kernel. Given the start of every sample in the batch
+(``cu_seq_lens``: 0, 3, 5, 8, ... over all rows laid end to end) it runs causal attention inside each
+sample and never computes a score across samples: no mask is built, and short samples cost what short
+samples cost, not what a full row costs. transformers has no entry for it, so this module registers
+one (``NAME``) in its ``AttentionInterface``, with the flash mask rule (no mask; the boundaries come
+with the batch).
+
+``PackingCollator(boundaries=True)`` adds ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k`` to every
+batch (the keys transformers' own flash path reads, which the models pass through to the attention
+function). Without them (a batch that did not come from the packing collator) every row is one sequence,
+which is right for unpadded rows; a padding mask is refused rather than ignored.
+
+torch's signature moved between releases (2.10: ``is_causal``; 2.11+: ``scale``, ``window_size``; 2.12+:
+``enable_gqa``): ``attention`` asks the kernel what it takes. The kernel is looked up once, and
+``use_kernel`` lets the CPU tests put a reference implementation in its place (there is no flash
+kernel on a CPU); everything around it (the layout, the boundaries, GQA, the scale) is what they test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+NAME = "varlen_attn"
+_kernel: Callable | None = None
+
+
+def available() -> bool:
+    """Whether this torch has ``varlen_attn`` (it runs on CUDA only; kernels.resolve_attention checks that)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernel(fn: Callable | None) -> None:
+    """The kernel ``attention`` calls: None = torch's ``varlen_attn`` (looked up on first use)."""
+    global _kernel
+    _kernel = fn
+
+
+def register() -> None:
+    """Make ``NAME`` a valid ``attn_implementation`` for transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+
+
+def boundaries(position_ids) -> dict[str, Any]:
+    """The batch keys for ``position_ids`` of packed rows ``[rows, length]``: every sample (and a row's end
+    padding) starts where its position is 0; rows are laid end to end, so a row's start is one too."""
+    import torch
+
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("packed position_ids must start every row at 0")
+    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _torch_kernel() -> Callable:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
+              cu_seq_lens_q=None, max_length_q: int | None = None, **kwargs):
+    """transformers' attention-function contract: ``query [b, heads, s, d]``, ``key``/``value``
+    ``[b, kv_heads, s, d]`` -> ``([b, s, heads, d], None)``."""
+    import torch
+
+    if attention_mask is not None:
+        raise ValueError(f"{NAME} reads sample boundaries from the batch and cannot apply a padding mask: "
+                         "use it with packed rows (train.packing = true)")
+    if dropout:
+        raise ValueError(f"{NAME} has no attention dropout (the model asks for {dropout})")
+    b, heads, s, d = query.shape
+    kv_heads = key.shape[1]
+    if cu_seq_lens_q is None:  # not from the packing collator: every row is one sequence
+        cu_seq_lens_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        max_length_q = s
+    kernel = _kernel or _torch_kernel()
+    params = inspect.signature(kernel).parameters
+    q = query.transpose(1, 2).reshape(b * s, heads, d)
+    k = key.transpose(1, 2).reshape(b * s, kv_heads, d)
+    v = value.transpose(1, 2).reshape(b * s, kv_heads, d)
+    options: dict[str, Any] = {}
+    if kv_heads != heads:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:  # older torch: one key/value head per query head
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if scaling is not None:
+        if "scale" in params:
+            options["scale"] = scaling
+        elif not math.isclose(scaling, d ** -0.5):
+            q = q * (scaling * math.sqrt(d))  # the kernel applies 1/sqrt(d): fold the rest into the queries
+    if "window_size" in params:
+        options["window_size"] = (-1, 0)  # causal
+    else:
+        options["is_causal"] = True
+    cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+    out = kernel(q, k, v, cu, cu, int(max_length_q), int(max_length_q), **options)
+    return out.reshape(b, s, heads, d), None
