@@ -144,6 +144,8 @@ REFUSALS = [  # (train keys, parallel keys, slurm keys, the message's words)
      'kv_heads = 3\nintermediate_size = 128\nvocab_size = 100', "sequence_parallel = 4", None, "head count must divide"),
     ('model = "tiny-llama"', "pipeline_parallel = 2", None, "unknown key"),
     ('model = "tiny-llama"\ntrain_type = "full"\ndeepspeed = "none"', "tiled_mlp = true", None, "plain DDP would reduce it"),
+    ('model = "tiny-llama"\ntrain_type = "full"\ndeepspeed = "zero3"\nuse_liger_kernel = true', "", None,
+     "ZeRO-3 leaves as an empty shard"),
 ]
 
 
@@ -159,6 +161,27 @@ def test_validate_refuses_each_layout_with_one_message(tmp_path, train, parallel
         out = run.stdout + run.stderr
         assert words in out and "Traceback" not in out and "HINT" in out, out
         assert out.count("\n  - ") == 1, out  # one problem, one message
+
+
+def test_liger_fused_loss_replaces_the_logits_and_is_advised_where_it_makes_a_run_fit():
+    """Measured on an H200 (docs/benchmarks.md): 0.5B shape, ZeRO-2, 32K tokens, gradient checkpointing:
+    63.69 GiB peak allocated, 10.55 GiB with Liger's fused linear cross-entropy."""
+    from dataclasses import replace
+
+    layout = Layout(1, 1, 1, 1, 1)
+    s = settings(stage=2, max_length=32768, ranks=1)
+    plain, fused = mem.estimate(QWEN, s, layout), mem.estimate(QWEN, replace(s, fused_loss=True), layout)
+    assert plain.parts["logits_loss"] == 32768 * 151936 * (2 + mem.LOGIT_BYTES_EXTRA)
+    chunk = 256  # the next power of two of 32768 / ceil(151936 / 896) = 193 tokens
+    assert fused.parts["logits_loss"] == chunk * 151936 * 2 + 32768 * 896 * 2 + 4 * 151936 * 896  # + fp32 LM-head grad
+    lora = mem.estimate(QWEN, replace(s, fused_loss=True, train_type="lora"), layout)
+    assert lora.parts["logits_loss"] == chunk * 151936 * 2 + 32768 * 896 * 2  # a frozen head has no gradient
+    for e, measured in ((plain, 63.69), (fused, 10.55)):
+        assert abs(e.allocated_bytes / mem.GIB - measured) / measured < 0.25
+    tight = replace(s, gpu_memory_gb=40.0)
+    assert mem.advice(QWEN, tight, layout)[0].startswith("train.use_liger_kernel = true (")
+    assert not [a for a in mem.advice(QWEN, replace(tight, fused_loss=True), layout) if "liger" in a]  # already on
+    assert not [a for a in mem.advice(QWEN, replace(tight, zero_stage=3), layout) if "liger" in a]  # refused under ZeRO-3
 
 
 def test_plan_shows_layout_global_batch_and_memory(tmp_path):

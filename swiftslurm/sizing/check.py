@@ -94,6 +94,10 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
         problems.append(Problem("parallel.tiled_mlp", "TiledMLP runs one backward per slice of the sequence; DeepSpeed's ZeRO "
                                 "waits for the last slice before reducing a gradient, plain DDP would reduce it at the first",
                                 'train.deepspeed = "none"', 'use a ZeRO preset (zero1, zero2, zero3), or tiled_mlp = false'))
+    if t.use_liger_kernel is True and stage >= 3:
+        problems.append(Problem("train.use_liger_kernel", "Liger's fused linear cross-entropy reads lm_head.weight, which ZeRO-3 "
+                                "leaves as an empty shard on every rank", f"use_liger_kernel = true with ZeRO stage {stage}",
+                                'use a ZeRO-2 preset (deepspeed = "zero2"), or use_liger_kernel = "auto"/false'))
     cautions = []
     if layout.sequence_parallel > 1 and t.packing and t.attn_implementation == "auto":
         cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "
@@ -105,7 +109,10 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions), problems
     problems += lay.shape_problems(layout, shape)
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
-                        t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node)
+                        t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
+                        fused_loss=t.use_liger_kernel is True and getattr(t, "task", "sft") == "sft")
     memory = estimate(shape, settings, layout)
-    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
+    hints = [a for a in advice(shape, settings, layout)  # Liger's fused loss is SFT's (DPO refuses it)
+             if getattr(t, "task", "sft") == "sft" or not a.startswith("train.use_liger_kernel")]
+    return Sizing(layout, shape, memory, hints, list(memory.notes), bool(spec.slurm.gpus_per_node),
                   cautions), problems

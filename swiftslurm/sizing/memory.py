@@ -86,6 +86,7 @@ class Settings:
     max_length: int
     gpu_memory_gb: float
     ranks_per_node: int
+    fused_loss: bool = False  # train.use_liger_kernel = true: Liger's fused linear cross-entropy, no logits tensor
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,23 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
         acts = b * tokens * h * shape.num_layers + one_layer  # each layer's input + one layer recomputed
     else:
         acts = one_layer * shape.num_layers
-    logits = tokens * shape.vocab_size * (b + LOGIT_BYTES_EXTRA)
+    if s.fused_loss:
+        logits = _fused_loss_bytes(shape, s, tokens, b)
+    else:
+        logits = tokens * shape.vocab_size * (b + LOGIT_BYTES_EXTRA)
     return acts, logits
+
+
+def _fused_loss_bytes(shape: ModelShape, s: Settings, tokens: int, b: int) -> int:
+    """Liger's fused linear cross-entropy: the logits of one chunk of tokens at a time (its chunk is the next power
+    of two of tokens / ceil(vocab / hidden), so a chunk's logits are about the size of the hidden states), the
+    gradient of the hidden states, and an fp32 gradient of the LM head when it trains (full fine-tuning).
+    Measured on an H200 (0.5B shape, 32K tokens, ZeRO-2): 63.7 GiB peak without it, 10.6 GiB with it."""
+    h, vocab = shape.hidden_size, shape.vocab_size
+    per_chunk = -(-tokens // -(-vocab // h))
+    chunk = 1 << max(0, (per_chunk - 1).bit_length())
+    head_grad = 4 * vocab * h if s.train_type == "full" else 0
+    return chunk * vocab * b + tokens * h * b + head_grad
 
 
 def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
@@ -193,8 +209,11 @@ def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
     now = estimate(shape, s, layout)
     rung = lambda st: (st.zero_stage >= 3) + 2 * st.offload_optimizer + st.offload_param  # noqa: E731  (0 = fastest)
     options = [(label, replace(s, zero_stage=stage, offload_optimizer=o, offload_param=p)) for label, stage, o, p in ZERO_LADDER]
+    if not s.fused_loss and s.zero_stage < 3:  # stage 3 refuses Liger; its rungs below run without it
+        options.insert(0, ("train.use_liger_kernel = true", replace(s, fused_loss=True)))
     if not s.gradient_checkpointing:
         options.insert(0, ("train.gradient_checkpointing = true", replace(s, gradient_checkpointing=True)))
+    options = [(label, replace(o, fused_loss=False) if o.zero_stage >= 3 else o) for label, o in options]
     out: list[str] = []
     for label, option in options:
         if option == s or (now.fits and rung(option) >= rung(s)):
