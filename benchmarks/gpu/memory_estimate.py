@@ -34,18 +34,19 @@ SHAPES = {  # transformers config values
 }
 
 
-def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool) -> dict:
+def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool, liger: bool = False) -> dict:
     from swiftslurm.sizing.layout import Layout
     from swiftslurm.sizing.memory import GIB, Settings, estimate as est
     from swiftslurm.sizing.shape import shape_from_config
 
     shape = shape_from_config(SHAPES[shape_name], shape_name)
-    e = est(shape, Settings(stage, False, False, "full", 8, "all-linear", True, ckpt, length, 80.0, 1), Layout(1, 1, 1, micro, 1))
+    e = est(shape, Settings(stage, False, False, "full", 8, "all-linear", True, ckpt, length, 80.0, 1, fused_loss=liger), Layout(1, 1, 1, micro, 1))
     return {"estimate_allocated_gib": e.allocated_bytes / GIB, "estimate_total_gib": e.total_bytes / GIB,
             "parts_gib": {k: round(v / GIB, 3) for k, v in e.parts.items()}}
 
 
-def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: bool) -> dict:
+def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: bool, tiled: bool = False,
+        liger: bool = False) -> dict:
     """One training run in this process: the measured peak after ``steps`` steps."""
     import torch
 
@@ -62,6 +63,12 @@ def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: 
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg, max_position_embeddings=max(length, 64))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if tiled:  # [parallel] tiled_mlp: the MLPs through DeepSpeed's TiledMLP, as the trainer wraps them
+        from types import SimpleNamespace
+
+        from swiftslurm.train.parallel import tile_mlps
+
+        tile_mlps(SimpleNamespace(parallel=SimpleNamespace(tiled_mlp=True)), model)
 
     class Rows(torch.utils.data.Dataset):
         def __len__(self):
@@ -80,7 +87,7 @@ def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: 
                              learning_rate=1e-5, bf16=True, gradient_checkpointing=ckpt,
                              gradient_checkpointing_kwargs={"use_reentrant": False} if ckpt else None, deepspeed=ds,
                              save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True, use_cpu=not cuda,
-                             remove_unused_columns=False, dataloader_pin_memory=False)
+                             remove_unused_columns=False, dataloader_pin_memory=False, use_liger_kernel=liger)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     Trainer(model=model, args=args, train_dataset=Rows()).train()
@@ -96,32 +103,35 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--tiled-mlp", action="store_true", help="[parallel] tiled_mlp: measure with the MLPs tiled")
+    ap.add_argument("--liger", action="store_true", help="use_liger_kernel: the fused linear cross-entropy (no logits)")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "stage,length": run one configuration in this process
     a = ap.parse_args()
     ckpt = not a.no_checkpointing
     if a.one:
         stage, length = map(int, a.one.split(","))
-        print("RESULT " + json.dumps(one(a.shape, stage, length, a.micro, a.steps, ckpt)), flush=True)
+        print("RESULT " + json.dumps(one(a.shape, stage, length, a.micro, a.steps, ckpt, a.tiled_mlp, a.liger)), flush=True)
         return 0
     rows = []
     print(f"{'stage':>5} {'tokens':>7} {'estimate GiB':>12} {'measured GiB':>12} {'error':>7}  parts (GiB)")
     for stage in map(int, a.stages.split(",")):
         for length in map(int, a.lengths.split(",")):
-            est = estimate(a.shape, stage, length, a.micro, ckpt)
+            est = estimate(a.shape, stage, length, a.micro, ckpt, a.liger)
             cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps),
-                   "--one", f"{stage},{length}"] + (["--no-checkpointing"] if not ckpt else [])
+                   "--one", f"{stage},{length}"] + (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
             run = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
             if run.returncode or not lines:
                 tail = (run.stderr.strip().splitlines() or ["?"])[-1]
-                row = {"stage": stage, "tokens": length * a.micro, **est, "measured_gib": None, "error": tail[:200]}
+                row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, "measured_gib": None,
+                       "error": tail[:200]}
                 print(f"{stage:>5} {length * a.micro:>7} {est['estimate_allocated_gib']:>12.2f} {'failed':>12}  {tail[:120]}")
             else:
                 got = json.loads(lines[-1][len("RESULT "):])
                 m = got["measured_gib"]
                 err = (est["estimate_allocated_gib"] - m) / m if m else None
-                row = {"stage": stage, "tokens": length * a.micro, **est, **got, "relative_error": err}
+                row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, **got, "relative_error": err}
                 print(f"{stage:>5} {length * a.micro:>7} {est['estimate_allocated_gib']:>12.2f} "
                       f"{'n/a (CPU)' if m is None else f'{m:.2f}':>12} {'' if err is None else f'{err:+.0%}':>7}  {est['parts_gib']}")
             rows.append(row)
