@@ -73,6 +73,19 @@ def spec_with(**train):
     return {"job": {"name": "k"}, "train": {"model": "tiny-llama", "dataset": ["d.jsonl"], **train}}
 
 
+@pytest.mark.parametrize("train,words", [
+    ({"packing": False, "bf16": True}, "packing is off"),
+    ({"task": "dpo", "bf16": True}, "task = 'dpo' never packs"),
+    ({}, "needs bf16 or fp16"),
+])
+def test_validate_refuses_varlen_where_the_spec_alone_rules_it_out(train, words):
+    """What the spec alone decides is refused at validate, not at train time on a node."""
+    with pytest.raises(SwiftSlurmError, match=words) as info:
+        validate_spec(spec_with(attn_implementation="varlen_attn", **train))
+    assert "HINT" in str(info.value) or info.value.hint
+    assert validate_spec(spec_with(attn_implementation="varlen_attn", bf16=True)).train.attn_implementation == "varlen_attn"
+
+
 def test_spec_defaults_and_rejections():
     t = validate_spec(spec_with()).train
     assert (t.packing, t.attn_implementation, t.use_liger_kernel) == (True, "auto", "auto")

@@ -35,6 +35,17 @@ def train_problems(t: Any) -> list[str]:
     if galore_keys and t.optimizer not in LOW_RANK:
         out.append(f"{', '.join(galore_keys)} set with optimizer = {t.optimizer!r}: they configure the low-rank "
                    "optimizers only. HINT: optimizer = \"galore_adamw\" (or galore_adamw_8bit, apollo_adamw), or drop them")
+    if t.attn_implementation == "varlen_attn":
+        if t.task != "sft" or not t.packing:
+            out.append(
+                "attn_implementation = \"varlen_attn\" needs packed rows: it reads where each sample starts from the "
+                f"packing collator, and {'packing is off' if t.task == 'sft' else 'task = ' + repr(t.task) + ' never packs'} "
+                "(padded batches carry a mask this kernel cannot apply). HINT: set packing = true (SFT), or "
+                "attn_implementation = \"auto\"")
+        elif not (t.bf16 or t.fp16):
+            out.append(
+                "attn_implementation = \"varlen_attn\" needs bf16 or fp16: it is a flash kernel, which has no fp32 "
+                "path. HINT: set bf16 = true, or attn_implementation = \"auto\"")
     if t.task == "dpo":
         if t.use_liger_kernel is True:
             out.append(
