@@ -182,6 +182,7 @@ def test_liger_fused_loss_replaces_the_logits_and_is_advised_where_it_makes_a_ru
     assert mem.advice(QWEN, tight, layout)[0].startswith("train.use_liger_kernel = true (")
     assert not [a for a in mem.advice(QWEN, replace(tight, fused_loss=True), layout) if "liger" in a]  # already on
     assert not [a for a in mem.advice(QWEN, replace(tight, zero_stage=3), layout) if "liger" in a]  # refused under ZeRO-3
+    assert not [a for a in mem.advice(QWEN, replace(tight, fused_loss_allowed=False), layout) if "liger" in a]  # DPO
 
 
 def test_plan_shows_layout_global_batch_and_memory(tmp_path):

@@ -110,9 +110,8 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
     problems += lay.shape_problems(layout, shape)
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
-                        fused_loss=t.use_liger_kernel is True and getattr(t, "task", "sft") == "sft")
+                        fused_loss=t.use_liger_kernel is True and getattr(t, "task", "sft") == "sft",
+                        fused_loss_allowed=getattr(t, "task", "sft") == "sft")
     memory = estimate(shape, settings, layout)
-    hints = [a for a in advice(shape, settings, layout)  # Liger's fused loss is SFT's (DPO refuses it)
-             if getattr(t, "task", "sft") == "sft" or not a.startswith("train.use_liger_kernel")]
-    return Sizing(layout, shape, memory, hints, list(memory.notes), bool(spec.slurm.gpus_per_node),
+    return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
                   cautions), problems

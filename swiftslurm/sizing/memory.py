@@ -87,6 +87,7 @@ class Settings:
     gpu_memory_gb: float
     ranks_per_node: int
     fused_loss: bool = False  # train.use_liger_kernel = true: Liger's fused linear cross-entropy, no logits tensor
+    fused_loss_allowed: bool = True  # whether advice may name it (SFT; TRL's DPO scores with its own pass)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
     now = estimate(shape, s, layout)
     rung = lambda st: (st.zero_stage >= 3) + 2 * st.offload_optimizer + st.offload_param  # noqa: E731  (0 = fastest)
     options = [(label, replace(s, zero_stage=stage, offload_optimizer=o, offload_param=p)) for label, stage, o, p in ZERO_LADDER]
-    if not s.fused_loss and s.zero_stage < 3:  # stage 3 refuses Liger; its rungs below run without it
+    if s.fused_loss_allowed and not s.fused_loss and s.zero_stage < 3:  # stage 3 refuses Liger; its rungs run without it
         options.insert(0, ("train.use_liger_kernel = true", replace(s, fused_loss=True)))
     if not s.gradient_checkpointing:
         options.insert(0, ("train.gradient_checkpointing = true", replace(s, gradient_checkpointing=True)))

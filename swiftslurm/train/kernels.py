@@ -52,11 +52,10 @@ def node_facts(cuda: bool) -> NodeFacts:
                      liger=has("liger_kernel"), varlen=cuda and varlen_available())
 
 
-def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0,
-                      half: bool = True) -> tuple[str, str]:
-    """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible.
-    ``row_length``: tokens per packed row (``train.max_length``); ``half``: bf16 or fp16 weights (flash
-    kernels take nothing else)."""
+def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0) -> tuple[str, str]:
+    """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible
+    on this node (what the spec alone rules out, e.g. ``varlen_attn`` without packing, ``validate`` refused).
+    ``row_length``: tokens per packed row (``train.max_length``)."""
     if requested == "auto":
         if not node.cuda:
             return "sdpa", "auto: sdpa on the CPU"
@@ -67,24 +66,17 @@ def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length
         if packing:
             return "sdpa", f"auto: sdpa with the packed-sequence mask for rows of {row_length} tokens (< {FLEX_MIN_ROW})"
         return "sdpa", "auto: sdpa (flex_attention would recompile for every padded batch shape)"
+    if (requested in FLASH or requested == VARLEN) and not node.cuda:
+        raise KernelError(f"train.attn_implementation = {requested!r} needs a CUDA GPU", "no CUDA device on this node",
+                          'use "auto" or "sdpa" for CPU runs')
     if requested in FLASH:
-        if not node.cuda:
-            raise KernelError(f"train.attn_implementation = {requested!r} needs a CUDA GPU", "no CUDA device on this node",
-                              'use "auto" or "sdpa" for CPU runs')
         installed = node.flash_attn if requested == "flash_attention_2" else node.flash_attn_3
         if not installed:
             raise KernelError(f"train.attn_implementation = {requested!r} needs the {FLASH_PACKAGE[requested]} package",
                               "it is not installed in the nodes' Python", 'install it there, or use "auto" (flex_attention or sdpa)')
-    if requested == VARLEN:
-        problem = (("needs a CUDA GPU", "no CUDA device on this node", 'use "auto" or "sdpa" for CPU runs') if not node.cuda
-                   else ("needs torch >= 2.10", "this torch has no torch.nn.attention.varlen", 'upgrade torch, or use "auto"')
-                   if not node.varlen
-                   else ("needs packed rows", "train.packing is off (or the task does not pack)",
-                         'set train.packing = true, or use "auto"') if not packing
-                   else ("needs bf16 or fp16", "bf16 and fp16 are both off (a flash kernel has no fp32 path)",
-                         'set train.bf16 = true, or use "auto"') if not half else None)
-        if problem:
-            raise KernelError(f"train.attn_implementation = {VARLEN!r} {problem[0]}", problem[1], problem[2])
+    if requested == VARLEN and not node.varlen:
+        raise KernelError(f"train.attn_implementation = {VARLEN!r} needs torch >= 2.10", "this torch has no torch.nn.attention.varlen",
+                          'upgrade torch on the nodes, or use "auto"')
     return requested, "as set in the spec"
 
 

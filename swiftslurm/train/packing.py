@@ -37,6 +37,7 @@ import random
 from typing import Any, Sequence
 
 from .metrics import STATS_PREFIX
+from .varlen import boundaries as varlen_boundaries
 
 IGNORE_INDEX = -100
 REAL_TOKENS = STATS_PREFIX + "real_tokens"
@@ -198,9 +199,7 @@ class PackingCollator:
         if self.flatten:
             out = {k: v.reshape(1, -1) for k, v in out.items()}
         if self.boundaries:
-            from .varlen import boundaries
-
-            out.update(boundaries(out["position_ids"]))
+            out.update(varlen_boundaries(out["position_ids"]))
         out[REAL_TOKENS] = torch.tensor([r["real"] for r in rows], dtype=torch.long)
         out[SAMPLES] = torch.tensor([r["samples"] for r in rows], dtype=torch.long)
         return out

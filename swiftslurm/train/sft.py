@@ -117,8 +117,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and spec.train.task == "sft"
-    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
-                                               half=spec.train.bf16 or spec.train.fp16)
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     task = _task(spec)
     if task.name == "dpo" and liger:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there

@@ -21,6 +21,7 @@ kernel on a CPU); everything around it (the layout, the boundaries, GQA, the sca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Callable
@@ -73,6 +74,12 @@ def _torch_kernel() -> Callable:
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=8)
+def _parameters(kernel: Callable) -> frozenset[str]:
+    """The keyword names ``kernel`` takes (asked once per kernel, not on every layer's call)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
               cu_seq_lens_q=None, max_length_q: int | None = None, **kwargs):
     """transformers' attention-function contract: ``query [b, heads, s, d]``, ``key``/``value``
@@ -90,7 +97,7 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
         cu_seq_lens_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         max_length_q = s
     kernel = _kernel or _torch_kernel()
-    params = inspect.signature(kernel).parameters
+    params = _parameters(kernel)
     q = query.transpose(1, 2).reshape(b * s, heads, d)
     k = key.transpose(1, 2).reshape(b * s, kv_heads, d)
     v = value.transpose(1, 2).reshape(b * s, kv_heads, d)
