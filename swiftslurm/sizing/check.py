@@ -108,10 +108,10 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
     if shape is None:
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions), problems
     problems += lay.shape_problems(layout, shape)
+    sft = getattr(t, "task", "sft") == "sft"  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
-                        fused_loss=t.use_liger_kernel is True and getattr(t, "task", "sft") == "sft",
-                        fused_loss_allowed=getattr(t, "task", "sft") == "sft")
+                        fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft)
     memory = estimate(shape, settings, layout)
     return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
                   cautions), problems

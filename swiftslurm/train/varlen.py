@@ -68,6 +68,7 @@ def boundaries(position_ids) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+@functools.cache
 def _torch_kernel() -> Callable:
     from torch.nn.attention.varlen import varlen_attn
 
