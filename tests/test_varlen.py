@@ -36,6 +36,38 @@ def torch_2_10_kernel(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
     return reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0) if is_causal else (-1, -1))
 
 
+class FakeAtenFlash:
+    """aten's variable-length flash forward and backward on the CPU (sdpa per sample; the backward recomputes it under
+    autograd), with the state a real kernel keeps between the two: the backward must get back the very output and
+    log-sum-exp its forward returned, and the forward's boundaries, lengths and scale."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple] = []
+        self.forwards = self.backwards = 0
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
+        assert (dropout_p, is_causal, return_debug_mask) == (0.0, True, False) and q.shape[1] % k.shape[1] == 0
+        out = reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+        lse, rng, unused = torch.randn(q.shape[1], q.shape[0]), torch.zeros(2), torch.empty(0)
+        self.saved.append((out, lse, rng, cu_q, max_q, scale))
+        self.forwards += 1
+        return out, lse, rng, unused, torch.empty(0)
+
+    def backward(self, grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *, scale=None):
+        def same(a, b):  # the very tensor (autograd hands saved tensors back as new objects over the same memory)
+            return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+        assert any(same(out, o) and same(lse, s) and same(rng, r) and same(cu_q, c) and max_q == m and scale == sc
+                   for o, s, r, c, m, sc in self.saved), "the backward did not get what its forward saved"
+        assert same(cu_k, cu_q) and max_k == max_q and grad.is_contiguous()
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            again = reference_kernel(*leaves, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0),
+                                     enable_gqa=k.shape[1] != q.shape[1])
+            self.backwards += 1
+            return torch.autograd.grad(again, leaves, grad)
+
+
 @pytest.fixture
 def kernel():
     varlen.register()
@@ -73,8 +105,15 @@ def loss_and_grads(impl: str, batch: dict) -> tuple[float, dict]:
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("fn", [reference_kernel, torch_2_10_kernel], ids=["torch>=2.12", "torch-2.10"])
-def test_a_gqa_llama_through_varlen_matches_sdpa_with_the_packed_mask(kernel, fn):
+@pytest.mark.parametrize("fn", [reference_kernel, torch_2_10_kernel, "aten"], ids=["torch>=2.12", "torch-2.10", "aten-flash-ops"])
+def test_a_gqa_llama_through_varlen_matches_sdpa_with_the_packed_mask(kernel, fn, monkeypatch):
+    """The default kernel is swiftslurm's own autograd node over aten's flash ops (faked here: no flash on a CPU),
+    which takes the 2 key/value heads as they are; torch's varlen_attn signatures stand in for the others."""
+    fake = FakeAtenFlash()
+    if fn == "aten":
+        monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.forward)
+        monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake.backward)
+        fn = None
     kernel(fn)
     masked = loss_and_grads("sdpa", PackingCollator(16, 0)(rows()))
     ours = loss_and_grads(varlen.NAME, PackingCollator(16, 0, boundaries=True)(rows()))
@@ -82,6 +121,8 @@ def test_a_gqa_llama_through_varlen_matches_sdpa_with_the_packed_mask(kernel, fn
     assert ours[1].keys() == masked[1].keys()
     for name, grad in masked[1].items():
         assert torch.allclose(ours[1][name], grad, atol=1e-5), name
+    if fn is None:  # one forward and one backward per layer (2 layers), through the fake
+        assert (fake.forwards, fake.backwards) == (2, 2)
 
 
 def test_a_moved_boundary_changes_the_loss(kernel):

@@ -16,6 +16,19 @@ import random
 import statistics
 
 
+def packed_positions(rows: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``position_ids`` of rows filled with alpaca-length samples (log-normal, median ~220 tokens), the last
+    sample of a row cut to fit (as padding would be)."""
+    rng = random.Random(seed)
+    positions = []
+    for _ in range(rows):
+        row: list[int] = []
+        while len(row) < length:
+            row += range(min(length - len(row), max(16, min(2048, int(rng.lognormvariate(5.4, 0.6))))))
+        positions.append(row)
+    return positions
+
+
 def main() -> None:
     import torch
     import torch.nn.functional as F
@@ -27,15 +40,7 @@ def main() -> None:
     ap.add_argument("--row", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=30)
     a = ap.parse_args()
-    rng = random.Random(0)
-    positions = []
-    for _ in range(a.rows):  # fill each row with samples, the last one cut to fit (as padding would be)
-        row: list[int] = []
-        while len(row) < a.row:
-            n = min(a.row - len(row), max(16, min(2048, int(rng.lognormvariate(5.4, 0.6)))))
-            row += range(n)
-        positions.append(row)
-    pos = torch.tensor(positions)
+    pos = torch.tensor(packed_positions(a.rows, a.row))
     keys = varlen.boundaries(pos)
     dev, dt = "cuda", torch.bfloat16
     cu = keys["cu_seq_lens_q"].to(dev)

@@ -1,4 +1,4 @@
-"""Packed rows through PyTorch's own flash kernel: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA).
+"""Packed rows through PyTorch's own variable-length flash kernel (CUDA, sm80+): ``attn_implementation = "varlen_attn"``.
 
 flash-attention is rarely installed on a cluster's nodes (it builds for an hour against one CUDA), but
 PyTorch ships the same variable-length kernel. Given the start of every sample in the batch
@@ -6,17 +6,21 @@ PyTorch ships the same variable-length kernel. Given the start of every sample i
 sample and never computes a score across samples: no mask is built, and short samples cost what short
 samples cost, not what a full row costs. transformers has no entry for it, so this module registers
 one (``NAME``) in its ``AttentionInterface``, with the flash mask rule (no mask; the boundaries come
-with the batch).
+with the batch). ``kernels.resolve_attention``'s "auto" takes it for packed bf16/fp16 rows on a GPU that runs it.
 
 ``PackingCollator(boundaries=True)`` adds ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k`` to every
 batch (the keys transformers' own flash path reads, which the models pass through to the attention
 function). Without them (a batch that did not come from the packing collator) every row is one sequence,
 which is right for unpadded rows; a padding mask is refused rather than ignored.
 
-torch's signature moved between releases (2.10: ``is_causal``; 2.11+: ``scale``, ``window_size``; 2.12+:
-``enable_gqa``): ``attention`` asks the kernel what it takes. The kernel is looked up once, and
-``use_kernel`` lets the CPU tests put a reference implementation in its place (there is no flash
-kernel on a CPU); everything around it (the layout, the boundaries, GQA, the scale) is what they test.
+The kernel is one autograd node over aten's variable-length flash forward and backward (``_torch_kernel``),
+the two ops torch's public ``torch.nn.attention.varlen.varlen_attn`` wraps: before torch 2.12 that one takes
+no fewer key/value heads than query heads (every GQA model then pays a repeated copy of K and V and its
+backward), and it adds two Python custom ops per layer. The aten ops take GQA as it is. ``attention`` speaks
+``varlen_attn``'s contract, whose signature moved between releases (2.10: ``is_causal``; 2.11+: ``scale``,
+``window_size``; 2.12+: ``enable_gqa``), asking a kernel what it takes, so ``use_kernel`` can put torch's
+own function (benchmarks/gpu/packed_model.py compares them) or, in the CPU tests, a reference implementation
+in its place (there is no flash kernel on a CPU); the tests also fake the two aten ops to check the node.
 """
 
 from __future__ import annotations
@@ -31,12 +35,10 @@ _kernel: Callable | None = None
 
 
 def available() -> bool:
-    """Whether this torch has ``varlen_attn`` (it runs on CUDA only; kernels.resolve_attention checks that)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether this torch has the variable-length flash kernel (CUDA only; ``kernels`` checks the GPU)."""
+    import torch
+
+    return hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(torch.ops.aten, "_flash_attention_backward")
 
 
 def use_kernel(fn: Callable | None) -> None:
@@ -70,9 +72,37 @@ def boundaries(position_ids) -> dict[str, Any]:
 
 @functools.cache
 def _torch_kernel() -> Callable:
-    from torch.nn.attention.varlen import varlen_attn
+    """``flash_varlen``, built once (it needs torch, which this module does not import at load)."""
+    import torch
 
-    return varlen_attn
+    class FlashVarlen(torch.autograd.Function):
+        """Causal flash attention over packed samples: aten's variable-length flash forward and backward,
+        which take fewer key/value heads than query heads as they are (GQA, no repeated copies)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, cu, max_len, scale):
+            out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                                                scale=scale)
+            ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+            ctx.max_len, ctx.scale = max_len, scale
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len,
+                                                                  0.0, True, rng, unused, scale=ctx.scale)
+            return dq, dk, dv, None, None, None
+
+    def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale=None, window_size=(-1, 0), enable_gqa=False):
+        """torch 2.12's ``varlen_attn`` contract (causal only, self-attention: ``cu_q`` is ``cu_k``) in one
+        autograd node: torch's own ``varlen_attn`` wraps the same two aten ops in Python custom ops, whose
+        per-call cost showed on an H200 (docs/benchmarks.md), and before 2.12 it needs repeated key/value heads."""
+        if tuple(window_size) != (-1, 0) or cu_q is not cu_k or max_q != max_k:
+            raise ValueError("flash_varlen computes causal self-attention over one set of boundaries only")
+        return FlashVarlen.apply(q, k, v, cu_q, max_q, scale)
+
+    return flash_varlen
 
 
 @functools.lru_cache(maxsize=8)
