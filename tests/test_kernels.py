@@ -7,11 +7,11 @@ import pytest
 
 from swiftslurm.errors import SwiftSlurmError
 from swiftslurm.spec import validate_spec
-from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, resolve_attention, resolve_liger
+from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, liger_names, resolve_attention, resolve_liger
 
 CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
 GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
-GPU_VARLEN = NodeFacts(cuda=True, varlen=True)  # torch >= 2.10: its own flash kernel for packed samples
+GPU_VARLEN = NodeFacts(cuda=True, varlen=True)  # an sm80+ GPU: torch's flash kernel for packed samples
 
 
 @pytest.mark.parametrize("node,packing,row,expected", [
@@ -21,16 +21,22 @@ GPU_VARLEN = NodeFacts(cuda=True, varlen=True)  # torch >= 2.10: its own flash k
     (GPU, True, 2048, "sdpa"),  # short packed rows: sdpa with the packed-sequence mask measured faster on an H200
     (GPU, False, 8192, "sdpa"),  # padded batches change shape every step: flex would recompile
     (GPU_ALL, True, 2048, "flash_attention_2"), (NodeFacts(cuda=False, flash_attn=True), True, 8192, "sdpa"),
-    # torch's varlen kernel is there but measured slower end to end on an H200 (36.7k vs sdpa's 42.2k): not taken
-    (GPU_VARLEN, True, 2048, "sdpa"), (GPU_VARLEN, True, 8192, "flex_attention"), (GPU_VARLEN, False, 2048, "sdpa"),
+    # the flash kernel for packed samples wherever it runs, for packed rows of any length (but not padded batches)
+    (GPU_VARLEN, True, 2048, "varlen_attn"), (GPU_VARLEN, True, 8192, "varlen_attn"), (GPU_VARLEN, False, 2048, "sdpa"),
     (NodeFacts(cuda=True, flash_attn=True, varlen=True), True, 2048, "flash_attention_2"),
 ])
 def test_auto_attention(node, packing, row, expected):
-    attn, why = resolve_attention("auto", packing, node, row)
+    attn, why = resolve_attention("auto", packing, node, row, half=True)
     assert attn == expected and why.startswith("auto")
 
 
-@pytest.mark.parametrize("node,what", [(CPU, "needs a CUDA GPU"), (GPU, "needs torch >= 2.10")])
+def test_auto_takes_no_flash_kernel_for_fp32_training():
+    """Flash kernels have no fp32 path: an fp32 run with packed rows keeps the masked kernels."""
+    assert resolve_attention("auto", True, GPU_VARLEN, 2048, half=False)[0] == "sdpa"
+    assert resolve_attention("auto", True, GPU_VARLEN, 8192, half=False)[0] == "flex_attention"
+
+
+@pytest.mark.parametrize("node,what", [(CPU, "needs a CUDA GPU"), (GPU, "needs torch's flash kernel on an sm80")])
 def test_explicit_varlen_where_the_node_cannot_run_it_is_one_clear_error(node, what):
     """What the node decides; what the spec alone rules out (no packing, no bf16/fp16) validate refuses (below)."""
     with pytest.raises(KernelError, match=what) as info:
@@ -49,12 +55,17 @@ def test_explicit_attention_is_kept_or_refused_with_a_reason():
 
 
 @pytest.mark.parametrize("node,stage,expected", [
-    (CPU, 2, False), (GPU, 2, False), (GPU_ALL, 2, False), (GPU_ALL, 3, False), (NodeFacts(cuda=False, liger=True), 2, False),
+    (CPU, 2, "off"), (GPU, 2, "off"), (GPU_ALL, 2, "rope+rms_norm+swiglu"), (GPU_ALL, 3, "off"),
+    (NodeFacts(cuda=False, liger=True), 2, "off"),
 ])
 def test_auto_liger(node, stage, expected):
-    """auto is off everywhere: on an H200 Liger halved memory but cost 23% of packed throughput (docs/benchmarks.md)."""
-    assert resolve_liger("auto", stage, node)[0] is expected
-    assert resolve_liger(True, 2, GPU_ALL)[0] is True  # asked for where it can work: on
+    """auto: on a GPU with liger-kernel (not ZeRO-3), the kernels that fuse the model's elementwise work, never the fused
+    loss (on an H200 it halved memory but cost 12-23% of packed throughput: docs/benchmarks.md)."""
+    config, why = resolve_liger("auto", stage, node)
+    assert liger_names(config) == expected and why.startswith("auto")
+    if config is not None:
+        assert not config["fused_linear_cross_entropy"] and not config["cross_entropy"]
+    assert liger_names(resolve_liger(True, 2, GPU_ALL)[0]) == "all"  # asked for where it can work: all of Liger
 
 
 @pytest.mark.parametrize("node,stage,what", [
@@ -64,7 +75,7 @@ def test_auto_liger(node, stage, expected):
 def test_liger_true_where_it_cannot_run_is_one_clear_error(node, stage, what):
     with pytest.raises(KernelError, match=what):
         resolve_liger(True, stage, node)
-    assert resolve_liger(False, stage, node)[0] is False
+    assert resolve_liger(False, stage, node)[0] is None
 
 
 def spec_with(**train):

@@ -44,7 +44,8 @@ VARIANTS = {
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
     "swiftslurm_sdpa": lambda assets: {"attn_implementation": '"sdpa"'},  # packed-sequence mask through sdpa
     "swiftslurm_varlen": lambda assets: {"attn_implementation": '"varlen_attn"'},  # torch's flash kernel for packed samples
-    "swiftslurm_liger": lambda assets: {"use_liger_kernel": "true"},  # the defaults + Liger's fused kernels
+    "swiftslurm_liger": lambda assets: {"use_liger_kernel": "true"},  # the defaults + all of Liger (its fused loss too)
+    "swiftslurm_noliger": lambda assets: {"use_liger_kernel": "false"},  # the defaults without Liger's kernels
     "swiftslurm_full_rows": lambda assets: {"dataset": json.dumps([assets["data"]])},  # the full_rows data: our overhead
 }
 

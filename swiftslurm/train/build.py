@@ -97,7 +97,7 @@ def optimizer_arguments(t) -> dict[str, Any]:
             "optim_args": ",".join(f"{k}={v}" for k, v in args.items())}
 
 
-def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False,
+def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
                     parallelism_config=None) -> dict[str, Any]:
     """The TrainingArguments of every task (DPO's config adds its own keys): batch, schedule, saving, precision,
     DeepSpeed (none when ``ds_config`` is empty: ``train.deepspeed = "none"``, plain DDP) and the optimizer."""
@@ -132,7 +132,8 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         dataloader_pin_memory=t.dataloader_pin_memory and cuda,
-        use_liger_kernel=liger,
+        use_liger_kernel=liger is not None,  # kernels.resolve_liger: None = off, else transformers' liger_kernel_config
+        liger_kernel_config=liger or None,
         disable_tqdm=True,
         save_only_model=False,
         ddp_find_unused_parameters=False,  # plain DDP (deepspeed = "none"): every trainable weight gets a gradient
@@ -141,7 +142,7 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
     )
 
 
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool = False,
+def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
                        parallelism_config=None):
     from transformers import TrainingArguments
 

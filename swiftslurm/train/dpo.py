@@ -24,7 +24,7 @@ log = logging.getLogger("swiftslurm.train")
 CACHE_DIR = ".swiftslurm-cache/preference"  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
 
 
-def dpo_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool):
+def dpo_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None):
     from trl import DPOConfig
 
     from .build import training_kwargs
@@ -73,7 +73,7 @@ class DPOTask:
 
     name = "dpo"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool, parallelism_config=None):
+    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return dpo_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with DPO is refused at validate
 
     def prepare_model(self, model, spec):

@@ -1,18 +1,15 @@
 """Which attention kernel and whether Liger: ``train.attn_implementation`` and ``train.use_liger_kernel``.
 
 Pure decisions over what the node has (``cuda``, which packages import), so they are tested on
-plain values; ``node_facts()`` is the one place that looks. Measured on one H200 through ``swiftslurm submit``
-(docs/benchmarks.md, benchmarks/gpu/packing_e2e.py; 0.5B shape, alpaca-length samples): on packed rows of
-2048 tokens sdpa with the packed-sequence mask ran 48.8k useful tokens/s and flex_attention 43.4k (flex
-also lost 9% on unpacked full rows), so "auto" takes sdpa for rows up to ``FLEX_MIN_ROW`` tokens; on longer
-rows the block-diagonal mask leaves most of a row's attention to skip, which flex_attention does and sdpa
-does not, so it takes flex there (flex recompiles for every new shape: only with packing, whose rows have
-one static shape). flash-attention, where installed, reads packed rows from ``position_ids``; where it is
-not, PyTorch's own flash kernel for packed samples (``varlen_attn``, torch >= 2.10; ``train/varlen.py``)
-does the same for bf16/fp16 packed rows when asked for: "auto" does not take it, since through
-``swiftslurm submit`` on an H200 it ran 36.7k useful tokens/s on rows of 2048 against sdpa's 42.2k in the
-same run (its layout copies and GQA repeat cost more than the mask it saves; docs/benchmarks.md). On the CPU
-sdpa is the fast correct one.
+plain values; ``node_facts()`` is the one place that looks. Measured on one H200 (docs/benchmarks.md: 0.5B
+shape, alpaca-length samples, rows of 2048, bf16, ZeRO-2, through ``swiftslurm submit``): packed rows through
+``varlen.py``'s flash node ran 52.5k useful tokens/s where sdpa with the packed-sequence mask (a masked
+kernel, no flash) ran 44.7k in the same run, and as fast as the same model on full rows with no samples to
+keep apart (1.0x); so "auto" takes it for packed bf16/fp16 rows on GPUs the flash kernel runs on (sm80+;
+flash has no fp32). Elsewhere: flash-attention where installed (it reads packed rows from ``position_ids``);
+flex_attention for packed rows of ``FLEX_MIN_ROW`` tokens or more (the block-diagonal mask leaves most of a
+long row to skip; flex recompiles for every new shape, so only with packing's one static shape); sdpa
+otherwise, and on the CPU.
 """
 
 from __future__ import annotations
@@ -41,26 +38,34 @@ class NodeFacts:
     flash_attn: bool = False
     flash_attn_3: bool = False
     liger: bool = False
-    varlen: bool = False  # torch has torch.nn.attention.varlen.varlen_attn (a CUDA kernel)
+    varlen: bool = False  # torch's variable-length flash kernel runs here (a CUDA GPU of sm80 or newer)
 
 
 def node_facts(cuda: bool) -> NodeFacts:
     def has(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
+    varlen = False
+    if cuda and varlen_available():
+        import torch
+
+        varlen = torch.cuda.get_device_capability() >= (8, 0)
     return NodeFacts(cuda=cuda, flash_attn=has("flash_attn"), flash_attn_3=has("flash_attn_interface"),
-                     liger=has("liger_kernel"), varlen=cuda and varlen_available())
+                     liger=has("liger_kernel"), varlen=varlen)
 
 
-def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0) -> tuple[str, str]:
+def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0,
+                      half: bool = False) -> tuple[str, str]:
     """(transformers attn_implementation, why) for ``train.attn_implementation``; KernelError when impossible
     on this node (what the spec alone rules out, e.g. ``varlen_attn`` without packing, ``validate`` refused).
-    ``row_length``: tokens per packed row (``train.max_length``)."""
+    ``row_length``: tokens per packed row (``train.max_length``); ``half``: bf16 or fp16 training."""
     if requested == "auto":
         if not node.cuda:
             return "sdpa", "auto: sdpa on the CPU"
         if node.flash_attn:
             return "flash_attention_2", "auto: flash-attn is installed"
+        if packing and half and node.varlen:
+            return VARLEN, "auto: torch's flash kernel for packed samples (varlen_attn)"
         if packing and row_length >= FLEX_MIN_ROW:
             return "flex_attention", f"auto: flex_attention for packed rows of {row_length} tokens (>= {FLEX_MIN_ROW})"
         if packing:
@@ -75,26 +80,42 @@ def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length
             raise KernelError(f"train.attn_implementation = {requested!r} needs the {FLASH_PACKAGE[requested]} package",
                               "it is not installed in the nodes' Python", 'install it there, or use "auto" (flex_attention or sdpa)')
     if requested == VARLEN and not node.varlen:
-        raise KernelError(f"train.attn_implementation = {VARLEN!r} needs torch >= 2.10", "this torch has no torch.nn.attention.varlen",
-                          'upgrade torch on the nodes, or use "auto"')
+        raise KernelError(f"train.attn_implementation = {VARLEN!r} needs torch's flash kernel on an sm80+ GPU (A100, H100 or newer)",
+                          "this node's GPU or torch build has none", 'use "auto" (sdpa or flex_attention there)')
     return requested, "as set in the spec"
 
 
-def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts) -> tuple[bool, str]:
-    """(use Liger, why) for ``train.use_liger_kernel``; KernelError when ``true`` cannot work here."""
+# Liger's kernels as transformers' ``liger_kernel_config``: ``true`` takes Liger's defaults (its fused linear
+# cross-entropy too); ``"auto"`` takes the ones that fuse the model's elementwise work and leaves the loss as it is.
+LIGER_ALL: dict[str, bool] = {}
+LIGER_FAST = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+
+
+def liger_names(config: dict[str, bool] | None) -> str:
+    """What a Liger config turns on, for the banner and the summary: "off", "all", or the kernels' names."""
+    if config is None:
+        return "off"
+    return "all" if config == LIGER_ALL else "+".join(k for k, on in config.items() if on)
+
+
+def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts) -> tuple[dict[str, bool] | None, str]:
+    """(Liger config for transformers, or None = off; why) for ``train.use_liger_kernel``; KernelError when
+    ``true`` cannot work here."""
     if requested == "auto":
         if not node.cuda:
-            return False, "auto: off on the CPU (Liger's kernels are Triton GPU kernels)"
+            return None, "auto: off on the CPU (Liger's kernels are Triton GPU kernels)"
         if not node.liger:
-            return False, "auto: off, liger-kernel is not installed"
+            return None, "auto: off, liger-kernel is not installed"
         if zero_stage >= 3:
-            return False, "auto: off under ZeRO-3 (the fused loss reads an lm_head shard that ZeRO-3 left empty)"
-        # Measured on one H200 (0.5B shape, packed rows of 8192, flex_attention; docs/benchmarks.md): Liger cut
-        # peak memory about in half but useful tokens/s by 12-23% (46.1k -> 35.4k; 36.7k -> 32.4k). Speed is the default's goal.
-        return False, ("auto: off (measured on an H200: about half the memory, 12-23% fewer useful tokens/s); "
-                       "set use_liger_kernel = true when memory, not speed, is the limit")
+            return None, "auto: off under ZeRO-3 (Liger was measured under ZeRO-2 only)"
+        # Measured on one H200 (0.5B shape, packed rows of 2048, varlen_attn; docs/benchmarks.md): the fused loss cut
+        # peak memory about in half but useful tokens/s by 12-23%; RMSNorm + RoPE + SwiGLU alone took a forward +
+        # backward of the model from 100.4 to 88.2 ms and peak memory from 31.7 to 28.5 GB, and end to end won two
+        # of three same-lease pairs (+11.6%, +3.4%, -6.8%). So auto takes those three and leaves the loss alone.
+        return LIGER_FAST, ("auto: Liger's RMSNorm, RoPE and SwiGLU; not its fused loss (half the memory, 12-23% fewer "
+                            "tokens/s on an H200): set use_liger_kernel = true when memory is the limit")
     if not requested:
-        return False, "off in the spec"
+        return None, "off in the spec"
     if not node.liger:
         raise KernelError("train.use_liger_kernel = true but liger-kernel is not installed", "no liger_kernel module in the nodes' Python",
                           'pip install "swiftslurm[liger]" (or liger-kernel) there, or set use_liger_kernel = "auto"')
@@ -105,4 +126,4 @@ def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts) -> tu
         raise KernelError("train.use_liger_kernel = true does not work under ZeRO-3",
                           "the fused linear cross-entropy reads lm_head.weight, which ZeRO-3 leaves as an empty shard",
                           'use deepspeed = "zero2", or use_liger_kernel = "auto"/false')
-    return True, "on in the spec"
+    return LIGER_ALL, "on in the spec"

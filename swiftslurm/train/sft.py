@@ -44,7 +44,7 @@ class TrainResult:
     useful_tokens_per_s: float | None = None
     padding_ratio: float | None = None
     attn_implementation: str = ""
-    liger: bool = False
+    liger: str = "off"  # kernels.liger_names: "off", "all", or the kernels on ("rope+rms_norm+swiglu")
     packing: bool = False
     task: str = "sft"
     reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies
@@ -57,7 +57,7 @@ class SFTTask:
 
     name = "sft"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: bool, parallelism_config=None):
+    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return training_arguments(spec, output_dir, ds_config, cuda, liger, parallelism_config)
 
     def prepare_model(self, model, spec):
@@ -117,11 +117,12 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and spec.train.task == "sft"
-    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length)
+    attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
+                                               half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     task = _task(spec)
-    if task.name == "dpo" and liger:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
-        liger, liger_why = False, "not used by DPO"
+    if task.name == "dpo" and liger is not None:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
+        liger, liger_why = None, "not used by DPO"
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     # before the model: ZeRO-3 init needs it
     args = task.arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))
@@ -154,7 +155,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dataset, collator = task.data(spec, args, tok, model, attn, output_dir)
     if dist.rank == 0:
-        log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", attn, attn_why, "on" if liger else "off",
+        log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", attn, attn_why, kernels.liger_names(liger),
                     liger_why, task.describe_data(spec, dataset))
 
     comm = CommTimer().install()
@@ -188,7 +189,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         if gpu is not None:
             gpu.stop()
         nvme_swap.cleanup(swap_folders, dist.rank)
-    kernels_used = {"attn_implementation": attn, "liger": liger, "packing": job["packing"], "task": task.name}
+    kernels_used = {"attn_implementation": attn, "liger": kernels.liger_names(liger), "packing": job["packing"], "task": task.name}
     result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
     # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
@@ -290,7 +291,7 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"  throughput: {fmt(result.useful_tokens_per_s, '.1f')} useful tokens/s (all ranks, padding excluded; "
         f"{result.useful_tokens} of {result.total_tokens} positions, padding {fmt(result.padding_ratio, '.1%')}); "
         f"optimizer {result.optimizer or '?'}",
-        f"  kernels: attention {result.attn_implementation or '?'}, Liger {'on' if result.liger else 'off'}, "
+        f"  kernels: attention {result.attn_implementation or '?'}, Liger {result.liger}, "
         f"packing {'on' if result.packing else 'off'}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
