@@ -7,7 +7,7 @@ import pytest
 
 from swiftslurm.errors import SwiftSlurmError
 from swiftslurm.spec import validate_spec
-from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, liger_names, resolve_attention, resolve_liger
+from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, fit_to_model, liger_names, resolve_attention, resolve_liger
 
 CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
 GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)
@@ -43,6 +43,21 @@ def test_explicit_varlen_where_the_node_cannot_run_it_is_one_clear_error(node, w
         resolve_attention("varlen_attn", True, node, 2048)
     assert info.value.hint
     assert resolve_attention("varlen_attn", True, GPU_VARLEN, 2048)[0] == "varlen_attn"
+
+
+@pytest.mark.parametrize("head_dim,fits", [(64, True), (128, True), (256, True), (80, True), (72, True), (60, False), (320, False)])
+def test_the_flash_kernel_is_checked_against_the_loaded_models_head_dimension(head_dim, fits):
+    """auto falls back to sdpa (saying why) where the flash kernel cannot take the model; an explicit choice is refused."""
+    auto = fit_to_model("auto", "varlen_attn", "auto: ...", head_dim)
+    assert auto[0] == ("varlen_attn" if fits else "sdpa")
+    if fits:
+        assert fit_to_model("varlen_attn", "varlen_attn", "as set", head_dim) == ("varlen_attn", "as set")
+    else:
+        assert str(head_dim) in auto[1]
+        with pytest.raises(KernelError, match="cannot run this model") as info:
+            fit_to_model("varlen_attn", "varlen_attn", "as set", head_dim)
+        assert str(head_dim) in str(info.value) and info.value.hint
+    assert fit_to_model("auto", "sdpa", "why", 60) == ("sdpa", "why")  # only varlen_attn is checked
 
 
 def test_explicit_attention_is_kept_or_refused_with_a_reason():

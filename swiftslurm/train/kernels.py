@@ -85,6 +85,19 @@ def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length
     return requested, "as set in the spec"
 
 
+def fit_to_model(requested: str, attn: str, why: str, head_dim: int) -> tuple[str, str]:
+    """``resolve_attention``'s choice checked against the loaded model: the flash kernel of ``varlen_attn`` takes
+    head dimensions that are multiples of 8 up to 256. "auto" then falls back to sdpa with the packed-sequence
+    mask; an explicit ``varlen_attn`` is refused (KernelError)."""
+    if attn != VARLEN or (head_dim % 8 == 0 and head_dim <= 256):
+        return attn, why
+    found = f"this model's head dimension is {head_dim}; the flash kernel takes multiples of 8 up to 256"
+    if requested == "auto":
+        return "sdpa", f"auto: sdpa with the packed-sequence mask ({found})"
+    raise KernelError(f"train.attn_implementation = {VARLEN!r} cannot run this model", found,
+                      'use "auto" or "sdpa"')
+
+
 # Liger's kernels as transformers' ``liger_kernel_config``: ``true`` takes Liger's defaults (its fused linear
 # cross-entropy too); ``"auto"`` takes the ones that fuse the model's elementwise work and leaves the loss as it is.
 LIGER_ALL: dict[str, bool] = {}

@@ -140,6 +140,13 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     resume_from = worldsize.adapt(resume_from, output_dir, dist, args, spec.checkpoint.checksum,  # another DP size: convert
                                   spec.checkpoint.convert_timeout_s)
     model, tok = load_model_and_tokenizer(spec, cuda, attn)
+    if attn == kernels.VARLEN:  # the flash kernel's head dimensions: known once the model's config is
+        text = model.config.get_text_config()
+        fitted = kernels.fit_to_model(spec.train.attn_implementation, attn, attn_why,
+                                      getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        if fitted[0] != attn:
+            model.set_attn_implementation(fitted[0])
+        attn, attn_why = fitted
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
     if tok.pad_token is None:
