@@ -121,7 +121,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
     task = _task(spec)
-    if task.name == "dpo" and liger is not None:  # TRL's DPO computes its own log-probs: Liger's fused loss has no place there
+    if task.name == "dpo" and liger is not None:  # TRL scores DPO with its own log-prob pass; Liger was measured for SFT only
         liger, liger_why = None, "not used by DPO"
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     # before the model: ZeRO-3 init needs it
