@@ -96,8 +96,8 @@ def _torch_kernel() -> Callable:
 
     def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale=None, window_size=(-1, 0), enable_gqa=False):
         """torch 2.12's ``varlen_attn`` contract (causal only, self-attention: ``cu_q`` is ``cu_k``) in one
-        autograd node: torch's own ``varlen_attn`` wraps the same two aten ops in Python custom ops, whose
-        per-call cost showed on an H200 (docs/benchmarks.md), and before 2.12 it needs repeated key/value heads."""
+        autograd node: torch's own ``varlen_attn`` wraps the same two aten ops in Python custom ops, and before
+        2.12 it needs repeated key/value heads (on an H200 the two were within noise of each other; docs/benchmarks.md)."""
         if tuple(window_size) != (-1, 0) or cu_q is not cu_k or max_q != max_k:
             raise ValueError("flash_varlen computes causal self-attention over one set of boundaries only")
         return FlashVarlen.apply(q, k, v, cu_q, max_q, scale)
