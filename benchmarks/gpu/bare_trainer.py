@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--logging-steps", type=int, default=1, help="log (and sync for it) every this many steps")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hf-collator", action="store_true")
     a = ap.parse_args()
@@ -73,7 +74,7 @@ def main():
     data = load_dataset([a.data], tok, a.seq)
     args = TrainingArguments(
         output_dir=a.out, per_device_train_batch_size=a.micro, gradient_accumulation_steps=1, learning_rate=a.lr,
-        lr_scheduler_type="constant", max_steps=a.steps, logging_steps=1, save_strategy="no", seed=42, data_seed=42,
+        lr_scheduler_type="constant", max_steps=a.steps, logging_steps=a.logging_steps, save_strategy="no", seed=42, data_seed=42,
         bf16=True, deepspeed=ds_config, report_to="none", remove_unused_columns=False, dataloader_num_workers=0,
         disable_tqdm=True, use_cpu=not torch.cuda.is_available(),  # CPU: a smoke run of this script only
     )

@@ -2,8 +2,8 @@
 with HF's default dynamic padding, and the same model on full rows, in the same run, one GPU.
 
     source benchmarks/gpu/setup.sh
-    python3 benchmarks/gpu/packing_e2e.py --work /tmp/pk --out $OUT [--steps 60]
-    BENCH_CPU=1 .venv/bin/python benchmarks/gpu/packing_e2e.py --tiny --steps 6   # a smoke run of the driver on a CPU
+    python3 benchmarks/gpu/packing_e2e.py --work /tmp/pk --out $OUT [--steps 60] [--probe] [--profile 22:24]
+    BENCH_CPU=1 .venv/bin/python benchmarks/gpu/packing_e2e.py --tiny --steps 6 --warmup 2 --logging-steps 2   # a CPU smoke run
 
 Arms (same model dir: the Qwen2.5-0.5B-shaped Llama of make_assets.py, bf16, ZeRO-2, no gradient
 checkpointing, AdamW, constant lr, the same DeepSpeed dict, which `swiftslurm plan` merged):
@@ -16,7 +16,10 @@ checkpointing, AdamW, constant lr, the same DeepSpeed dict, which `swiftslurm pl
 The samples of ``padded`` and ``swiftslurm`` are the same file: alpaca-like records whose encoded lengths are
 log-normal (median ~220 tokens, capped at 2048). Throughput = useful (non-padding) tokens of steps
 ``warmup+1..N`` over the wall time between the logs of step ``warmup`` and step N, the same for every arm.
-MFU = 6 x params x useful tokens/s / 989 TFLOP/s (H200 bf16 dense). Rows go to OUT/packing_e2e.jsonl.
+Every arm logs every ``--logging-steps`` steps (10, swiftslurm's default; each log syncs the GPU).
+MFU = 6 x params x useful tokens/s / 989 TFLOP/s (H200 bf16 dense). Rows go to OUT/results.jsonl.
+``--probe`` adds each arm's median forward / backward / optimizer-step / between-steps times (host and GPU,
+probe/sitecustomize.py); ``--profile A:B`` also writes torch.profiler tables of steps A..B-1 beside them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ VARIANTS = {
     "swiftslurm_liger": lambda assets: {"use_liger_kernel": "true"},  # the defaults + all of Liger (its fused loss too)
     "swiftslurm_noliger": lambda assets: {"use_liger_kernel": "false"},  # the defaults without Liger's kernels
     "swiftslurm_full_rows": lambda assets: {"dataset": json.dumps([assets["data"]])},  # the full_rows data: our overhead
+    "swiftslurm_zero2_fast": lambda assets: {"deepspeed": '"zero2_fast"'},
+    "swiftslurm_zero0": lambda assets: {"deepspeed": '"zero0"'},  # DeepSpeed's bf16 optimizer, no partitioning
+    "swiftslurm_nods": lambda assets: {"deepspeed": '"none"'},  # plain torch AdamW, no DeepSpeed (bf16 weights)
+    "swiftslurm_zero1": lambda assets: {"deepspeed": '"zero1"'},
+    "swiftslurm_nocheck": lambda assets: {},  # + DS_EXTRA below
+}
+# [deepspeed] overrides of an arm (merged into its preset by swiftslurm)
+DS_EXTRA = {
+    # DeepSpeed's per-parameter inf/NaN scan before each bf16 step, off (a non-finite step is then applied, not skipped)
+    "swiftslurm_nocheck": "[deepspeed.bf16]\ncheck_grad_overflow = false\n",
 }
 
 
@@ -76,6 +89,14 @@ def throughput(rows: list[dict], useful_key: str, warmup: int) -> dict:
             "useful_tokens_s": round(useful / wall) if wall > 0 else None}
 
 
+def phases(path: Path, warmup: int) -> dict:
+    """Medians of the probe's per-step rows after warm-up: host and GPU ms of forward, backward, optimizer step,
+    the host gap between steps (trainer loop) and the GPU's idle time before each phase."""
+    rows = [r for r in read_jsonl(path) if r.get("i", 0) > warmup] if path.exists() else []
+    keys = sorted({k for r in rows for k in r if k != "i"})
+    return {k: round(statistics.median(v), 2) for k in keys if (v := [r[k] for r in rows if r.get(k) is not None])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/pk")
@@ -84,11 +105,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--samples", type=int, default=12000)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--logging-steps", type=int, default=10, help="every arm logs (and syncs for it) every this many steps: "
+                    "swiftslurm's default; --steps and --warmup must be multiples of it")
+    ap.add_argument("--probe", action="store_true", help="time each step's forward/backward/optimizer step "
+                    "(probe/sitecustomize.py) into OUT/probe_<arm>.jsonl")
+    ap.add_argument("--profile", default="", help="A:B: also torch.profiler over steps A..B-1 (implies --probe)")
     ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, {', '.join(VARIANTS)}")
     a = ap.parse_args()
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    if a.steps % a.logging_steps or a.warmup % a.logging_steps:
+        ap.error(f"--steps ({a.steps}) and --warmup ({a.warmup}) must be multiples of --logging-steps ({a.logging_steps})")
     cpu = os.environ.get("BENCH_CPU") == "1"
     if not (work / "assets.json").exists():
         argv = [sys.executable, str(HERE / "make_assets.py"), str(work), "--samples", "512"] + (["--tiny"] if a.tiny else [])
@@ -110,7 +138,7 @@ def main() -> None:
         train = {"model": json.dumps(assets["model_dir"]), "dataset": json.dumps([str(data)]), "train_type": '"full"',
                  "deepspeed": '"zero2"', "bf16": "false" if cpu else "true", "gradient_checkpointing": "false",
                  "per_device_train_batch_size": "4", "learning_rate": "1e-4", "lr_scheduler_type": '"constant"',
-                 "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": "1"}
+                 "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": str(a.logging_steps)}
         train.update(VARIANTS[arm](assets))
         run_dir = work / "runs" / arm
         spec = work / f"{arm}.toml"
@@ -126,18 +154,22 @@ output_dir = "{run_dir}"
 forced_save_fractions = []
 [preflight]
 checks = []
-""")
+""" + DS_EXTRA.get(arm, ""))
         return spec, run_dir
 
     plan = json.loads(subprocess.run(["swiftslurm", "plan", str(write_spec("swiftslurm")[0]), "--json"], capture_output=True, text=True,
                                      check=True).stdout)
     params = assets["params"]
     results: dict[str, dict] = {}
-    for arm in a.arms.split(","):
+    for n, arm in enumerate(a.arms.split(",")):
+        env = None
+        if a.probe or a.profile:
+            env = dict(os.environ, PHASE_PROBE_OUT=str(out / f"probe_{n}_{arm}.jsonl"), PHASE_PROBE_PROFILE=a.profile,
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), os.environ.get("PYTHONPATH")])))
         if arm in VARIANTS:
             spec, run_dir = write_spec(arm)
             shutil.rmtree(run_dir, ignore_errors=True)
-            rc = sh(["swiftslurm", "submit", str(spec), "--executor", "local", "--wait"], out / f"pk_{arm}.log", timeout=1200)
+            rc = sh(["swiftslurm", "submit", str(spec), "--executor", "local", "--wait"], out / f"pk_{arm}.log", env=env, timeout=1200)
             rows = read_jsonl(run_dir / "metrics.jsonl")
             res = throughput(rows, "useful_tokens", a.warmup)
             peaks = [r["gpu_mem_peak_mb"] for r in rows if "gpu_mem_peak_mb" in r]
@@ -156,15 +188,18 @@ checks = []
             ds_json = work / f"ds_{arm}.json"
             ds_json.write_text(json.dumps(ds))
             argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trainer.py"), "--model", assets["model_dir"],
-                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", "2048"]
+                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", "2048",
+                    "--logging-steps", str(a.logging_steps)]
             argv += (["--data", str(data), "--hf-collator"] if arm == "padded" else ["--data", assets["data"]]) + ["--micro", str(micro)]
-            rc = sh(argv, out / f"pk_{arm}.log", timeout=1200)
+            rc = sh(argv, out / f"pk_{arm}.log", env=env, timeout=1200)
             res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
             summ = bare_dir / "summary.json"
             peak = json.loads(summ.read_text()).get("gpu_mem_peak_mb") if summ.exists() else None
             res.update(rc=rc, peak_mb=round(peak) if peak else None)
         if res.get("useful_tokens_s"):
             res["mfu"] = round(6 * params * res["useful_tokens_s"] / (H200_BF16_TFLOPS * 1e12), 4)
+        if env:
+            res["phases_ms"] = phases(out / f"probe_{n}_{arm}.jsonl", a.warmup)
         results[arm] = res
         record(out, {"what": "packing_e2e", "arm": arm, **res})
     ours = results.get("swiftslurm", {}).get("useful_tokens_s")
