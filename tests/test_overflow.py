@@ -1,0 +1,151 @@
+"""train/overflow.py on a real DeepSpeed ZeRO-2 bf16 engine (CPU, gloo, one rank, in a child process).
+
+With the skip moved onto the device, a NaN gradient must still leave every weight, moment and Adam step count as
+it was, a finite step must still update them, and DeepSpeed's own check (its per-parameter scan and host test)
+must not run. Where the device cannot skip (no fused AdamW), where the user asked DeepSpeed to apply non-finite
+steps, and outside ZeRO-1/2 bf16, nothing is changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from swiftslurm.train.launch import free_port  # noqa: E402
+
+CHILD = r'''
+import json, sys, torch, deepspeed
+from swiftslurm.train.overflow import skip_nonfinite_on_device
+
+class Wrapper:  # what Accelerate hands the Trainer's callbacks: DeepSpeed's optimizer as .optimizer
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+def engine(bf16=True, check=True, clip=1.0, compute_norm=True, fused=True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    if bf16:
+        model = model.to(torch.bfloat16)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+           "bf16": {"enabled": bf16, "check_grad_overflow": check}, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
+                                 "compute_grad_norm": compute_norm}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    eng, zopt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return eng, zopt
+
+def steps(eng, zopt):
+    calls = {"scan": 0, "host_norm_test": 0}
+    real_scan = zopt.has_overflow_partitioned_grads_serial
+    def scan():
+        calls["scan"] += 1
+        return real_scan()
+    zopt.has_overflow_partitioned_grads_serial = scan
+    import deepspeed.runtime.zero.stage_1_and_2 as s12
+    real_test = s12.is_invalid_grad_norm
+    def host_test(norm):
+        calls["host_norm_test"] += 1
+        return real_test(norm)
+    s12.is_invalid_grad_norm = host_test
+    x = torch.randn(2, 8, dtype=next(eng.module.parameters()).dtype)
+    out = []
+    for scale in (1.0, float("nan"), 1.0, float("inf")):
+        before = [p.detach().clone() for p in eng.module.parameters()]
+        master = zopt.single_partition_of_fp32_groups[0].detach().clone()
+        eng.backward((eng(x).float().pow(2).mean() * scale))
+        eng.step()
+        after = list(eng.module.parameters())
+        state = zopt.optimizer.state[zopt.single_partition_of_fp32_groups[0]]
+        out.append({"changed": any(not torch.equal(a, b) for a, b in zip(before, after)),
+                    "master_changed": not torch.equal(master, zopt.single_partition_of_fp32_groups[0]),
+                    "nan": any(bool(torch.isnan(p).any()) for p in after)
+                           or bool(torch.isnan(zopt.single_partition_of_fp32_groups[0]).any())
+                           or bool(torch.isnan(state["exp_avg"]).any()),
+                    "adam_step": float(state["step"])})
+    s12.is_invalid_grad_norm = real_test
+    return {"steps": out, **calls}
+
+def run(case):
+  if case == "bf16":
+    eng, zopt = engine()
+    applied = skip_nonfinite_on_device(Wrapper(zopt))
+    return {"applied": applied, "again": skip_nonfinite_on_device(zopt), **steps(eng, zopt)}
+  if case == "bf16_untouched":
+    eng, zopt = engine()
+    return {"applied": False, **steps(eng, zopt)}
+  if case == "not_fused":
+    eng, zopt = engine(fused=False)
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), **steps(eng, zopt)}
+  if case == "check_off":
+    eng, zopt = engine(check=False)
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), **steps(eng, zopt)}
+  if case == "no_norm":
+    eng, zopt = engine(clip=0.0, compute_norm=False)
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt))}
+  if case == "fp32":
+    eng, zopt = engine(bf16=False)
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "torch_optimizer": skip_nonfinite_on_device(zopt.optimizer)}
+
+print("RESULT " + json.dumps({case: run(case) for case in sys.argv[1:]}))
+'''
+CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32"]
+SKIPPED = {"changed": False, "master_changed": False, "nan": False}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every case's engine, built one after another in one child process (one DeepSpeed start-up)."""
+    tmp_path = tmp_path_factory.mktemp("overflow")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", CHILD, *CASES], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def without_step(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "adam_step"}
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device_and_finite_ones_applied(results):
+    res = results["bf16"]
+    assert res["applied"] is True and res["again"] is True
+    finite, nan, finite_again, inf = res["steps"]
+    assert finite["changed"] and finite["master_changed"] and not finite["nan"]
+    assert without_step(nan) == SKIPPED and without_step(inf) == SKIPPED  # weights, master copy, moments untouched
+    assert finite_again["changed"] and not finite_again["nan"]
+    assert [s["adam_step"] for s in res["steps"]] == [1.0, 1.0, 2.0, 2.0]  # a skipped step does not count
+    # DeepSpeed's check never ran: no scan, and the norm was tested on the host only by the clipping (once a step)
+    assert res["scan"] == 0 and res["host_norm_test"] == 4
+
+
+def test_deepspeed_left_alone_checks_on_the_host_with_the_same_outcome(results):
+    res = results["bf16_untouched"]
+    assert [s["changed"] for s in res["steps"]] == [True, False, True, False] and not any(s["nan"] for s in res["steps"])
+    assert res["scan"] == 4  # every step, finite or not
+
+
+def test_without_fused_adamw_deepspeed_keeps_its_check(results):
+    res = results["not_fused"]
+    assert res["applied"] is False
+    assert [s["changed"] for s in res["steps"]] == [True, False, True, False] and res["scan"] == 4
+
+
+def test_a_user_who_turned_the_check_off_gets_deepspeeds_behaviour(results):
+    """``check_grad_overflow = false``: DeepSpeed applies the NaN step; swiftslurm leaves that choice alone."""
+    res = results["check_off"]
+    assert res["applied"] is False
+    assert res["steps"][1]["nan"] is True
+
+
+@pytest.mark.parametrize("case", ["no_norm", "fp32"])
+def test_other_configurations_are_left_alone(case, results):
+    res = results[case]
+    assert res["applied"] is False and res.get("torch_optimizer", False) is False
