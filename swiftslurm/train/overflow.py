@@ -14,6 +14,8 @@ torch's fused kernels take from ``GradScaler``: where the global norm is not fin
 moments and step count as they were, and nothing reads the flag on the host. The norm is all-reduced, so every
 rank skips the same step. The clipping before it multiplies NaN gradients by zero (still NaN), which the skipped
 update never reads.
+One difference: the Trainer holds the learning-rate schedule back on a step DeepSpeed reports as skipped
+(``overflow``); a skip made on the device is not known on the host, so the schedule advances one step.
 
 Nothing changes unless all of this holds (else DeepSpeed keeps its own check): the exact ZeRO-1/2 class, bf16,
 DeepSpeed's check on (``[deepspeed.bf16] check_grad_overflow = false`` means "apply non-finite steps", and is
