@@ -14,6 +14,7 @@ torch's fused kernels take from ``GradScaler``: where the global norm is not fin
 moments and step count as they were, and nothing reads the flag on the host. The norm is all-reduced, so every
 rank skips the same step. The clipping before it multiplies NaN gradients by zero (still NaN), which the skipped
 update never reads.
+
 One difference: the Trainer holds the learning-rate schedule back on a step DeepSpeed reports as skipped
 (``overflow``); a skip made on the device is not known on the host, so the schedule advances one step.
 
@@ -80,12 +81,10 @@ def skip_nonfinite_on_device(optimizer: Any) -> bool:
     real_step = inner.step
 
     def step(*args, **kwargs):
-        norm = getattr(zero, "_global_grad_norm", None)
-        if torch.is_tensor(norm):  # set by this step, before the update: inf/NaN (or DeepSpeed's -1) -> skip
+        norm = getattr(zero, "_global_grad_norm", None)  # set by this step, before the update
+        if norm is not None:  # inf/NaN (or DeepSpeed's -1 for one) -> skip
+            norm = torch.as_tensor(norm, dtype=torch.float32, device=zero.device)
             inner.found_inf = (~torch.isfinite(norm) | (norm < 0)).to(torch.float32).reshape(())
-        else:
-            inner.found_inf = None if norm is None else torch.tensor(
-                0.0 if 0 <= float(norm) < float("inf") else 1.0, device=zero.device)
         try:
             return real_step(*args, **kwargs)
         finally:
