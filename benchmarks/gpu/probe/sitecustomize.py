@@ -9,6 +9,7 @@ A..B-1 and writes FILE.prof.txt (top ops by CUDA and by CPU time). Used by packi
 nothing else in the process.
 """
 
+import functools
 import importlib.abc
 import importlib.util
 import json
@@ -125,6 +126,7 @@ def _install() -> None:
     def wrap(cls, name):
         fn = getattr(cls, name)
 
+        @functools.wraps(fn)
         def timed(self, *args, **kwargs):
             token = probe.begin(name)
             try:
@@ -136,9 +138,10 @@ def _install() -> None:
 
     def label(owner, name, qual):
         fn = getattr(owner, name, None)
-        if fn is None:
+        if fn is None or not os.environ.get("PHASE_PROBE_PROFILE"):
             return
 
+        @functools.wraps(fn)  # inspect.getsource still finds DeepSpeed's own code (train/overflow.py reads it)
         def labelled(*args, **kwargs):
             import torch
 
