@@ -20,7 +20,7 @@ from swiftslurm.train.launch import free_port  # noqa: E402
 
 CHILD = r'''
 import json, sys, torch, deepspeed
-from swiftslurm.train.overflow import skip_nonfinite_on_device
+from swiftslurm.train.overflow import kept_reason, skip_nonfinite_on_device
 
 class Wrapper:  # what Accelerate hands the Trainer's callbacks: DeepSpeed's optimizer as .optimizer
     def __init__(self, optimizer):
@@ -74,26 +74,42 @@ def run(case):
   if case == "bf16":
     eng, zopt = engine()
     applied = skip_nonfinite_on_device(Wrapper(zopt))
-    return {"applied": applied, "again": skip_nonfinite_on_device(zopt), **steps(eng, zopt)}
+    return {"applied": applied, "again": skip_nonfinite_on_device(zopt), "kept": kept_reason(Wrapper(zopt)),
+            **steps(eng, zopt)}
   if case == "bf16_untouched":
     eng, zopt = engine()
     return {"applied": False, **steps(eng, zopt)}
   if case == "not_fused":
     eng, zopt = engine(fused=False)
-    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), **steps(eng, zopt)}
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "kept": kept_reason(Wrapper(zopt)), **steps(eng, zopt)}
   if case == "check_off":
     eng, zopt = engine(check=False)
-    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), **steps(eng, zopt)}
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "kept": kept_reason(Wrapper(zopt)), **steps(eng, zopt)}
   if case == "no_norm":
     eng, zopt = engine(clip=0.0, compute_norm=False)
-    return {"applied": skip_nonfinite_on_device(Wrapper(zopt))}
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "kept": kept_reason(Wrapper(zopt))}
   if case == "fp32":
     eng, zopt = engine(bf16=False)
-    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "torch_optimizer": skip_nonfinite_on_device(zopt.optimizer)}
+    return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "torch_optimizer": skip_nonfinite_on_device(zopt.optimizer),
+            "kept": kept_reason(Wrapper(zopt))}
 
-print("RESULT " + json.dumps({case: run(case) for case in sys.argv[1:]}))
+def run_wrapped(opaque):
+    import functools
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+    real = Z.step
+    def wrapper(self, *a, **k):
+        return real(self, *a, **k)
+    Z.step = wrapper if opaque else functools.wraps(real)(wrapper)
+    try:
+        eng, zopt = engine()
+        return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "kept": kept_reason(Wrapper(zopt))}
+    finally:
+        Z.step = real
+
+print("RESULT " + json.dumps({case: run_wrapped(case == "opaque") if case in ("wrapped", "opaque") else run(case)
+                             for case in sys.argv[1:]}))
 '''
-CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32"]
+CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque"]
 SKIPPED = {"changed": False, "master_changed": False, "nan": False}
 
 
@@ -116,7 +132,7 @@ def without_step(row: dict) -> dict:
 
 def test_a_nonfinite_step_is_skipped_on_the_device_and_finite_ones_applied(results):
     res = results["bf16"]
-    assert res["applied"] is True and res["again"] is True
+    assert res["applied"] is True and res["again"] is True and res["kept"] is None
     finite, nan, finite_again, inf = res["steps"]
     assert finite["changed"] and finite["master_changed"] and not finite["nan"]
     assert without_step(nan) == SKIPPED and without_step(inf) == SKIPPED  # weights, master copy, moments untouched
@@ -135,13 +151,15 @@ def test_deepspeed_left_alone_checks_on_the_host_with_the_same_outcome(results):
 def test_without_fused_adamw_deepspeed_keeps_its_check(results):
     res = results["not_fused"]
     assert res["applied"] is False
+    # the rank-0 line says why the check stays (trainer.py logs it)
+    assert res["kept"] == "the torch optimizer is AdamW (fused=False), not a fused torch Adam/AdamW"
     assert [s["changed"] for s in res["steps"]] == [True, False, True, False] and res["scan"] == 4
 
 
 def test_a_user_who_turned_the_check_off_gets_deepspeeds_behaviour(results):
     """``check_grad_overflow = false``: DeepSpeed applies the NaN step; swiftslurm leaves that choice alone."""
     res = results["check_off"]
-    assert res["applied"] is False
+    assert res["applied"] is False and res["kept"] is None  # nothing to say: the user chose it
     assert res["steps"][1]["nan"] is True
 
 
@@ -149,3 +167,17 @@ def test_a_user_who_turned_the_check_off_gets_deepspeeds_behaviour(results):
 def test_other_configurations_are_left_alone(case, results):
     res = results[case]
     assert res["applied"] is False and res.get("torch_optimizer", False) is False
+
+
+def test_why_the_check_stays_is_said_only_where_it_was_wanted(results):
+    """bf16 ZeRO-1/2 with the check on but no norm: a reason; fp32 (no bf16 check at all): none."""
+    assert results["no_norm"]["kept"] == "zero_optimization.compute_grad_norm is off"
+    assert results["fp32"]["kept"] is None
+
+
+def test_a_wrapped_deepspeed_step_is_read_through_its_wrapper(results):
+    """A profiler or probe that wraps DeepSpeed's ``step`` with functools.wraps (benchmarks/gpu/probe) keeps the
+    skip: the source check follows ``__wrapped__``; a wrapper that hides the code makes it refuse, with a reason."""
+    assert results["wrapped"] == {"applied": True, "kept": None}
+    assert results["opaque"]["applied"] is False
+    assert "no longer has the shape" in results["opaque"]["kept"]

@@ -4,8 +4,8 @@ Before every bf16 step DeepSpeed 0.19's ZeRO-1/2 optimizer (``stage_1_and_2.Deep
 every gradient of its partition for inf/NaN (``check_overflow``: about eight small kernels per parameter, then
 ``.item()``), computes the global gradient norm, and tests that norm on the host too (``is_invalid_grad_norm``:
 ``bool`` of a GPU tensor). Each test waits for the GPU; the clipping, the Adam update and the bf16 copy are then
-issued while it sits idle. On one H200 the 0.5B shape's step took 26.5 ms with the check off against 49.5 and
-61.9 ms with it on (docs/benchmarks.md), but off, DeepSpeed applies a NaN gradient to the weights.
+issued while it sits idle. On one H200 the 0.5B shape's step took 25 ms with this module's skip against 60-62 ms
+with DeepSpeed's check (docs/benchmarks.md, "Fifth run"); turned off instead, DeepSpeed applies a NaN gradient.
 
 ``skip_nonfinite_on_device`` keeps the skip and drops those two syncs (the clipping keeps its own host test of
 the norm, as with the check off). It turns DeepSpeed's check off on that one optimizer object and gives the torch
@@ -22,7 +22,8 @@ Nothing changes unless all of this holds (else DeepSpeed keeps its own check): t
 DeepSpeed's check on (``[deepspeed.bf16] check_grad_overflow = false`` means "apply non-finite steps", and is
 left so), the norm computed (``zero_optimization.compute_grad_norm``), no optimizer offload, a fused torch
 Adam/AdamW under it (``found_inf`` is a fused-kernel argument), and a DeepSpeed ``step`` that still sets the norm
-before the update (its source is checked). fp16 (loss scaling) and ZeRO-3 are left alone.
+before the update (its source is checked, through ``functools.wraps`` wrappers). fp16 (loss scaling) and ZeRO-3
+are left alone. ``kept_reason`` says which condition kept DeepSpeed's check (the trainer logs it on rank 0).
 """
 
 from __future__ import annotations
@@ -63,21 +64,64 @@ def _fused_adam(inner: Any) -> bool:
             and not inner.defaults.get("amsgrad") and not inner.defaults.get("differentiable"))
 
 
-def skip_nonfinite_on_device(optimizer: Any) -> bool:
-    """Move the bf16 inf/NaN skip of DeepSpeed's ZeRO-1/2 optimizer onto the device (module doc); True when done
-    (now or before). Idempotent; leaves everything as it was where a condition does not hold."""
+def _candidate(optimizer: Any):
+    """(ZeRO-1/2 optimizer, whether it runs DeepSpeed's bf16 check), or (None, False) where the skip is moot."""
     import torch
 
     zero = _zero_optimizer(optimizer)
     if zero is None:
+        return None, False
+    return zero, getattr(zero, "dtype", None) == torch.bfloat16 and getattr(zero, "check_grad_overflow", False) is True
+
+
+def _blocker(zero: Any) -> str | None:
+    """Why the skip cannot move onto the device for this bf16 ZeRO-1/2 optimizer with the check on; None if it can."""
+    inner = getattr(zero, "optimizer", None)
+    if getattr(zero, "compute_grad_norm", False) is not True:
+        return "zero_optimization.compute_grad_norm is off"
+    if getattr(zero, "cpu_offload", True) is not False:
+        return "the optimizer is offloaded"
+    if inner is None or not _fused_adam(inner):
+        fused = getattr(inner, "defaults", {}).get("fused")
+        return f"the torch optimizer is {type(inner).__name__} (fused={fused}), not a fused torch Adam/AdamW"
+    if not _step_order_holds(zero):
+        return f"DeepSpeed's ZeRO step ({_deepspeed_version()}) no longer has the shape this relies on"
+    return None
+
+
+def _deepspeed_version() -> str:
+    try:
+        import deepspeed
+    except ImportError:
+        return "?"
+    return f"deepspeed {deepspeed.__version__}"
+
+
+def kept_reason(optimizer: Any) -> str | None:
+    """Where DeepSpeed's bf16 ZeRO-1/2 check is still on after ``skip_nonfinite_on_device``: why (one phrase);
+    None where the skip is on the device or the question does not arise (not ZeRO-1/2 bf16, the check off, or
+    the optimizer offloaded to the host, where the update runs after a copy anyway)."""
+    zero, checking = _candidate(optimizer)
+    if zero is None or not checking or getattr(zero, "_swiftslurm_skip_on_device", False):
+        return None
+    if getattr(zero, "cpu_offload", False):  # the update runs on the host anyway: the syncs cost nothing there
+        return None
+    return _blocker(zero)
+
+
+def skip_nonfinite_on_device(optimizer: Any) -> bool:
+    """Move the bf16 inf/NaN skip of DeepSpeed's ZeRO-1/2 optimizer onto the device (module doc); True when done
+    (now or before). Idempotent; leaves everything as it was where a condition does not hold (``kept_reason``)."""
+    import torch
+
+    zero, checking = _candidate(optimizer)
+    if zero is None:
         return False
     if getattr(zero, "_swiftslurm_skip_on_device", False):
         return True
-    inner = getattr(zero, "optimizer", None)
-    if not (getattr(zero, "dtype", None) == torch.bfloat16 and getattr(zero, "check_grad_overflow", False) is True
-            and getattr(zero, "compute_grad_norm", False) is True and getattr(zero, "cpu_offload", True) is False
-            and inner is not None and _fused_adam(inner) and _step_order_holds(zero)):
+    if not checking or _blocker(zero) is not None:
         return False
+    inner = zero.optimizer
     real_step = inner.step
 
     def step(*args, **kwargs):

@@ -211,16 +211,19 @@ class ScheduleCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
-        from .overflow import skip_nonfinite_on_device
+        from .overflow import kept_reason, skip_nonfinite_on_device
         from .worldsize import untie_step_counters
 
         # after any checkpoint load, before the first step: a ZeRO-3 universal load shares one step counter
         untied = untie_step_counters(kwargs.get("optimizer"))
         if untied:
             log.info("gave %d optimizer sub-groups their own step counter (DeepSpeed's ZeRO-3 universal load shares one)", untied)
-        if skip_nonfinite_on_device(kwargs.get("optimizer")) and state.is_world_process_zero:  # ZeRO-1/2 bf16 (overflow.py)
+        optimizer = kwargs.get("optimizer")
+        if skip_nonfinite_on_device(optimizer) and state.is_world_process_zero:  # ZeRO-1/2 bf16 (overflow.py)
             log.warning("deepspeed: a step whose gradient norm is inf/NaN is skipped on the device by fused AdamW "
                         "(DeepSpeed's per-step inf/NaN check and its host syncs are off)")
+        elif (kept := kept_reason(optimizer)) and state.is_world_process_zero:
+            log.warning("deepspeed: its bf16 inf/NaN check stays on (two host syncs per optimizer step): %s", kept)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()
