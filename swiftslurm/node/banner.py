@@ -17,19 +17,37 @@ import hostlist
 from ..slurm.distenv import DistEnv
 
 LOGGER = "swiftslurm.runtime"
+TRAIN_LOGGER = "swiftslurm.train"
 
 
 def rank_log_path(output_dir: str, rank: int) -> Path:
     return Path(output_dir) / "logs" / f"rank-{rank}.log"
 
 
-def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
-    """The runtime's logger for this rank (idempotent: a rerun in the same process replaces handlers)."""
-    log = logging.getLogger(LOGGER)
+def _drop_own_handlers(log: logging.Logger) -> None:
     for handler in list(log.handlers):
         if getattr(handler, "_swiftslurm", False):
             log.removeHandler(handler)
             handler.close()
+
+
+def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
+    """The runtime's logger for this rank (idempotent: a rerun in the same process replaces handlers).
+
+    The trainer's logger (``swiftslurm.train``) writes to stderr with the same prefix: its INFO lines (pruned
+    checkpoints, ...) on rank 0, only its warnings on the other ranks (their stderr, as before)."""
+    fmt = logging.Formatter(f"%(asctime)s [rank {dist.rank} {dist.node}] %(levelname)s %(message)s")
+    train = logging.getLogger(TRAIN_LOGGER)
+    _drop_own_handlers(train)
+    stream = logging.StreamHandler(sys.stderr)
+    stream._swiftslurm = True  # type: ignore[attr-defined]
+    stream.setFormatter(fmt)
+    train.addHandler(stream)
+    train.setLevel(logging.INFO if dist.rank == 0 else logging.WARNING)
+    train.propagate = False
+
+    log = logging.getLogger(LOGGER)
+    _drop_own_handlers(log)
     if dist.rank == 0:
         handler: logging.Handler = logging.StreamHandler(sys.stderr)
     else:
@@ -37,7 +55,7 @@ def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(path)
     handler._swiftslurm = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist.rank} {dist.node}] %(levelname)s %(message)s"))
+    handler.setFormatter(fmt)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
