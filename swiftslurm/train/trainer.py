@@ -222,7 +222,7 @@ class ScheduleCallback(TrainerCallback):
         if skip_nonfinite_on_device(optimizer) and state.is_world_process_zero:  # ZeRO-1/2 bf16 (overflow.py)
             log.warning("deepspeed: a step whose gradient norm is inf/NaN is skipped on the device by fused AdamW "
                         "(DeepSpeed's per-step inf/NaN check and its host syncs are off)")
-        elif (kept := kept_reason(optimizer)) and state.is_world_process_zero:
+        elif state.is_world_process_zero and (kept := kept_reason(optimizer)):  # the reason is rank 0's to say
             log.warning("deepspeed: its bf16 inf/NaN check stays on (two host syncs per optimizer step): %s", kept)
 
     def on_step_end(self, args, state, control, **kwargs):
