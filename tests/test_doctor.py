@@ -21,7 +21,7 @@ import pytest
 
 from swiftslurm import ledger
 from swiftslurm.doctor import diagnose, diagnose_task
-from swiftslurm.doctor.evidence import TaskRun, read_task
+from swiftslurm.doctor.evidence import Line, TaskRun, read_task
 from swiftslurm.doctor.hang import culprits, stack_dumps
 from swiftslurm.doctor.target import runs_of
 from swiftslurm.plan import make_plan
@@ -102,6 +102,14 @@ def node_of(out: Path, rank: int) -> str:
     """The node a rank ran on, as its own log's ``[rank r node]`` tag says."""
     tag = f"[rank {rank} "
     return [ln for ln in (out / "logs" / f"rank-{rank}.log").read_text().splitlines() if tag in ln][0].split(tag)[1].split("]")[0]
+
+
+def rank_logs(out: Path, chars: int = 4000) -> str:
+    """The end of every rank's submitit log (stderr, then stdout): what a failed run's assertion shows."""
+    parts = []
+    for path in sorted((out / "logs" / "submitit").glob("*/*_log.*"), key=lambda p: (p.name.split("_")[1], p.suffix != ".err")):
+        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
+    return "\n".join(parts) or f"no submitit logs under {out}"
 
 
 def cli(*args):
@@ -398,7 +406,8 @@ def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_
     data = Path(__file__).parent.parent / "examples" / "data" / "alpaca_demo.jsonl"
     raw = parse_toml(STALLED.format(out=json.dumps(str(out)), data=json.dumps(str(data))))
     sub = submit_plan(make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="stalled.toml"), executor="local")
-    assert list(sub.wait(timeout_s=400, poll_s=1).values()) == ["COMPLETED"]  # the sleep ends, the run finishes
+    states = list(sub.wait(timeout_s=400, poll_s=1).values())
+    assert states == ["COMPLETED"], f"{states}\n{rank_logs(out)}"  # the sleep ends, the run finishes
     run = runs_of(str(out))[0]
     dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
     assert set(dumps) == {0, 1}, sorted(dumps)
@@ -481,3 +490,54 @@ def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout(
     assert limit_s([0.5, 9.0, 1.0, 1.0, 1.2], 1800) == 60.0  # 10 x 1.0 s is under the 60 s floor
     assert limit_s([20.0, 20.0, 30.0], 1800) == 200.0  # a slow step: 10 x the median
     assert limit_s([200.0, 200.0, 200.0], 1800) == 1440.0  # never past 80% of the process-group timeout
+
+
+# A rank whose other threads run Python while the watchdog fires: faulthandler's timed dump (a C thread without the
+# GIL) walked their frames as they changed and crashed the rank with SIGSEGV within a few dumps; ``MODE`` "gil"
+# holds the GIL in C code instead (libc's sleep through ctypes.PyDLL), where only faulthandler's C thread can dump.
+FIRING = textwrap.dedent(r"""
+    import ctypes, sys, threading, time
+    from swiftslurm.train.watchdog import ProgressWatchdog
+    mode, log = sys.argv[1], open(sys.argv[2], "w")
+    def deep(n):
+        return [str(i) for i in range(20)] if n == 0 else deep(n - 1)
+    def busy():
+        while True:
+            deep(200)  # pushes and pops 200 frames, over and over
+    for _ in range(2):
+        threading.Thread(target=busy, daemon=True).start()
+    watchdog = ProgressWatchdog(0, 1800, target=log, environ={"SWIFTSLURM_WATCHDOG_BACKUP_S": "0.5"})
+    if mode == "busy":
+        for _ in range(60):
+            watchdog._arm(0.002)  # fires 2 ms later, while both threads recurse
+            time.sleep(0.05)
+    else:
+        watchdog._arm(0.2)
+        ctypes.PyDLL(None).sleep(3)  # holds the GIL for 3 s: the timer's thread cannot run, the backup dumps
+        time.sleep(0.5)  # now the timer's thread runs
+    watchdog.stop()
+    print("survived", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["busy", "gil"])
+def test_the_watchdog_dumps_without_crashing_a_rank_whose_threads_run_python(tmp_path, mode):
+    log = tmp_path / "stacks.log"
+    proc = subprocess.run([sys.executable, "-c", FIRING, mode, str(log)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})  # no py-spy: the stacks alone
+    assert proc.returncode == 0 and "survived" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    text = log.read_text()
+    ours = text.count("watchdog: no step for")
+    dumps = stack_dumps([Line("stacks.log", i + 1, 0, "localhost", 0.0, t) for i, t in enumerate(text.splitlines())])
+    if mode == "busy":
+        assert ours >= 30 and "Timeout (" not in text, (ours, text[:500])  # the timer's thread wrote them, not C
+        # each whole: the main thread, both recursing ones (past 100 frames: faulthandler's "..."), the timer's own
+        assert len(dumps) == ours, (len(dumps), ours)
+        for d in dumps:
+            funcs = [{f.func for f in t} for t in d.threads]
+            assert d.main[-1].func == "<module>" and sum(bool(f & {"deep", "busy"}) for f in funcs) == 2, funcs
+            assert any("_fire" in f for f in funcs), funcs
+    else:
+        # faulthandler's C thread dumped while the GIL was held (the main thread in <module>), then the timer's thread
+        assert text.index("Timeout (0:00:00.700000)!") < text.index("watchdog: no step for"), text[:500]
+        assert dumps[0].main and dumps[0].main[0].func == "<module>", dumps[0]

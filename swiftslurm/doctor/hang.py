@@ -38,6 +38,7 @@ TIMEOUT_MS = re.compile(r"(?:Timed out waiting|timeout\(ms\)=|Timeout\(ms\)=)\s*
 THREAD = re.compile(r"^(?:Current thread|Thread) (?:0x[0-9a-fA-F]+|\d+)(?: \(.*\))?:?(?: \"[^\"]*\")?\s*$")
 FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 SPY_FRAME = re.compile(r"^\s+(?P<func>\S[^()]*?) \((?P<file>[^()]+):(?P<line>\d+)\)\s*$")
+ELIDED = re.compile(r"^\s+\.\.\.$")  # faulthandler's line for the frames past its 100th: the thread goes on
 COLLECTIVE_FILES = ("distributed_c10d.py", "c10d_logger.py", "deepspeed/comm/", "torch/distributed/")
 COLLECTIVE_FUNCS = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                     "broadcast", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single", "reduce", "gather",
@@ -108,6 +109,8 @@ def stack_dumps(lines: list[Line]) -> list[StackDump]:
         if start is not None and m:
             frames.append(Frame(m.group("file"), int(m.group("line")), m.group("func")))
             blank = 0
+        elif start is not None and frames and ELIDED.match(text):
+            continue
         elif start is not None and not text.strip() and blank == 0:
             blank = 1  # threads of one dump are separated by one blank line
         elif start is not None:

@@ -1,15 +1,23 @@
 """The progress watchdog on every rank: no training step for K x the median step time, and every thread's Python
-stack goes into the rank's stderr (its submitit log; rank 0's too), written by faulthandler's own C thread, so a
-rank stuck in a collective, in C code or asleep is dumped all the same. At the same moment a Python thread runs
-``py-spy dump`` on the rank when py-spy is installed (idle/active per thread, into the same stderr), dumps
-the rank's flight record (``frtrace``: which collective it entered last) next to torch's own dump path, and rank 0
-waits a little for every rank's record and logs which collective each rank is in and who never joined. `doctor`
-reads both: the ranks inside a collective waited for the rank whose record stops before it (docs/doctor.md).
+stack goes into the rank's stderr (its submitit log; rank 0's too), so a rank stuck in a collective, in C code or
+asleep is dumped all the same. At the same moment ``py-spy dump`` runs on the rank when py-spy is installed
+(idle/active per thread, into the same stderr), the rank dumps its flight record (``frtrace``: which collective it
+entered last) next to torch's own dump path, and rank 0 waits a little for every rank's record and logs which
+collective each rank is in and who never joined. `doctor` reads both: the ranks inside a collective waited for
+the rank whose record stops before it (docs/doctor.md).
 
-Each step end re-arms ``faulthandler.dump_traceback_later`` with the limit (pure ``limit_s``): K (10) x the median of
-the last steps, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the process-group timeout, so the dump comes
-before the collective times out. Nothing is armed before ``WARMUP_STEPS`` steps (compilation, the first gathers),
-nor during a checkpoint save (``pause``). A ``train.command`` script has no steps to watch: there, USR1 dumps.
+Each step end re-arms a timer with the limit (pure ``limit_s``): K (10) x the median of the last steps, at least
+``FLOOR_S``, and at most ``CAP_FRACTION`` of the process-group timeout, so the dump comes before the collective
+times out. Nothing is armed before ``WARMUP_STEPS`` steps (compilation, the first gathers), nor during a checkpoint
+save (``pause``). A ``train.command`` script has no steps to watch: there, USR1 dumps.
+
+Who writes the stacks: the timer's Python thread, with ``faulthandler.dump_traceback`` while it holds the GIL.
+faulthandler's own timed dump (``dump_traceback_later``) walks the other threads' frames from a C thread without
+the GIL, and a thread that runs Python code meanwhile changes them under it: the rank dies of SIGSEGV (a script
+that dumps while two threads recurse crashes in every run). The timer's thread started at the limit is such a
+thread. faulthandler's C thread stays armed as the backup, ``BACKUP_MIN_S`` (or the limit, if longer) after the
+limit, and the timer's first act cancels it: it fires only when no Python thread got the GIL for that long, i.e.
+when a thread holds the GIL in C code, and then no frame moves under it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ FLOOR_ENV = "SWIFTSLURM_WATCHDOG_FLOOR_S"  # tests: a shorter floor
 STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS" makes that rank sleep after that step
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # prctl(2)
 SPY_TIMEOUT_S = 60
+BACKUP_MIN_S = 30.0  # faulthandler's C-thread dump, only if the timer's thread got no GIL this long after the limit
+BACKUP_ENV = "SWIFTSLURM_WATCHDOG_BACKUP_S"  # tests: a shorter BACKUP_MIN_S
 GATHER_S = 20.0  # rank 0 waits at most this long (and at most the limit) for the other ranks' flight records
 
 
@@ -57,6 +67,7 @@ class ProgressWatchdog:
         self.timeout_s = timeout_s
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
+        self.backup_s = float(env.get(BACKUP_ENV) or BACKUP_MIN_S)
         self.stall = _parse_stall(env.get(STALL_ENV, ""))
         self.durations: list[float] = []
         self._last: float | None = None
@@ -76,16 +87,15 @@ class ProgressWatchdog:
     def _arm(self, limit: float) -> None:
         import faulthandler
 
-        try:
-            faulthandler.dump_traceback_later(limit, repeat=False, file=self.target, exit=False)
-            self.armed_s = limit
-        except (ValueError, RuntimeError, OSError, AttributeError):  # no real file behind stderr: no dumps
-            self.armed_s = None
         self._cancel_timer()
-        if self.fr_prefix:
-            self._timer = threading.Timer(limit, self._fire, (limit,))
-            self._timer.daemon = True
-            self._timer.start()
+        try:  # the backup for a GIL held in C code; the timer cancels it before anything else (module docstring)
+            faulthandler.dump_traceback_later(limit + max(limit, self.backup_s), repeat=False, file=self.target, exit=False)
+        except (ValueError, RuntimeError, OSError, AttributeError):  # no real file behind stderr: no dumps from C
+            pass
+        self.armed_s = limit
+        self._timer = threading.Timer(limit, self._fire, (limit,))
+        self._timer.daemon = True
+        self._timer.start()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -93,12 +103,17 @@ class ProgressWatchdog:
             self._timer = None
 
     def _fire(self, limit: float) -> None:
-        """No step for ``limit`` s (this runs in the timer's thread while the main one is stuck): dump this
-        rank's flight record; rank 0 then gathers every rank's and logs where each one is."""
+        """No step for ``limit`` s (this runs in the timer's thread while the main one is stuck): dump every thread's
+        stack and this rank's flight record; rank 0 then gathers every rank's record and logs where each one is."""
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()  # first: no C-thread dump may walk frames while this thread runs
         fired = time.time()
-        frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
+        self._dump_stacks(limit)
+        if self.fr_prefix:
+            frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
         self._py_spy(limit)
-        if self.rank != 0 or self.world_size < 2:
+        if self.rank != 0 or self.world_size < 2 or not self.fr_prefix:
             return
         since = fired - limit  # records of this stall, not of an earlier one
         deadline = time.monotonic() + min(GATHER_S, limit)
@@ -115,6 +130,17 @@ class ProgressWatchdog:
             lines = frtrace.describe(found, frtrace.nodes_of(records))
         for line in lines:
             log.warning("watchdog: %s", line)
+
+    def _dump_stacks(self, limit: float) -> None:
+        """Every thread's Python stack, by faulthandler, from this thread: it holds the GIL, so no frame moves."""
+        import faulthandler
+
+        try:
+            self.target.write(f"watchdog: no step for {limit:.0f} s: stacks of rank {self.rank} (pid {os.getpid()})\n")
+            self.target.flush()
+            faulthandler.dump_traceback(file=self.target, all_threads=True)
+        except (ValueError, RuntimeError, OSError, AttributeError):  # no real file behind the target
+            pass
 
     def _py_spy(self, limit: float) -> None:
         """``py-spy dump`` of this process into the rank's stderr, when py-spy is installed (the train extra has it):
