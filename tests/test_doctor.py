@@ -27,6 +27,7 @@ from swiftslurm.doctor.target import runs_of
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
 from swiftslurm.submit import submit_plan
+from tests.test_resume import explain
 
 HEALTHY_RUN = Path(__file__).parent / "data" / "watch_run"  # the quickstart model, 12 steps, 2 ranks (local)
 WAIT_S = 180
@@ -102,14 +103,6 @@ def node_of(out: Path, rank: int) -> str:
     """The node a rank ran on, as its own log's ``[rank r node]`` tag says."""
     tag = f"[rank {rank} "
     return [ln for ln in (out / "logs" / f"rank-{rank}.log").read_text().splitlines() if tag in ln][0].split(tag)[1].split("]")[0]
-
-
-def rank_logs(out: Path, chars: int = 4000) -> str:
-    """The end of every rank's submitit log (stderr, then stdout): what a failed run's assertion shows."""
-    parts = []
-    for path in sorted((out / "logs" / "submitit").glob("*/*_log.*"), key=lambda p: (p.name.split("_")[1], p.suffix != ".err")):
-        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
-    return "\n".join(parts) or f"no submitit logs under {out}"
 
 
 def cli(*args):
@@ -407,7 +400,7 @@ def test_the_watchdog_dumps_every_rank_when_one_stops_stepping_and_doctor_names_
     raw = parse_toml(STALLED.format(out=json.dumps(str(out)), data=json.dumps(str(data))))
     sub = submit_plan(make_plan(validate_spec(raw), raw, base_dir=str(tmp_path), source="stalled.toml"), executor="local")
     states = list(sub.wait(timeout_s=400, poll_s=1).values())
-    assert states == ["COMPLETED"], f"{states}\n{rank_logs(out)}"  # the sleep ends, the run finishes
+    assert states == ["COMPLETED"], f"{states}\n{explain(out)}"  # the sleep ends, the run finishes
     run = runs_of(str(out))[0]
     dumps = {d.rank: d for lines in run.lines for d in stack_dumps(lines)}
     assert set(dumps) == {0, 1}, sorted(dumps)
