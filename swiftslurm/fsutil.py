@@ -1,13 +1,39 @@
-"""The one atomic file write: readers see the old content or the new, never a mix.
+"""Files: the one atomic write, and the one reading edge for files we did not write.
+
+## Writing
+
+The one atomic file write: readers see the old content or the new, never a mix.
 
 Used for everything several processes or a later rerun read back: the plan, submission records,
 requeue records, the preflight report, the training summary, checkpoint manifests and ``latest``.
+
+## Reading
+
+Task dirs, checkpoints, logs, submission records, the node ledger and imported checkpoints live on
+shared filesystems: another user or tool may have put anything there. Everything that reads such a file
+goes through here, so every reader gets the same guarantees:
+
+- regular files only: a FIFO, socket or device is refused without blocking (``O_NONBLOCK`` on open,
+  ``fstat`` before the first read); ``follow_symlinks=False`` also refuses a symlink;
+- a byte cap per kind of file (the ``*_CAP`` constants): a bigger file is refused, never read whole;
+- JSON parsed with a depth limit, finite numbers only (no NaN/Infinity, no float that overflows to inf)
+  and integers inside int64;
+- no pickle: :func:`plain_unpickle` rebuilds builtin containers and scalars and refuses every class;
+- every failure is :class:`Unreadable` (a ``ValueError``) naming the file and why, never a traceback.
+  A missing file stays ``FileNotFoundError`` so callers keep their "not there yet" branch.
 """
 
 from __future__ import annotations
 
+import errno
+import io
+import json
+import math
 import os
+import pickle
+import stat
 from pathlib import Path
+from typing import Any, BinaryIO
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
@@ -28,3 +54,239 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent, directory=True)
+
+
+# ---------------------------------------------------------------- reading what others may have written
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+# Caps by kind of file: far above anything a real run writes, far below what would hurt a login node.
+RECORD_CAP = 4 * MIB  # small JSON records: submission.json, owner, requeues, summary, preflight report, plan
+LEDGER_CAP = 16 * MIB  # the node-health ledger
+MANIFEST_CAP = 256 * MIB  # a checkpoint manifest (~200 bytes a file)
+CONFIG_CAP = 64 * MIB  # config.json, trainer_state.json, a safetensors index, a DeepSpeed JSON
+LINE_CAP = 4 * MIB  # one JSONL line (metrics.jsonl, a dataset record)
+DUMP_CAP = 64 * MIB  # a flight-recorder dump
+RESULT_CAP = 16 * MIB  # a submitit result pickle
+TAG_CAP = 4 * KIB  # a one-line pointer file: ``latest``
+MAX_DEPTH = 64  # JSON nesting: our files nest 5 deep at most
+INT_LIMIT = 1 << 63  # integers outside int64 are refused (sizes, steps, ranks, times)
+
+
+class Unreadable(ValueError):
+    """A file that cannot be trusted or read; ``why`` says what was found, ``path`` names it."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, why: str) -> None:
+        self.path = str(path) if path is not None else ""
+        self.why = why
+        super().__init__(f"{self.path}: {why}" if self.path else why)
+
+
+class NotRegularFile(OSError):
+    """A path that should be a file is a FIFO, socket, device or directory (or a refused symlink)."""
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def describe_os_error(path: str | os.PathLike[str], exc: OSError) -> str:
+    """One line for an OSError met while reading ``path``: the errno name and what it means, and where a
+    symlink points when it dangles ("dangling symlink to /gone/shard.pt")."""
+    if isinstance(exc, NotRegularFile):
+        return str(exc.strerror)
+    if isinstance(exc, FileNotFoundError) and os.path.islink(path):
+        return f"unreadable: dangling symlink to {os.readlink(path)}"
+    code = errno.errorcode.get(exc.errno or 0, "")
+    what = exc.strerror or str(exc)
+    return f"unreadable: {what}" + (f" ({code})" if code and code not in what else "")
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:
+    """``path`` opened for binary reading (unbuffered), refusing anything but a regular file without ever
+    blocking: a FIFO would block ``open`` forever, a device is endless. NotRegularFile names what it is."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if not follow_symlinks and exc.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not a regular file", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _cap_text(cap: int) -> str:
+    return f"{cap // MIB} MiB" if cap >= MIB and cap % MIB == 0 else f"{cap // KIB} KiB" if cap >= KIB else f"{cap} bytes"
+
+
+def read_bytes(path: str | os.PathLike[str], cap: int, *, follow_symlinks: bool = True) -> bytes:
+    """The whole of a regular file of at most ``cap`` bytes. FileNotFoundError when it is not there (and no
+    dangling link); Unreadable for everything else (not a regular file, over the cap, an I/O error)."""
+    try:
+        with open_regular(path, follow_symlinks=follow_symlinks) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > cap:
+                raise Unreadable(path, f"{size} bytes, over the {_cap_text(cap)} cap for this kind of file")
+            data = _read_upto(fh, cap + 1)
+    except FileNotFoundError as exc:
+        if os.path.islink(path):
+            raise Unreadable(path, describe_os_error(path, exc)) from None
+        raise
+    except OSError as exc:
+        raise Unreadable(path, describe_os_error(path, exc)) from None
+    if len(data) > cap:  # grew while we read
+        raise Unreadable(path, f"over the {_cap_text(cap)} cap for this kind of file")
+    return data
+
+
+def _read_upto(fh: BinaryIO, limit: int) -> bytes:
+    chunks, left = [], limit
+    while left > 0:
+        chunk = fh.read(min(left, 4 * MIB))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_text(path: str | os.PathLike[str], cap: int, *, follow_symlinks: bool = True, errors: str = "strict") -> str:
+    """A regular file's text (UTF-8) under ``cap`` bytes; Unreadable when not UTF-8 (with ``errors='strict'``)."""
+    data = read_bytes(path, cap, follow_symlinks=follow_symlinks)
+    try:
+        return data.decode("utf-8", errors)
+    except UnicodeDecodeError as exc:
+        raise Unreadable(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def read_tail(path: str | os.PathLike[str], offset: int, max_bytes: int) -> tuple[bytes, int]:
+    """Bytes of a regular file from ``offset`` to its end, at most the last ``max_bytes`` of them:
+    (bytes, where they start). A file that shrank is read from 0. Never blocks; Unreadable as read_bytes."""
+    try:
+        with open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < offset:
+                offset = 0
+            start = max(offset, size - max_bytes)
+            fh.seek(start)
+            return _read_upto(fh, size - start), start
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise Unreadable(path, describe_os_error(path, exc)) from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this file may hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20:
+        raise ValueError(f"integer of {len(text)} digits is out of range")
+    value = int(text)
+    if not -INT_LIMIT <= value < INT_LIMIT:
+        raise ValueError(f"integer {text} is out of range")
+    return value
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests (iterative: never recurses), stopping once past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return deepest
+
+
+def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None, max_depth: int = MAX_DEPTH) -> Any:
+    """JSON text as Python values, or Unreadable: not JSON, nested deeper than ``max_depth``, NaN/Infinity,
+    a float that overflows, or an integer outside int64."""
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
+    except RecursionError:
+        raise Unreadable(source, f"JSON nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise Unreadable(source, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise Unreadable(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise Unreadable(source, f"not valid JSON: {exc}") from None
+    if _depth(value, max_depth) > max_depth:
+        raise Unreadable(source, f"JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def read_json(path: str | os.PathLike[str], cap: int = RECORD_CAP, *, expect: type | None = dict,
+              max_depth: int = MAX_DEPTH, follow_symlinks: bool = True) -> Any:
+    """A JSON file read through every guard above; ``expect`` (dict by default, None for any) is the shape
+    the top level must have. FileNotFoundError when it is not there; Unreadable otherwise."""
+    value = loads_json(read_bytes(path, cap, follow_symlinks=follow_symlinks), source=path, max_depth=max_depth)
+    if expect is not None and not isinstance(value, expect):
+        raise Unreadable(path, f"a JSON {_json_kind(value)} where a JSON {_json_kind(expect())} belongs")
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builtin containers and scalars only: every global (a class, a function: the way pickles run code) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed (only plain values are read)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def plain_unpickle(data: bytes, *, source: str | os.PathLike[str] | None = None) -> Any:
+    """A pickle of plain values (dicts, lists, tuples, strings, numbers); Unreadable for anything else.
+    Never runs code: no global is ever looked up."""
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except RecursionError:
+        raise Unreadable(source, "pickle nested too deep") from None
+    except Exception as exc:  # noqa: BLE001 -- torn, foreign or hostile: all the same verdict
+        raise Unreadable(source, f"not a pickle of plain values ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def read_plain_pickle(path: str | os.PathLike[str], cap: int = RESULT_CAP) -> Any:
+    return plain_unpickle(read_bytes(path, cap), source=path)
+
+
+def is_inside(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+    """``path``, with every symlink resolved, is ``root`` or lies under it (``root`` resolved too)."""
+    try:
+        real_root, real = Path(root).resolve(), Path(path).resolve()
+    except (OSError, RuntimeError):
+        return False
+    return real == real_root or real_root in real.parents

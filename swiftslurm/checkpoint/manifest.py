@@ -14,12 +14,10 @@ Hashing is parallel over files (a thread pool: xxhash and hashlib release the GI
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
 import os
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from typing import Any, Callable
 
 import xxhash
 
+from ..fsutil import NotRegularFile, describe_os_error, file_kind, open_regular  # noqa: F401 -- re-exported
 from .versions import MANIFEST_VERSION, UnsupportedVersion, upgrade, version_of, writer_fields
 
 MANIFEST_NAME = "manifest.json"
@@ -60,45 +59,6 @@ def walk_files(root: Path) -> list[str]:
             full = Path(dirpath) / name
             out.append(full.relative_to(root).as_posix())
     return sorted(out)
-
-
-class NotRegularFile(OSError):
-    """A path that should be a checkpoint file is a FIFO, socket, device or directory."""
-
-
-def open_regular(path: Path):
-    """``path`` opened for reading, refusing anything but a regular file (a FIFO would block ``open``
-    forever, a device or socket is not a shard): OSError naming what it is instead. Symlinks are followed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "a special file"
-
-
-def describe_os_error(path: Path, exc: OSError) -> str:
-    """One line for an OSError met while reading ``path``: the errno name and what it means, and where a
-    symlink points when it dangles ("dangling symlink to /gone/shard.pt")."""
-    if isinstance(exc, NotRegularFile):
-        return str(exc.strerror)
-    if isinstance(exc, FileNotFoundError) and os.path.islink(path):
-        return f"unreadable: dangling symlink to {os.readlink(path)}"
-    code = errno.errorcode.get(exc.errno or 0, "")
-    what = exc.strerror or str(exc)
-    return f"unreadable: {what}" + (f" ({code})" if code and code not in what else "")
 
 
 def read_file(path: Path, algo: str | None, progress: Progress | None = None, buf: bytearray | None = None) -> dict:
