@@ -333,6 +333,13 @@ def test_a_divergence_that_ends_in_nan_is_one_finding(tmp_path):
     assert [f.code for f in diagnose_task(read_task(0, str(tmp_path)))] == ["nan_grad_norm"]
 
 
+def test_a_loss_of_hundreds_of_digits_is_no_traceback(tmp_path):
+    data = curve([2.0, 1.9, 1.8, 1.7, 1.6, 1.5])
+    data[-1]["loss"] = 10 ** 400  # json writes the int whole; float() of it overflows
+    write_metrics(tmp_path, data)
+    assert diverged_of(tmp_path) == []  # not finite: neither a rise nor a crash
+
+
 def healthy_curves() -> list:
     import random
 
