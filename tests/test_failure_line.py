@@ -213,3 +213,29 @@ def test_a_preflight_without_nc_is_the_line_every_command_shows(tmp_path):
     # the rank's own last line: submitit's TaskFailed, carrying the reason
     err = next((out / "logs" / "submitit").rglob("*_0_log.err")).read_text().splitlines()
     assert err[-1].endswith(f"TaskFailed: task 0 (train) exited with code 4 on this rank: {reason}"), err[-5:]
+
+
+def test_a_rank_records_its_exception_and_a_rerun_clears_it(tmp_path):
+    """`swiftslurm run` (one local rank, no Slurm): a train.command that cannot start is a RuntimeEnvError, recorded
+    with its hint; the next run of the task removes that record, whatever it then does."""
+    import tomllib
+
+    from swiftslurm.plan import make_plan, write_plan
+    from swiftslurm.spec import parse_spec
+
+    def run(command: list[str]) -> subprocess.CompletedProcess:
+        toml = (f'[job]\nname = "rec"\noutput_dir = "{tmp_path}/out"\n[slurm]\ntasks_per_node = 1\n[train]\n'
+                f"command = {json.dumps(command)}\n[preflight]\nchecks = []\n")
+        plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="t.toml"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}
+        return subprocess.run([sys.executable, "-m", "swiftslurm", "run", "--plan", str(plan)], env=env, capture_output=True, text=True, timeout=120)
+
+    started = time.time()
+    proc = run([str(tmp_path / "no-such-trainer")])
+    assert proc.returncode == 1 and "cannot start train.command" in proc.stderr, proc.stderr
+    [rec] = failure.read_failures(tmp_path / "out", since=started - 1)
+    assert (rec.rank, rec.kind) == (0, "exception") and rec.what.startswith("cannot start train.command (No such file or directory)")
+    assert rec.hint == "check the program name and that it is on PATH on every node"
+    assert task_failure(str(tmp_path / "out"), since=started).text == rec.line()
+    assert run([sys.executable, "-c", "raise SystemExit(3)"]).returncode == 3
+    assert failure.read_failures(tmp_path / "out") == []  # the rerun's rank 0 removed its earlier reason; an exit code is no record
