@@ -34,12 +34,13 @@ class TaskFailed(RuntimeError):
 
 
 def run_rank(plan_path: str, task_index: int, mode: str = "train") -> int:
-    """The submitit callable: ``runtime.run_task`` on one rank; a non-zero exit fails the step."""
-    from .node.runtime import run_task
+    """The submitit callable: ``runtime.run_task`` on one rank; a non-zero exit fails the step, with the reason
+    this rank recorded (a failed preflight's check and fix) in the message: the last line of the rank's log."""
+    from .node.runtime import run_task_outcome
 
-    code = run_task(plan_path, task_index, mode)
+    code, why = run_task_outcome(plan_path, task_index, mode)
     if code != 0:
-        raise TaskFailed(f"task {task_index} ({mode}) exited with code {code} on this rank")
+        raise TaskFailed(f"task {task_index} ({mode}) exited with code {code} on this rank" + (f": {why.line()}" if why else ""))
     return code
 
 

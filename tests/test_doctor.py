@@ -277,9 +277,96 @@ def test_nan_grad_norm_after_ten_consecutive_logged_steps(tmp_path, bad, found):
     write_metrics(tmp_path, data + [{"step": 99, "time": 2000.0, "loss": 1.0, "grad_norm": 1.0}])
     codes = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "nan_grad_norm"]
     assert bool(codes) is found
+    assert not diverged_of(tmp_path)  # finite rows 3.0 after 2.0: no rise; a NaN run is the NaN rule's
     if found:
         assert codes[0].evidence[0].file == "metrics.jsonl" and codes[0].evidence[0].step == 6 and "train.max_grad_norm" in codes[0].keys
         assert "train.max_grad_norm = 0.5, now 1" in codes[0].fix  # the default, as no spec.json says otherwise
+
+
+DIVERGED_RUN = Path(__file__).parent / "data" / "doctor" / "diverged_lr10"  # a real lr = 10 quickstart run (its README)
+
+
+def diverged_of(root: Path) -> list:
+    return [f for f in diagnose_task(read_task(0, str(root))) if f.code == "diverged"]
+
+
+def test_diverged_on_a_real_run_with_learning_rate_10(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "metrics.jsonl").write_bytes((DIVERGED_RUN / "metrics.jsonl").read_bytes())
+    (root / "spec.json").write_text(json.dumps({"spec": {"train": {"learning_rate": 10, "max_grad_norm": 1.0}}}))
+    found = diverged_of(root)
+    assert len(found) == 1, found
+    f = found[0]
+    assert "loss rose from 5.626" in f.what and "to step 40" in f.what and "grad norm rose from 2.96" in f.what
+    assert [(e.file, e.step) for e in f.evidence] == [("metrics.jsonl", 1), ("metrics.jsonl", 40)] * 2
+    assert "train.learning_rate (now 10; try 1)" in f.fix and "train.max_grad_norm = 0.5, now 1" in f.fix
+    assert f.keys == ("train.learning_rate", "train.warmup_ratio", "train.max_grad_norm")
+    assert all(f.code != "nan_grad_norm" for f in diagnose_task(read_task(0, str(root))))
+
+
+def curve(losses: list[float], grads: list[float] | None = None) -> list[dict]:
+    """Rows as the trainer logs them (logging_first_step: step 1, then every 5), a save row in between."""
+    out = [{"step": 1 if i == 0 else 5 * i, "time": 1000.0 + i, "loss": x, "grad_norm": (grads or [1.0] * len(losses))[i],
+            "learning_rate": 1e-4} for i, x in enumerate(losses)]
+    out.insert(len(out) // 2, {"step": out[len(out) // 2]["step"], "time": 1000.5, "checkpoint": "checkpoint-x"})
+    return out
+
+
+@pytest.mark.parametrize("losses,grads", [
+    # the issue's run: ~5 at first, thousands in between, 131 where it stopped (logging every 5 steps, 10 rows)
+    ([5.1, 2210.0, 4870.0, 3920.0, 2950.0, 1700.0, 980.0, 402.0, 255.0, 131.0], [3.0, 95.0, 180.0, 240.0, 190.0, 130.0, 88.0, 61.0, 40.0, 22.0]),
+    # the grad norm alone explodes (300x), the loss still looks fine
+    ([2.1, 2.0, 1.9, 1.9, 1.8, 1.9, 1.8, 1.9], [0.9, 1.1, 1.0, 8.0, 60.0, 240.0, 310.0, 280.0]),
+    # four rows are enough (two windows of two)
+    ([3.0, 3.1, 40.0, 55.0], None),
+])
+def test_diverged_without_nan(tmp_path, losses, grads):
+    write_metrics(tmp_path, curve(losses, grads))
+    found = diverged_of(tmp_path)
+    assert len(found) == 1 and found[0].evidence[0].file == "metrics.jsonl"
+    assert ("loss rose" in found[0].what) == (losses[-1] > 10) and ("grad norm rose" in found[0].what) == bool(grads and grads[-1] > 100)
+
+
+def test_a_divergence_that_ends_in_nan_is_one_finding(tmp_path):
+    write_metrics(tmp_path, curve([5.0, 5.2, 400.0, 3000.0, 9000.0] + [float("nan")] * 10))
+    assert [f.code for f in diagnose_task(read_task(0, str(tmp_path)))] == ["nan_grad_norm"]
+
+
+def test_a_loss_of_hundreds_of_digits_is_no_traceback(tmp_path):
+    data = curve([2.0, 1.9, 1.8, 1.7, 1.6, 1.5])
+    data[-1]["loss"] = 10 ** 400  # json writes the int whole; float() of it overflows
+    write_metrics(tmp_path, data)
+    assert diverged_of(tmp_path) == []  # not finite: neither a rise nor a crash
+
+
+def healthy_curves() -> list:
+    import random
+
+    rnd = random.Random(30)
+    return [
+        [5.6 * 0.93 ** i for i in range(30)],  # going down
+        [2.0 + rnd.uniform(-0.8, 0.8) for _ in range(40)],  # noisy but flat
+        [1.2, 1.1, 1.0, 0.9, 0.9, 1.4, 1.8, 1.7, 1.6],  # a bump at the end, under 2x
+        [0.05, 0.04, 0.05, 0.2, 0.25, 0.3],  # a loss near 0 growing 6x: only 0.25 higher, noise
+        [9.0, 3.0, 120.0],  # too few rows to tell (3)
+    ]
+
+
+@pytest.mark.parametrize("losses", healthy_curves())
+def test_no_diverged_on_healthy_curves(tmp_path, losses):
+    lora_grads = [0.02 * 1.6 ** i for i in range(len(losses))][:len(losses)]  # LoRA from B = 0: norms grow, stay small
+    write_metrics(tmp_path, curve(losses, [min(g, 5.0) for g in lora_grads]))
+    assert diverged_of(tmp_path) == []
+
+
+@pytest.mark.parametrize("fixture", sorted(p.parent.name for p in (Path(__file__).parent / "data").rglob("metrics.jsonl")
+                                           if p.parent != DIVERGED_RUN))
+def test_no_diverged_on_any_metrics_fixture(tmp_path, fixture):
+    src = next(p for p in (Path(__file__).parent / "data").rglob("metrics.jsonl") if p.parent.name == fixture)
+    (tmp_path / "metrics.jsonl").write_bytes(src.read_bytes())
+    assert len(read_task(0, str(tmp_path)).metrics) >= 6
+    assert diverged_of(tmp_path) == []
 
 
 def test_speed_diagnosis_in_its_steps(tmp_path):

@@ -34,6 +34,24 @@ def test_one_gpu_mixed_links_and_no_matrix():
     assert parse_topo_matrix("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")["interconnect"] == ""
 
 
+def test_one_gpu_as_nvidia_smi_prints_it_is_one_gpu_never_no_gpus():
+    """topo_h200_1gpu_ansi.txt is `nvidia-smi topo -m` of the project's H200 node (driver 580), byte for byte:
+    the header underlined with ANSI escapes even into a file. One GPU has no pair: still one GPU."""
+    raw = text("topo_h200_1gpu_ansi.txt")
+    assert "\x1b[4m" in raw  # the capture keeps the escapes the parser has to see through
+    topo = parse_topo_matrix(raw)
+    assert topo == {"gpus": 1, "interconnect": "single GPU", "nvlinks": 0, "pcie_paths": [], "nics": []}
+    seen = judge_transport("gpu-h200", [], None, False, topo)
+    assert seen.ok and seen.observed == "1 GPU (no interconnect to check); no active IB/RoCE port"
+    assert "no GPUs" not in seen.observed
+    # the same escapes around an 8-GPU header: the matrix is still read
+    underlined = text("topo_nvlink_8gpu.txt").replace("\tGPU0", "\t\x1b[4mGPU0", 1)
+    assert parse_topo_matrix(underlined) == parse_topo_matrix(text("topo_nvlink_8gpu.txt"))
+    # a matrix we cannot read is "unknown", not zero GPUs
+    unread = judge_transport("gpu-h200", [], None, False, parse_topo_matrix("NVIDIA-SMI has failed"))
+    assert "GPU interconnect unknown" in unread.observed and "no GPUs" not in unread.observed
+
+
 def test_nccl_on_roce_and_on_sockets():
     roce = parse_nccl_transport(text("nccl_roce.txt"))
     assert roce == {"network": "IB", "net_devices": ["mlx5_0:1/RoCE", "mlx5_1:1/RoCE"], "via": ["NET/IB", "P2P/CUMEM"],
@@ -100,7 +118,7 @@ def test_each_nodes_reading_is_judged_with_the_transport_of_its_own_ranks(tmp_pa
     sock, roce = parse_nccl_transport(text("nccl_socket_fallback.txt")), parse_nccl_transport(text("nccl_roce.txt"))
     judged = combine(readings, {0: roce, 1: roce, 2: None, 3: sock}, ["n1", "n1", "n2", "n2"], True)
     assert [(r.node, r.ok) for r in judged] == [("n1", True), ("n2", False)]
-    assert "NCCL_IB_GID_INDEX" in judged[1].hint and "1 GPU(s) over single GPU" in judged[1].observed
+    assert "NCCL_IB_GID_INDEX" in judged[1].hint and "1 GPU (no interconnect to check)" in judged[1].observed
 
 
 def test_the_nccl_log_is_captured_only_where_a_fabric_could_be_missed(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from rich.console import Console
@@ -18,9 +17,6 @@ from ..submission import Submission, TaskStatus, load_submission
 from ..submit import resolve_executor, submit_plan
 from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
-
-_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # the runtime's own log lines
-
 
 def _says_auto(console: Console, requested: str, kind: str) -> None:
     if requested == "auto":
@@ -99,41 +95,17 @@ def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) ->
             console.print((f"task {index}: " if len(sub.task_dirs) > 1 else "") + text, highlight=False, markup=False)
 
 
-def last_error_line(sub: Submission, index: int) -> str | None:
-    """The last line rank 0 of a task wrote to stderr (submitit's log), srun's own lines skipped."""
-    if not sub.folder or index >= len(sub.job_ids):
-        return None
-    path = Path(sub.folder) / f"{sub.job_ids[index]}_0_log.err"
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - 8192))
-            lines = fh.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    lines = [ln.removeprefix("[rank0]: ").strip() for ln in lines]
-    lines = [ln for ln in lines if ln and not ln.startswith(("srun:", "submitit ", "slurmstepd:")) and not _LOG_LINE.match(ln)]
-    if not lines:
-        return None
-    last = lines[-1]
-    if last.startswith(("swiftslurm.submit.TaskFailed", "TaskFailed")) and "Traceback (most recent call last):" in lines:
-        # the user's command failed: its own last words come before submitit's traceback
-        start = len(lines) - 1 - lines[::-1].index("Traceback (most recent call last):")
-        if start > 0:
-            return f"{lines[start - 1][:240]} ({last.split(': ', 1)[-1]})"
-    return last[:300]
-
-
 def follow(console: Console, sub: Submission, timeout_s: float | None = None, interval_s: float | None = None) -> int:
     """Live progress until every task ends (plain lines off a terminal); 0 only if all COMPLETED, else 1."""
-    from .watch_cmd import follow_progress
+    from .watch_cmd import FAILED_NOTES, failure_text, follow_progress
 
     states = follow_progress(console, sub, interval_s=interval_s, timeout_s=timeout_s)
     _print_train_summaries(console, sub)
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
         console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + escape(", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10])), highlight=False)
-        for t in list(bad)[:3]:
-            why = last_error_line(sub, int(t))
+        for t in list(bad)[:FAILED_NOTES]:
+            why = failure_text(sub, int(t))  # the rank's recorded reason, else its last real line
             if why:
                 console.print(f"  task {t}: {why}", highlight=False, markup=False)
         console.print(f"logs: {sub.folder}  (errors by rank: swiftslurm logs {_q(sub.output_dir)} --errors)" if sub.output_dir else f"logs: {sub.folder}", highlight=False)

@@ -168,16 +168,36 @@ def progress_rows(sub: Submission, watcher: Watcher | None = None) -> list[Progr
     return watcher.rows(sub.statuses())
 
 
+FAILED_NOTES = 3  # tasks whose reason `status` and `submit --wait` print under the table
+
+
+def failed_tasks(rows: list[Progress]) -> list[int]:
+    """Tasks that ended in failure (not COMPLETED, not CANCELLED by someone, not still running)."""
+    return [r.task for r in rows if slurm.is_final(r.state) and r.state not in ("COMPLETED", "CANCELLED")]
+
+
+def failure_text(sub: Submission, task: int) -> str | None:
+    """Why ``task`` of ``sub`` failed, in one line (watch/failure.py: the rank's record, else its last words)."""
+    from ..watch.failure import task_failure
+
+    if task >= len(sub.job_ids):
+        return None
+    task_dir = sub.task_dirs[task] if task < len(sub.task_dirs) else ""
+    found = task_failure(task_dir, sub.folder, sub.job_ids[task], sub.submitted_at)
+    return found.text if found else None
+
+
 def status_json(sub: Submission, rows: list[Progress]) -> dict:
     if is_sweep(rows):
         rows = rank_sweep(rows)
+    failed = set(failed_tasks(rows))
     return {
         "executor": sub.executor,
         "job_ids": sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids,
         "output_dir": sub.output_dir or None,
         "tasks": [
             {**r.to_json(), "elapsed": clock(r.elapsed_s), "output_dir": r.output_dir or None,
-             "latest_checkpoint": r.checkpoint}
+             "latest_checkpoint": r.checkpoint, "failure": failure_text(sub, r.task) if r.task in failed else None}
             for r in rows
         ],
         "total": total_of(rows).__dict__ if len(rows) > 1 else None,
@@ -255,7 +275,16 @@ def status_view(console: Console, sub: Submission, as_json: bool) -> int:
     else:
         console.print(progress_table(rows, job_title(sub), with_checkpoint=bool(sub.output_dir), narrow=console.width < 120))
     print_notes(console, rows)
+    print_failures(console, sub, failed_tasks(rows))
     return 0
+
+
+def print_failures(console: Console, sub: Submission, tasks: list[int]) -> None:
+    """Under the table: why the first FAILED_NOTES failed tasks failed, one line each."""
+    for task in tasks[:FAILED_NOTES]:
+        why = failure_text(sub, task)
+        if why:
+            console.print(f"  task {task}: {why}", highlight=False, markup=False, soft_wrap=True)
 
 
 def print_notes(console: Console, rows: list[Progress]) -> None:
@@ -293,7 +322,11 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
     budget = L.SCAN_BYTES if tail is None else max(64 << 10, tail * 1024)
     per_source = [L.select(lines, rank, node) for lines in reader.new_lines(budget)]
     if errors:
-        return _print_errors(console, L.find_errors(per_source), many, sum(1 for _ in per_source))
+        from ..watch.failure import recorded
+
+        since = sub.submitted_at if sub is not None else 0.0
+        records = [(r.task, f) for r in refs for f in recorded(r.task_dir, since)[:1]]
+        return _print_errors(console, L.find_errors(per_source), many, sum(1 for _ in per_source), records)
     lines = L.interleave(per_source)
     if tail is not None:
         lines = lines[-tail:] if tail > 0 else []
@@ -309,10 +342,17 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
     return 0
 
 
-def _print_errors(console: Console, reports, many: bool, files: int) -> int:
+def _print_errors(console: Console, reports, many: bool, files: int, records: list | None = None) -> int:
+    """The reason each task's ranks recorded (node/failure.py) first, then the errors found in the logs."""
+    for task, rec in records or []:
+        console.print(Text(f"{'task ' + str(task) + ' ' if many else ''}failed: ", style="bold red") + Text(rec.line())
+                      + Text(f"  (recorded by rank {rec.rank} {rec.node or '?'}, logs/failure-rank-{rec.rank}.json)", style="dim"),
+                      highlight=False, soft_wrap=True)
     if not reports:
         console.print(f"no errors found in {files} log file(s)", highlight=False)
         return 0
+    if records:
+        console.print("")
     first = reports[0]
     console.print(f"{len(reports)} error(s); the first printed by rank {first.rank} ({first.node or '?'})"
                   f"{' of task ' + str(first.task) if many else ''} at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(first.time))}",

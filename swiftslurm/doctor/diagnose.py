@@ -9,11 +9,11 @@ from .findings import Finding, ordered
 from .hang import hang
 from .jobrules import node_failure, walltime_loop
 from .logrules import ckpt_missing_keys, cuda_oom, device_mismatch, host_oom, nccl_timeout
-from .metricrules import nan_grad_norm, speed
+from .metricrules import diverged, nan_grad_norm, speed
 
 RULES: tuple[Callable[[TaskRun], list[Finding]], ...] = (
     hang, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
-    walltime_loop, speed,
+    diverged, walltime_loop, speed,
 )
 
 

@@ -16,6 +16,7 @@ CODES = (
     "ckpt_missing_keys",  # missing/unexpected keys loading a checkpoint
     "nccl_timeout",  # NCCL / gloo / process-group / rendezvous timeouts, watchdog aborts
     "nan_grad_norm",  # grad_norm or loss NaN/inf for NAN_STEPS consecutive logged steps
+    "diverged",  # loss (or grad norm) ended far above its first logged values, all finite
     "walltime_loop",  # requeued at walltime again and again without progress
     "low_gpu_util",  # speed, step 1: GPUs idle more than 15% of the time
     "comm_bound",  # speed, step 2: collectives take over 30% of a step

@@ -1,4 +1,5 @@
-"""Findings from metrics.jsonl: NaN/inf losses and grad norms, and the speed diagnosis in its steps:
+"""Findings from metrics.jsonl: NaN/inf losses and grad norms, a loss or grad norm that blew up while staying
+finite (``diverged``), and the speed diagnosis in its steps:
 (1) are the GPUs busy (``low_gpu_util``)? if not, (2) do collectives eat the step (``comm_bound``)?
 (3) does the data loader keep them waiting (``data_bound``)? (4) otherwise the step itself is the cost
 (micro-batch, sequence length, kernels): no finding, ``plan``'s estimate and the MFU in the metrics say how far."""
@@ -14,6 +15,15 @@ from .findings import Evidence, Finding
 from ..watch.progress import METRICS_FILE
 
 NAN_STEPS = 10  # consecutive logged steps with a non-finite loss or grad_norm
+# diverged: where the run ENDED (the median of its last window of logged rows: one noisy row moves it not)
+# against where it BEGAN (the lowest of its first window: a run that blows up within its first few logged
+# steps, as lr = 10 does by step 2, still has its step-1 value there); the two windows never overlap
+DIVERGE_WINDOW = 3  # logged rows per window (fewer when the run logged fewer than 2 x 3 rows)
+DIVERGE_MIN_ROWS = 4  # below this, two windows of 2 rows: too little to tell a trend from noise
+LOSS_RISE = 4.0  # the loss ends at over 4x where it began ...
+LOSS_RISE_ABS = 1.0  # ... and over 1.0 higher (a loss near 0 going 0.05 -> 0.2 is noise, not divergence)
+GRAD_RISE = 100.0  # the grad norm ends at over 100x where it began ...
+GRAD_MIN = 10.0  # ... and over 10 (early norms of 0.01 growing to 1, as LoRA's do from B = 0, are healthy)
 GPU_UTIL_MIN = 0.85
 COMM_RATIO_MAX = 0.30
 DATA_RATIO_MAX = 0.20
@@ -25,7 +35,10 @@ GPU_UTIL_KEYS = ("gpu_util", "gpu_utilization", "gpu_util_mean", "gpu_util_pct",
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int of hundreds of digits
+        return math.inf if value > 0 else -math.inf
 
 
 def _non_finite(value: Any) -> bool:
@@ -67,6 +80,61 @@ def nan_grad_norm(run: TaskRun) -> list[Finding]:
         f"(train.max_grad_norm = 0.5{clip_now}), use bf16 instead of fp16 (train.bf16 = true, train.fp16 = false), add warm-up",
         ("train.learning_rate", "train.max_grad_norm", "train.bf16", "train.fp16"),
         (_evidence(best[0], key), _evidence(best[-1], key)), run.task, (0,))]
+
+
+def _finite_series(run: TaskRun, key: str) -> list[tuple[float, tuple[int, dict[str, Any]]]]:
+    """(value, row) of every logged row whose ``key`` is a finite number, in file order."""
+    out = []
+    for row in run.metrics:
+        x = _number(row[1].get(key))
+        if x is not None and math.isfinite(x):
+            out.append((x, row))
+    return out
+
+
+def _rise(series: list[tuple[float, tuple[int, dict[str, Any]]]]) -> tuple[float, float, tuple[int, dict[str, Any]], tuple[int, dict[str, Any]], int] | None:
+    """(start, end, the row of the start, the last row, window): start is the lowest of the first window,
+    end the median of the last; None when there are fewer than DIVERGE_MIN_ROWS rows."""
+    if len(series) < DIVERGE_MIN_ROWS:
+        return None
+    k = min(DIVERGE_WINDOW, len(series) // 2)
+    base, row = min(series[:k], key=lambda v: v[0])
+    end = statistics.median(v for v, _ in series[-k:])
+    return base, end, row, series[-1][1], k
+
+
+def diverged(run: TaskRun) -> list[Finding]:
+    """The loss ended far above where it began (the median of the last DIVERGE_WINDOW logged losses > LOSS_RISE x the
+    lowest of the first ones, and LOSS_RISE_ABS higher), or the grad norm did (GRAD_RISE x, above GRAD_MIN), every value
+    finite. A run the NaN rule already explains is left to it (the same cause: NaN is where divergence ends)."""
+    if nan_grad_norm(run):
+        return []
+    seen: list[str] = []
+    evidence: list[Evidence] = []
+    loss = _rise(_finite_series(run, "loss"))
+    if loss and loss[1] > LOSS_RISE * loss[0] and loss[1] - loss[0] > LOSS_RISE_ABS:
+        base, end, near, last, k = loss
+        seen.append(f"the loss rose from {base:.4g} (the lowest of the first {k} logged steps) to {end:.4g} "
+                    f"(the median of the last {k}, to step {last[1].get('step')})")
+        evidence += [_evidence(near, "loss"), _evidence(last, "loss")]
+    grad = _rise(_finite_series(run, "grad_norm"))
+    if grad and grad[0] > 0 and grad[1] > GRAD_RISE * grad[0] and grad[1] > GRAD_MIN:
+        base, end, near, last, k = grad
+        seen.append(f"the grad norm rose from {base:.4g} to {end:.4g} ({end / base:.0f}x)")
+        evidence += [_evidence(near, "grad_norm"), _evidence(last, "grad_norm")]
+    if not seen:
+        return []
+    lr = run.train("learning_rate")
+    lr_now = f" (now {lr:g}; try {lr / 10:g})" if isinstance(lr, (int, float)) and not isinstance(lr, bool) else ""
+    clip = run.train("max_grad_norm", 1.0)
+    clip_now = f", now {clip:g}" if isinstance(clip, (int, float)) and not isinstance(clip, bool) else ""
+    return [Finding(
+        "diverged", "; ".join(seen) + ", with every value finite: the run diverged instead of learning",
+        "the updates overshoot: the learning rate is too high for this model and batch (or there is no warm-up), "
+        "so each step moves the weights further from a minimum; nothing became NaN, so no other check stopped it",
+        f"lower train.learning_rate{lr_now}, add warm-up (train.warmup_ratio = 0.03), clip gradients harder "
+        f"(train.max_grad_norm = 0.5{clip_now}); resume from a checkpoint saved before the rise, or start over",
+        ("train.learning_rate", "train.warmup_ratio", "train.max_grad_norm"), tuple(evidence), run.task, (0,))]
 
 
 def _steady(run: TaskRun) -> list[tuple[int, dict[str, Any]]]:

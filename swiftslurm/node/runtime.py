@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
-from . import banner, ownership, signals
+from . import banner, failure, ownership, signals
 from .requeue import walltime_exit
 from ..slurm import distenv
 from ..errors import PreflightFailed, RuntimeEnvError
@@ -46,6 +47,12 @@ def run_from_cli(plan_file: Path | None, task: int | None) -> int:
 def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     """Run one rank of one task of a plan. Returns the exit code (0 after a walltime requeue,
     NOT_REQUEUED_EXIT after a walltime stop that was not requeued)."""
+    return run_task_outcome(plan_path, task_index, mode)[0]
+
+
+def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tuple[int, failure.Failure | None]:
+    """``run_task``, and why this rank failed when it knows: the record it wrote (node/failure.py) for a failed
+    preflight (rank 0) or an exception (which is raised on, after the record)."""
     if mode not in ("train", "preflight"):
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
@@ -58,6 +65,17 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
     dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
     distenv.check_allocation(dist, spec)
     ownership.claim(task.output_dir, dist.rank, dist.requeue_id or dist.job_id, dist.node)  # one live job per dir
+    failure.clear_failure(task.output_dir, dist.rank)  # an earlier run's reason is not this run's
+    try:
+        return _run_claimed(data, task, ds_config, dist, mode)
+    except Exception as exc:
+        failure.write_failure(task.output_dir, failure.from_exception(exc, dist.rank, dist.node, dist.job_id))
+        raise
+
+
+def _run_claimed(data, task, ds_config, dist, mode: str) -> tuple[int, failure.Failure | None]:
+    """Everything after this rank holds the task dir: log, banner, preflight, then train or the command."""
+    spec = task.spec
     signals.install(forward_term=bool(spec.train.command))
     out_dir = task.output_dir
     Path(out_dir, "logs").mkdir(parents=True, exist_ok=True)
@@ -73,9 +91,9 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
 
     if spec.preflight.checks or mode == "preflight":
         if not _preflight(dist, spec, out_dir, mode, log, ds_config):
-            return PreflightFailed.exit_code
+            return PreflightFailed.exit_code, _preflight_failed(dist, out_dir, log)
         if mode == "preflight":
-            return 0
+            return 0, None
 
     if dist.rank == 0:
         check_master_port(dist, log)
@@ -87,9 +105,9 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         forward = dist.executor != "slurm"
         code = run_command(spec.train.command, the_env, cwd=data.get("base_dir") or None, dist=dist, out_dir=out_dir, log=log, forward=forward)
         if signals.stop_requested():
-            return walltime_exit(dist, spec, out_dir, log, step=None)
-        return code
-    return _train(dist, spec, ds_config, out_dir, True, the_env, log)
+            return walltime_exit(dist, spec, out_dir, log, step=None), None
+        return code, None  # the command's own last words in the log say why, better than a record could
+    return _train(dist, spec, ds_config, out_dir, True, the_env, log), None
 
 
 # ---------------------------------------------------------------- steps
@@ -128,6 +146,27 @@ def _preflight(dist, spec, out_dir: str, mode: str, log, ds_config=None) -> bool
         log.info("preflight module not installed: skipping preflight checks")
         return True
     return bool(gate(dist, spec, out_dir, mode, ds_config))
+
+
+def _preflight_failed(dist, out_dir: str, log) -> failure.Failure | None:
+    """After a preflight that stops training: rank 0 records why (the report it just wrote: the first failed
+    check and its fix) and says it as its last log line; the other ranks say whose decision it was."""
+    if dist.rank != 0:
+        log.warning("not training: rank 0's preflight decided so (its report: preflight/report.json)")
+        return None
+    from ..fsutil import Unreadable, read_json
+    from ..preflight.report import REPORT_DIR, REPORT_JSON, failure_of
+
+    try:
+        report = read_json(Path(out_dir, REPORT_DIR, REPORT_JSON))
+    except (OSError, Unreadable):
+        report = {}
+    found = failure_of(report) if report.get("job_id") == dist.job_id else None
+    what, hint = found or ("preflight: no decision was reached (the lines above say why)", "")
+    why = failure.Failure(dist.rank, dist.node, dist.job_id, time.time(), "preflight", what, hint)
+    failure.write_failure(out_dir, why)
+    log.error("not training: %s", why.line())
+    return why
 
 
 def check_master_port(dist, log) -> None:

@@ -34,6 +34,25 @@ def build_report(results: list[CheckResult], decision: Decision, meta: dict[str,
     }
 
 
+def failure_of(report: dict[str, Any]) -> tuple[str, str] | None:
+    """Why a report's decision stops training, as (what, hint) for one line (pure); None when it trains on.
+
+    The first failed check with its node, what was seen and its fix (``ports localhost: 'nc' not found on PATH``,
+    "install netcat ..."), the count of the others; without a failed check (an exclusion, a requeue refused),
+    the decision's own reason."""
+    decision = report.get("decision") if isinstance(report.get("decision"), dict) else {}
+    if decision.get("proceed", True) is not False:
+        return None
+    results = report.get("results") if isinstance(report.get("results"), list) else []
+    bad = [r for r in results if isinstance(r, dict) and r.get("ok") is False and not r.get("warn_only")]
+    reason = str(decision.get("reason") or "")
+    if decision.get("action") == "exclude" or not bad:
+        return f"preflight: {reason or 'no training (see preflight/report.json)'}", ""
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more failed check(s): preflight/report.json)" if len(bad) > 1 else ""
+    return f"preflight: {first.get('check', '?')} {first.get('node', '?')}: {first.get('observed', '')}{more}", str(first.get("hint") or "")
+
+
 def write_report(output_dir: str | Path, report: dict[str, Any]) -> Path:
     """``<output_dir>/preflight/report.json`` (atomic) and ``busbw.png`` when an all-reduce ran."""
     folder = Path(output_dir) / REPORT_DIR

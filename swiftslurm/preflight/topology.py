@@ -24,15 +24,18 @@ from .results import CheckResult
 
 SYSFS_IB = "/sys/class/infiniband"
 PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+# nvidia-smi underlines the matrix header with ANSI escapes even into a pipe (`\t\x1b[4mGPU0\t...\x1b[0m`)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 def parse_topo_matrix(text: str) -> dict[str, Any]:
     """``nvidia-smi topo -m`` output -> ``{"gpus", "interconnect", "nvlinks", "pcie_paths", "nics"}`` (pure).
 
     ``interconnect`` is "NVLink" when every GPU pair is NV#, "PCIe" when none is, "mixed" otherwise,
-    "single GPU" for one GPU and "" when no matrix was found. ``nics`` are the RDMA devices the matrix
-    names (the "NIC Legend" of recent drivers, or mlx5_* column headers of older ones)."""
-    lines = [ln.rstrip() for ln in text.splitlines()]
+    "single GPU" for one GPU (no pair, nothing to check) and "" when no matrix was found. ``nics`` are the
+    RDMA devices the matrix names (the "NIC Legend" of recent drivers, or mlx5_* column headers of older
+    ones). ANSI escapes (the header's underline) are dropped first."""
+    lines = [ln.rstrip() for ln in ANSI_ESCAPE.sub("", text).splitlines()]
     header_i = next((i for i, ln in enumerate(lines) if re.match(r"^\s+GPU0\b", ln)), None)
     if header_i is None:
         return {"gpus": 0, "interconnect": "", "nvlinks": 0, "pcie_paths": [], "nics": []}
@@ -124,6 +127,20 @@ def parse_nccl_transport(text: str) -> dict[str, Any]:
     return {"network": network, "net_devices": devices, "via": sorted(via), "ib_disabled": ib_disabled}
 
 
+def gpu_summary(topo: dict[str, Any]) -> str:
+    """The GPU half of a ``topology`` observation (pure): ``8 GPU(s) over NVLink (NV18)``, ``1 GPU (no
+    interconnect to check)``, ``no GPUs in this job`` (read_node's ``interconnect == "none"``) or, when
+    ``nvidia-smi topo -m`` gave no matrix, "unknown": never "no GPUs" for a matrix we could not read."""
+    kind = topo.get("interconnect", "")
+    if kind == "single GPU":
+        return "1 GPU (no interconnect to check)"
+    if kind == "none":
+        return "no GPUs in this job (slurm.gpus_per_node = 0)"
+    if kind:
+        return f"{topo.get('gpus', 0)} GPU(s) over {kind}" + (f" (NV{topo['nvlinks']})" if topo.get("nvlinks") else "")
+    return "GPU interconnect unknown (no matrix from `nvidia-smi topo -m`)"
+
+
 def judge_transport(node: str, ib_ports: list[dict[str, str]], nccl: dict[str, Any] | None, multi_node: bool,
                     topo: dict[str, Any] | None = None) -> CheckResult:
     """One node's topology finding (pure). Fails when an ACTIVE IB/RoCE port exists but NCCL used sockets
@@ -133,10 +150,7 @@ def judge_transport(node: str, ib_ports: list[dict[str, str]], nccl: dict[str, A
     fabric = ", ".join(f"{p['device']}:{p['port']} {'RoCE' if p.get('link_layer') == 'Ethernet' else 'IB'} {p.get('rate', '')}".strip()
                        for p in active) or "no active IB/RoCE port"
     gpus = topo or {}
-    if gpus.get("interconnect"):
-        gpu_text = f"{gpus.get('gpus', 0)} GPU(s) over {gpus['interconnect']}" + (f" (NV{gpus['nvlinks']})" if gpus.get("nvlinks") else "")
-    else:
-        gpu_text = "no GPUs" if gpus.get("gpus", -1) == 0 else "GPU interconnect unknown (no `nvidia-smi topo -m`)"
+    gpu_text = gpu_summary(gpus)
     net = (nccl or {}).get("network", "")
     observed = f"{gpu_text}; {fabric}" + (f"; NCCL between nodes: {net or 'not in its log'}" if nccl is not None else "")
     data = {"gpu": gpus, "ib_ports": ib_ports, "nccl": nccl or {}}
@@ -165,7 +179,7 @@ def read_node(node: str, gpus_per_node: int, timeout_s: float, sysfs: str | Path
 
     from . import bounded
 
-    topo: dict[str, Any] = {"gpus": 0, "interconnect": ""}
+    topo: dict[str, Any] = {"gpus": 0, "interconnect": "none"}
     if gpus_per_node > 0:
         topo = {}
         if shutil.which("nvidia-smi"):

@@ -34,6 +34,15 @@ ERROR_LINE = re.compile(
 )
 # an exception line whose traceback is submitit's wrapper around a failed rank: the line says all of it
 WRAPPER_EXCEPTIONS = ("TaskFailed",)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")  # CSI, OSC (links), 2-byte
+# box drawing U+2500-257F, block elements U+2580-259F (bars, shades), and the ASCII tables are drawn with
+BOX_CHARS = "".join(chr(c) for c in range(0x2500, 0x25A0))
+RULE_CHARS = frozenset(BOX_CHARS + "-=+_|*#~.:<>/\\` \t")
+PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\d+/\d+\s*\[\d+:\d\d(?::\d\d)?<|\[\d+:\d\d(?::\d\d)?<\S*,\s*\S+(?:it|s)/(?:s|it)\]")
+PADDED = 8  # trailing spaces that only a layout (rich padding a title to the table's width) writes
+NOISE_PREFIXES = ("srun:", "submitit ", "slurmstepd:")  # the launchers' own lines, never a rank's reason
+SUBMITIT_GENERIC = "Submitted job triggered an exception"  # submitit's ERROR line before every traceback: says nothing
+RUNTIME_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:,\d+)? (?:\[rank \d+ [^\]]*\] )?(?P<level>[A-Z]+) (?P<msg>.*)$")
 SCAN_BYTES = 8 << 20  # a log is read from at most its last 8 MiB (a 3-day job's log can be huge)
 
 
@@ -221,6 +230,61 @@ def _bare(text: str) -> str:
     return TORCH_PREFIX.sub("", text)
 
 
+def plain(text: str) -> str:
+    """A log line as a person saw it: ANSI colour codes dropped, a carriage-returned progress line's last state."""
+    return ANSI.sub("", text.rsplit("\r", 1)[-1] if "\r" in text.rstrip("\r") else text.rstrip("\r"))
+
+
+def is_decoration(text: str, padded: bool = True) -> bool:
+    """True for a line that can never say why a run failed (pure): blank, a table border or rule (rich's
+    ``└───┴───┘``, ``━━ title ━━``, ASCII ``+----+``, ``=====``), a row of a table or panel (it starts with a
+    box-drawing character: ``│ nodes │ localhost │``, or ASCII ``| a | b |``; the text that matters is printed
+    outside the box), with ``padded`` a line padded with spaces to a layout's width (a table's centred title), or a
+    progress bar (tqdm's ``40%|████      | 20/50 [00:10<00:15, 2.00it/s]``)."""
+    line = plain(_bare(text)).rstrip("\n")
+    t = line.strip()
+    if not t or t[0] in BOX_CHARS or all(c in RULE_CHARS for c in t) or (t[0] == t[-1] == "|" and len(t) > 1):
+        return True
+    if padded and len(line) - len(line.rstrip()) >= PADDED:  # padded out to a layout's width: a table's title, a panel's line
+        return True
+    boxy = sum(c in BOX_CHARS for c in t)
+    if boxy * 2 >= len(t.replace(" ", "")):  # a rule with a title in it
+        return True
+    return bool(PROGRESS_BAR.search(t))
+
+
+def last_words(lines: list[str]) -> str | None:
+    """Why a rank stopped, from the end of its stderr (pure): the last line that is not decoration, a
+    launcher's line or one of the runtime's own INFO/WARNING lines (its ERROR lines count, message only). When
+    that is submitit's ``TaskFailed`` ending a traceback, the line before the traceback (what the rank or its
+    command said last) comes first, the wrapper's message after it in parentheses."""
+    kept = []
+    for raw in lines:
+        if is_decoration(raw):
+            continue
+        t = plain(_bare(raw)).strip()
+        if t.startswith(NOISE_PREFIXES):
+            continue
+        m = RUNTIME_LINE.match(t)
+        if m:
+            if m.group("level") not in ("ERROR", "CRITICAL"):
+                continue
+            t = m.group("msg").strip()
+        kept.append(t)
+    if not kept:
+        return None
+    last = kept[-1]
+    if last.split(":", 1)[0].rsplit(".", 1)[-1] in WRAPPER_EXCEPTIONS and TRACEBACK in kept:
+        message = last.split(": ", 1)[-1]
+        start = len(kept) - 1 - kept[::-1].index(TRACEBACK)
+        if ": " in message.split(" on this rank", 1)[-1]:  # the wrapper carries the reason itself
+            return message[:600]
+        if start > 0:
+            return f"{kept[start - 1][:300]} ({message})"
+        return message[:300]
+    return last[:300]
+
+
 def error_blocks(lines: list[LogLine]) -> list[tuple[LogLine, list[str]]]:
     """Tracebacks (whole, chained ones together) and single error lines of ONE source, in order."""
     out: list[tuple[LogLine, list[str]]] = []
@@ -246,8 +310,8 @@ def error_blocks(lines: list[LogLine]) -> list[tuple[LogLine, list[str]]]:
                 block = block[-1:]
             out.append((start, block))
             continue
-        if ERROR_LINE.search(text):
-            out.append((lines[i], [text]))
+        if ERROR_LINE.search(text) and not is_decoration(text, padded=False) and not text.rstrip().endswith(SUBMITIT_GENERIC):
+            out.append((lines[i], [plain(text)]))
         i += 1
     return out
 
