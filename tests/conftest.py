@@ -4,6 +4,12 @@ A test marked `@pytest.mark.slurm` needs the cluster. When `sinfo` does not answ
 skipped with the reason, except under CI=true, where a missing cluster is a failure.
 Helpers for such tests: the `slurm_cluster` fixture (node names) and
 `from conftest import wait_for_job`.
+
+Under CI=true nothing skips but a test that needs hardware CI cannot have (GPUs): such a test
+skips through `needs_hardware(what, have)`, whose reason starts with HARDWARE_SKIP and names the
+hardware. Every other skip, wherever it comes from (a skipif mark, pytest.skip() in a test or
+fixture, importorskip in a test or at module level, a whole module skipped at collection), is
+turned into a failure here (`_deny_skip`); `.ci/run` checks pytest's JUnit report for the same.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from functools import lru_cache
 
 import pytest
 
+HARDWARE_SKIP = "needs hardware CI does not have: "
 START_HINT = "bring it up with tests/cluster/up.sh as root (see tests/cluster/README.md)"
 
 # sacct states after which a job will not change again (a requeued job shows REQUEUED, then PENDING).
@@ -38,8 +45,49 @@ def pytest_configure(config: pytest.Config) -> None:
     # venvs (two checkouts) sharing ~/.cache/torch_extensions rebuild the op on every switch, and a test that
     # kills a rank mid-build leaves a lock file every later build waits on. `make ds-ops` builds it here.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    if os.environ.get("CI") == "true":
+        # a module whose skip _deny_skip fails is one collection error; the rest of the suite still runs
+        config.option.continue_on_collection_errors = True
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
     config.addinivalue_line("markers", "slow: takes tens of seconds or more")
+
+
+def needs_hardware(what: str, have: bool) -> pytest.MarkDecorator:
+    """Skip unless `have`, naming the hardware (e.g. "2 CUDA GPUs"): the one skip CI=true allows."""
+    return pytest.mark.skipif(not have, reason=HARDWARE_SKIP + what)
+
+
+def skip_allowed_in_ci(reason: str) -> bool:
+    """Whether a skip with this reason may stand under CI=true (also used by .ci/skips.py on the JUnit report)."""
+    return reason.removeprefix("Skipped: ").startswith(HARDWARE_SKIP)
+
+
+def _deny_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under CI=true, a skip that does not name missing hardware becomes a failure carrying its reason."""
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    if skip_allowed_in_ci(reason):
+        return
+    where = f"{longrepr[0]}:{longrepr[1]}: " if isinstance(longrepr, tuple) and len(longrepr) == 3 else ""
+    report.outcome = "failed"
+    report.longrepr = (f"CI=true: only a test that needs hardware CI cannot have may skip (reason starting "
+                       f"{HARDWARE_SKIP!r}); this one skipped at {where}{reason}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    _deny_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    report = yield  # a module-level importorskip or pytest.skip(allow_module_level=True) skips the whole module here
+    _deny_skip(report)
+    return report
 
 
 def _natural(name: str) -> tuple:
@@ -82,6 +130,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def slurm_cluster() -> tuple[str, ...]:
     """The cluster's node names, in order: ("node1", ..., "nodeN")."""
     return _require_cluster()
+
+
+@pytest.fixture(scope="session")
+def node_addresses(slurm_cluster) -> tuple[str, ...]:
+    """The node names, each resolving to its own loopback address (tests/cluster/up.sh writes them to /etc/hosts)."""
+    import socket
+
+    for i, node in enumerate(slurm_cluster, start=1):
+        try:
+            address = socket.gethostbyname(node)
+        except OSError as exc:
+            address = f"no address ({exc})"
+        assert address == f"127.0.0.{i}", f"{node} resolves to {address}, not 127.0.0.{i}: tests/cluster/up.sh adds node1..nodeN to /etc/hosts"
+    return slurm_cluster
 
 
 def wait_for_job(job_id: str, timeout_s: float, *, min_rows: int = 1, poll_s: float = 0.5) -> dict[str, str]:

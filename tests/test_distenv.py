@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,6 @@ def test_hostlist_matches_captured_scontrol(form):
 
 
 @pytest.mark.slurm
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol")
 def test_hostlist_matches_live_scontrol():
     from swiftslurm import slurm
 
@@ -77,7 +75,6 @@ def hostlists(draw) -> str:
 
 
 @pytest.mark.slurm
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol")
 @settings(max_examples=60, deadline=None)
 @given(hostlists())
 def test_random_hostlists_match_live_scontrol(form):

@@ -3,11 +3,17 @@ swiftslurm owns gets through, and what does get through reaches the script under
 
 from __future__ import annotations
 
+import re
+import string
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from swiftslurm.errors import SpecError
 from swiftslurm.spec import parse_spec
-from swiftslurm.spec.sbatch_options import OWNED_SBATCH_OPTIONS, SBATCH_OPTIONS, SHORT_OPTIONS, parse_extra, resolve_long
+from swiftslurm.spec.sbatch_options import (NONE, OPT, OWNED_SBATCH_OPTIONS, REQ, SBATCH_ALIASES, SBATCH_OPTIONS, SHORT_OPTIONS,
+                                            parse_extra, resolve_long)
 
 BASE = '[train]\ncommand = ["true"]\n'
 
@@ -27,7 +33,7 @@ def refusal(extra: list[str], slurm: str = "") -> str:
 
 @pytest.mark.parametrize("opt,key", [
     ("--no-req", "max_requeues"), ("--no-requeue", "max_requeues"), ("--requ", "requeue is always on"),
-    ("--arr=0-3", "[sweep]"), ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
+    ("--arr=0-3", "[sweep]"), ("--tasks-per-node=8", "slurm.tasks_per_node"), ("--tas=8", "slurm.tasks_per_node"), ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
     ("--nodes=2", "slurm.nodes"), ("--node=2", "slurm.nodes"), ("--ntasks=4", "slurm.nodes and slurm.tasks_per_node"),
     ("--ntasks-per-n=2", "slurm.tasks_per_node"), ("--export=NONE", "[env]"), ("--exp=ALL", "[env]"),
     ("--gpus=8", "slurm.gpus_per_node"), ("--gpus-per-task=1", "slurm.gpus_per_node"), ("--gpus-per-n=4", "slurm.gpus_per_node"),
@@ -111,3 +117,66 @@ def test_render_writes_the_full_name(tmp_path):
     spec = spec_with(["--comm=x", "--hol"])
     script = render_sbatch(make_plan(spec, {"slurm": {"extra_sbatch": ["--comm=x", "--hol"]}, "train": {"command": ["true"]}}, str(tmp_path)))
     assert "#SBATCH --comment=x\n" in script and "#SBATCH --hold\n" in script and "--comm=" not in script
+
+
+# ---------------------------------------------------------------- the table against the test cluster's real sbatch
+
+# Options of the table that Slurm 22.05 (the test cluster: Debian 12's slurm-wlm) does not have yet
+NEWER_THAN_22_05 = {"container-id", "oom-kill-step", "segment", "stepmgr", "tres-bind", "tres-per-task"}
+
+
+def real_sbatch(tmp_path, *args: str) -> str:
+    """What the real sbatch says to ``--test-only --wrap=true ARGS`` (getopt's complaints, or the test's answer)."""
+    proc = subprocess.run(["sbatch", "--test-only", "--wrap=true", *args], capture_output=True, text=True, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, timeout=30)
+    return proc.stderr + proc.stdout
+
+
+def real_kind(tmp_path, name: str) -> str | None:
+    """getopt's has_arg of --name in the real sbatch, from its complaints: None when sbatch does not know it."""
+    with_value = real_sbatch(tmp_path, f"--{name}=x")
+    if "unrecognized option" in with_value:
+        return None
+    if "doesn't allow an argument" in with_value:
+        return NONE
+    return REQ if "requires an argument" in real_sbatch(tmp_path, f"--{name}") else OPT
+
+
+@pytest.mark.slurm
+def test_the_option_table_matches_the_real_sbatch(slurm_cluster, tmp_path):
+    """Every option the real sbatch names is in the table with its short letter; every option of the table takes
+    an argument in the real sbatch as the table says (or is one of a later Slurm); every abbreviation the table
+    resolves to one option is not ambiguous to the real sbatch (an option the table lacked would make it so)."""
+    version = tuple(int(p) for p in re.search(r"(\d+)\.(\d+)", subprocess.run(["sbatch", "--version"], capture_output=True,
+                                                                            text=True, timeout=30).stdout).groups())
+    helptext = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, timeout=30).stdout
+    usage = subprocess.run(["sbatch", "--usage"], capture_output=True, text=True, timeout=30).stdout
+    named = set(re.findall(r"--([a-z][a-z0-9-]+)", helptext + usage))
+    assert named - set(SBATCH_OPTIONS) - set(SBATCH_ALIASES) == set(), "options of the real sbatch missing from the table"
+    shorts = dict((name, letter) for letter, name in re.findall(r"^\s+-([A-Za-z]), --([a-z][a-z0-9-]+)", helptext, re.M))
+    assert shorts and {n: SBATCH_OPTIONS[n][0] for n in shorts} == shorts
+
+    names = [*SBATCH_OPTIONS, *SBATCH_ALIASES]
+    with ThreadPoolExecutor(8) as pool:
+        kinds = dict(zip(names, pool.map(lambda n: real_kind(tmp_path, n), names)))
+    unknown = {n for n, kind in kinds.items() if kind is None}
+    if version == (22, 5):
+        assert unknown == NEWER_THAN_22_05
+    else:
+        assert unknown <= NEWER_THAN_22_05, f"Slurm {version} lacks {unknown - NEWER_THAN_22_05} of the table"
+    table_kind = {n: SBATCH_OPTIONS[SBATCH_ALIASES.get(n, n)][1] for n in names}
+    assert {n: k for n, k in kinds.items() if k is not None} == {n: table_kind[n] for n in names if n not in unknown}
+
+    prefixes = sorted({name[:i] for name in names if name not in unknown for i in range(2, len(name)) if resolve_long(name[:i])[0] is not None})
+    with ThreadPoolExecutor(8) as pool:
+        answers = dict(zip(prefixes, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), prefixes)))
+    ambiguous = {p: a.strip().splitlines()[0] for p, a in answers.items() if "is ambiguous" in a or "unrecognized option" in a}
+    assert not ambiguous, ambiguous
+    # an option the help does not name: every two letters the real sbatch knows an option by, the table knows too
+    firsts = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase + "-"]
+    with ThreadPoolExecutor(8) as pool:
+        answers = dict(zip(firsts, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), firsts)))
+    real_firsts = {p for p, a in answers.items() if "unrecognized option" not in a}
+    table_firsts = {n[:2] for n in names if n not in unknown}
+    assert real_firsts == table_firsts, {"real sbatch only": real_firsts - table_firsts, "table only": table_firsts - real_firsts}
+    assert len(prefixes) > 300 and "is ambiguous" in real_sbatch(tmp_path, "--no=x") and resolve_long("no")[0] is None

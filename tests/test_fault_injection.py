@@ -168,6 +168,22 @@ def _wait_for_commit_after(out: Path, step: int, proc: subprocess.Popen, timeout
         time.sleep(0.05)
 
 
+def _wait_for_a_save_in_progress(out: Path, proc: subprocess.Popen, timeout_s: float) -> Path:
+    """The staging dir of a save newer than every committed checkpoint, once the trainer has made it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        committed = max((ck.step_of(p) for p in ck.list_checkpoints(out)), default=0)
+        staging = [ck.staging_dir(out, step) for step in range(committed + 1, committed + 64)]
+        found = next((p for p in staging if p.is_dir()), None)
+        if found is not None:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before a save after step {committed}:\n"
+                                 + proc.stderr.read().decode(errors="replace")[-3000:])
+        assert time.monotonic() < deadline, f"no save began after step {committed} within {timeout_s} s"
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_path):
     import tomllib
@@ -182,23 +198,25 @@ def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_pat
     out = tmp_path / "out"
     rng = random.Random(7)
     resumed_at = 0
-    kills_mid_save = 0
     for trial in range(2):
-        # each commit sleeps 3 x 0.4 s: most of a save's wall time is inside commit, so a random kill
-        # after the first new checkpoint usually lands in the middle of the next save
+        # each commit sleeps 3 x 0.4 s, two of them before the staging dir is renamed: a kill within 0.6 s of the
+        # staging dir's appearing lands while the save writes or commits it, at a random point of that
         proc = _start_trainer(plan, delay_s="0.4")
         try:
             _wait_for_commit_after(out, resumed_at, proc, timeout_s=180)
-            time.sleep(rng.uniform(0.2, 1.4))
+            staging = _wait_for_a_save_in_progress(out, proc, timeout_s=120)
+            time.sleep(rng.uniform(0.0, 0.6))
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-        if any(p.name.startswith(".staging-") for p in out.iterdir()):
-            kills_mid_save += 1
+        assert proc.returncode == -signal.SIGKILL, f"trial {trial}: the trainer exited on its own ({proc.returncode})"
+        half_saved = ck.final_dir(out, ck.step_of(staging.name.removeprefix(".staging-")))
+        assert staging.is_dir() and not half_saved.exists(), f"trial {trial}: the kill did not land mid-save ({half_saved.name} was committed)"
         for ckpt in ck.list_checkpoints(out):
             assert ck.verify(ckpt).ok, f"trial {trial}: {ckpt.name} is visible but does not verify"
         newest = ck.newest_verified(out, log=None)
         assert newest is not None and ck.step_of(newest) > resumed_at
+        assert ck.step_of(newest) < ck.step_of(half_saved)  # the save the kill cut short is not a checkpoint
         resumed_at = ck.step_of(newest)
     proc = _start_trainer(plan, delay_s=None)
     _, err = proc.communicate(timeout=300)
@@ -207,4 +225,4 @@ def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_pat
     assert f"checkpoint-{resumed_at}" in text, "the last start did not say it resumed from the newest verified checkpoint"
     final = ck.newest_verified(out, log=None)
     assert final == ck.final_dir(out, steps) and ck.read_manifest(final).meta["world_size"] == 1
-    print(f"real trainer: 2 kills ({kills_mid_save} mid-save), resumed from checkpoint-{resumed_at}, finished at {steps}")
+    print(f"real trainer: 2 kills, both mid-save, resumed from checkpoint-{resumed_at}, finished at {steps}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from swiftslurm.doctor import diagnose_task
 from swiftslurm.doctor.evidence import read_task
-from swiftslurm.train.gpuutil import UNKNOWN, GpuSampler, gpu_fields, nvml_key
+from swiftslurm.train.gpuutil import UNKNOWN, GpuSampler, gpu_fields, nvml_key, rank_slots
 
 FIXTURES = Path(__file__).parent / "data" / "gpu_metrics"
 
@@ -33,11 +33,10 @@ def test_every_ranks_value_is_reduced_to_mean_lowest_and_whose():
     assert gpu_fields([UNKNOWN, UNKNOWN]) == {}  # no GPU anywhere: no field
     f = gpu_fields([0.9, 0.3, UNKNOWN, 0.6])
     assert abs(f["gpu_util"] - 0.6) < 1e-9 and f["gpu_util_min"] == 0.3 and f["gpu_util_min_rank"] == 1.0
-    # the trainer's slots: each rank writes only its own slot of the summed vector
-    slots = [[0.0, 0.0, 0.0] for _ in range(3)]
-    for rank, value in enumerate([0.8, None, 0.5]):
-        slots[rank][rank] = UNKNOWN if value is None else value
-    summed = [sum(col) for col in zip(*slots)]
+    # the trainer's slots: each rank writes only its own slot of the summed vector (rank 1 sampled nothing)
+    shares = [rank_slots(value, rank, 3) for rank, value in enumerate([0.8, None, 0.5])]
+    summed = [sum(col) for col in zip(*shares)]
+    assert summed == [0.8, UNKNOWN, 0.5]
     assert gpu_fields(summed) == {"gpu_util": 0.65, "gpu_util_min": 0.5, "gpu_util_min_rank": 2.0}
 
 

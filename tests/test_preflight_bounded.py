@@ -111,9 +111,12 @@ def test_a_check_stuck_in_python_is_reported_hung_by_check_and_node():
 
 # ------------------------------------------------------------------ across ranks (node1..node4 on loopback)
 
-from tests.test_preflight_ranks import failures, have_node_addresses, launch  # noqa: E402
+from tests.test_preflight_ranks import failures, launch  # noqa: E402
 
-needs_nodes = pytest.mark.skipif(not have_node_addresses(), reason="needs node1..node4 -> 127.0.0.1-4 in /etc/hosts")
+
+def needs_nodes(test):
+    """The ranks bind node1..node4 -> 127.0.0.1-4, which tests/cluster/up.sh adds to /etc/hosts with the cluster."""
+    return pytest.mark.slurm(pytest.mark.usefixtures("node_addresses")(test))
 
 
 @needs_nodes

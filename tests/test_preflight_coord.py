@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-tdist = pytest.importorskip("torch.distributed")
+import torch.distributed as tdist
 
 from swiftslurm.preflight.coord import Coordinator  # noqa: E402
 

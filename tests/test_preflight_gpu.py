@@ -1,6 +1,6 @@
 """The preflight on a GPU machine: NCCL all-reduce sweep, nvidia-smi, and tools that are absent there.
 
-Skipped without CUDA (CI here has none); run on a GPU box with
+The GPU tests skip without CUDA, naming the hardware (CI here has none; the one skip CI=true allows); run on a GPU box with
 ``PYTHONPATH=. python -m pytest --noconftest -q tests/test_preflight_gpu.py``. Needs only torch:
 the checks are called directly, one process per rank, ranks meeting through a TCPStore.
 """
@@ -13,12 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import torch
+from conftest import needs_hardware
 
 from swiftslurm.slurm.distenv import free_port
 
-torch = pytest.importorskip("torch")
-needs_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+needs_gpus = needs_hardware("2 CUDA GPUs", torch.cuda.is_available() and torch.cuda.device_count() >= 2)
 
 
 def _rank_main(rank: int, world: int, port: int) -> None:
@@ -68,18 +68,19 @@ def test_nvidia_smi_sees_the_gpus():
     assert not missing.ok and "visible" in missing.observed
 
 
-def test_tools_absent_on_this_machine_are_failed_checks():
-    """On the GPU machine fio, iperf3 and nc are not installed: each is a failed check with a hint."""
+def test_tools_absent_on_a_node_are_failed_checks(tmp_path, monkeypatch):
+    """A node without fio, iperf3 or nc (the GPU machine had none): each is a failed check with a hint, not a crash.
+    Here all three are installed, so PATH is an empty folder: the node has none of them."""
     from swiftslurm.preflight import iperf, local, ports
     from swiftslurm.preflight.results import which
 
+    monkeypatch.setenv("PATH", str(tmp_path))
     for tool, run in (("nc", lambda: ports.check_ports("a", ["a", "b"], 1, "a")),
                       ("iperf3", lambda: [iperf.measure("a", "b", 1, 1.0)]),
                       ("fio", lambda: local.check_nvme("a", "/tmp", 1))):
-        if which(tool) is not None:
-            continue
+        assert which(tool) is None, tool
         (r,) = run()
-        assert not r.ok and f"'{tool}' not found" in r.observed and "install" in r.hint
+        assert not r.ok and f"'{tool}' not found" in r.observed and "install" in r.hint, (tool, r)
 
 
 if __name__ == "__main__":

@@ -37,16 +37,8 @@ timeout_s = {preflight_timeout}
 """
 
 
-def have_node_addresses() -> bool:
-    import socket
-
-    try:
-        return socket.gethostbyname("node4") == "127.0.0.4"
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not have_node_addresses(), reason="needs node1..node4 -> 127.0.0.1-4 in /etc/hosts (tests/cluster/up.sh adds them)")
+# the ranks bind node1..node4 -> 127.0.0.1-4, which tests/cluster/up.sh adds to /etc/hosts with the cluster
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("node_addresses")]
 
 
 def launch(tmp_path: Path, nodes=NODES, iperf=0.1, iops=100, extra="", env_by_rank=None, job_id=None, timeout_s=120,

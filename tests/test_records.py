@@ -37,7 +37,7 @@ def _jsonl(path: Path, records) -> Path:
 
 
 def _save_to_disk(path: Path, records) -> Path:
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the train extra
     datasets.Dataset(datasets.table.InMemoryTable(_table(records))).save_to_disk(str(path), num_shards=min(3, len(records)))  # several shards
     return path
 
@@ -102,7 +102,7 @@ def test_unknown_formats_and_a_dataset_dict_are_refused_with_what_to_do(tmp_path
     with pytest.raises(DataError, match="unknown dataset format") as info:
         list(read_records(tmp_path / "d.csv"))
     assert ".parquet" in info.value.hint
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the train extra
     ds = datasets.Dataset(datasets.table.InMemoryTable(_table(RECORDS[:3])))
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match="several splits") as info:

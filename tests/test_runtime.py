@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -214,7 +213,7 @@ def wait_local_job(job, timeout_s: float) -> list:
 
 
 def submit_local(tmp: Path, plan: Path):
-    submitit = pytest.importorskip("submitit")
+    import submitit
     from swiftslurm.node.runtime import run_task
 
     executor = submitit.LocalExecutor(folder=str(tmp / "submitit"))
@@ -451,12 +450,8 @@ def wait_files(paths: list[Path], timeout_s: float, log: Path | None = None) -> 
         time.sleep(0.2)
 
 
-slurm_up = pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs Slurm")
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
-@slurm_up
 def test_cluster_allreduce_ports_and_requeue(tmp_path):
     """2 nodes x 2 tasks: gloo all-reduce from the derived env; a second job on the same nodes at the
     same time gets another MASTER_PORT; a walltime USR2 makes rank 0 requeue, and the rerun keeps the port."""
@@ -505,7 +500,6 @@ def test_cluster_allreduce_ports_and_requeue(tmp_path):
 
 
 @pytest.mark.slurm
-@slurm_up
 def test_cluster_mis_sized_allocation_stops_before_training(tmp_path):
     """The spec says 2 tasks per node; the job runs 1 per node: every rank stops with the hint."""
     from swiftslurm import slurm
@@ -555,7 +549,6 @@ open(os.path.join(out, "usr2-" + os.environ["RANK"]), "w").write(str(bool(got)))
 
 
 @pytest.mark.slurm
-@slurm_up
 def test_cluster_walltime_stop_that_slurm_refuses_to_requeue_fails_the_job(tmp_path):
     """The rendered script as it runs (srun --kill-on-bad-exit=1), 2 nodes, a job Slurm may not requeue
     (--no-requeue): the walltime stop ends the job FAILED, not COMPLETED, and the record says Slurm refused."""

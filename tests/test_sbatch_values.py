@@ -75,7 +75,8 @@ def test_sbatch_reads_back_odd_values_from_the_submitit_script(slurm_cluster, tm
 PROBE = (
     "import json, os, sys; from pathlib import Path; rank = os.environ.get('RANK', os.environ.get('SLURM_PROCID'));"
     "Path(sys.argv[1], f'cpus-{rank}.json').write_text(json.dumps("
-    "{'affinity': len(os.sched_getaffinity(0)), 'SRUN_CPUS_PER_TASK': os.environ.get('SRUN_CPUS_PER_TASK')}))"
+    "{'affinity': len(os.sched_getaffinity(0)), **{k: os.environ.get(k) for k in ('SRUN_CPUS_PER_TASK', 'SLURM_CPUS_PER_TASK',"
+    " 'SLURM_JOB_ID', 'SLURM_STEP_ID', 'SLURM_STEP_NUM_TASKS')}}))"
 )
 
 
@@ -83,10 +84,12 @@ PROBE = (
 def test_every_rank_gets_cpus_per_task_cpus(slurm_cluster, tmp_path):
     """Both submit paths hand cpus_per_task to the steps: SRUN_CPUS_PER_TASK (rendered) and srun -c (submitit).
 
-    On a cluster that binds (task/affinity, task/cgroup) each rank then sees cpus_per_task CPUs. The test
-    cluster cannot bind: it advertises 4 CPUs per node on a 2-core machine, and with task/affinity slurmd
-    cannot even lay out `srun -c4` ("Unable to layout tasks on given cpus"), so it runs task/none and this
-    test checks what reaches the steps; the affinity check runs where the cluster binds.
+    Slurm allocates each rank's step cpus_per_task CPUs per task, on every cluster: the step's AllocCPUS in
+    sacct is tasks x cpus_per_task and each rank sees SLURM_CPUS_PER_TASK. On a cluster that binds
+    (task/affinity, task/cgroup) each rank also sees only those CPUs. The test cluster cannot bind: it
+    advertises 4 CPUs per node on a 2-core machine, and with task/affinity slurmd cannot even lay out
+    `srun -c4` ("Unable to layout tasks on given cpus"), so it runs task/none; the affinity check runs where
+    the cluster binds.
     """
     toml = f"""
 [job]
@@ -122,6 +125,13 @@ command = ["{sys.executable}", "-c", "{PROBE}", "{tmp_path / 'probe'}"]
     assert len(submitit_runs) == 2 and len(rendered_runs) == 2, (submitit_runs, rendered_runs)
     seen = {p.name: json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")}
     assert all(v["SRUN_CPUS_PER_TASK"] == "2" for k, v in seen.items() if not k.startswith("submitit-")), seen
+    # what Slurm allocated: each rank's step holds 2 tasks x 2 CPUs, and says so to the rank
+    assert {k: v["SLURM_CPUS_PER_TASK"] for k, v in seen.items()} == {k: "2" for k in seen}, seen
+    steps = {(v["SLURM_JOB_ID"], v["SLURM_STEP_ID"]) for v in seen.values()}
+    assert len(steps) == 2 and all(v["SLURM_STEP_NUM_TASKS"] == "2" for v in seen.values()), seen  # one step per path
+    for job, step in steps:
+        alloc = subprocess.run(["sacct", "-n", "-P", "-j", f"{job}.{step}", "-o", "AllocCPUS"], capture_output=True, text=True, timeout=30)
+        assert alloc.stdout.split() == ["4"], (job, step, alloc.stdout, alloc.stderr)
     # submitit's path: -c on the srun line of the batch script it wrote
     scripts = sorted((tmp_path / "out").rglob("*_submission.sh"))
     assert scripts, "submitit's batch script not found"

@@ -56,14 +56,14 @@ def plan_from(text: str, base: Path):
     return make_plan(validate_spec(raw), raw, base_dir=str(base), source="test.toml")
 
 
-def ranks(d: Path) -> list[dict]:
-    """What each rank recorded, from the last run of each task only: other engineers' fault
-    injection on the shared cluster may requeue a task (Slurm reruns it: --requeue)."""
+def ranks(d: Path, restarts: int = 0) -> list[dict]:
+    """What each rank recorded, every run of it (one file per process). Each record must come from run
+    `restarts` (SLURM_RESTART_COUNT; 0 under the local executor): none of these jobs is meant to be requeued,
+    so a rerun (a requeue) fails the test, naming each task's runs, rather than passing on its last run."""
     got = [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
-    last: dict = {}
-    for r in got:
-        last[r["SLURM_ARRAY_TASK_ID"]] = max(last.get(r["SLURM_ARRAY_TASK_ID"], 0), int(r["SLURM_RESTART_COUNT"] or 0))
-    return [r for r in got if int(r["SLURM_RESTART_COUNT"] or 0) == last[r["SLURM_ARRAY_TASK_ID"]]]
+    runs = sorted({(r["SLURM_ARRAY_TASK_ID"] or "-", int(r["SLURM_RESTART_COUNT"] or 0)) for r in got})
+    assert all(n == restarts for _, n in runs), f"expected every task's run {restarts} only; (array task, restart count) recorded: {runs}"
+    return got
 
 
 def cli(*args, cwd=None, timeout=WAIT_S + 30):

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from swiftslurm.train import varlen  # noqa: E402
 from swiftslurm.train.packing import STATS_PREFIX, PackingCollator  # noqa: E402

@@ -260,7 +260,6 @@ def test_sweep_status_sorted_by_final_loss_and_plot(tmp_path):
     assert len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 3
 
 
-@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a pseudo-terminal")
 def test_submit_wait_on_a_terminal_shows_the_step_and_a_real_elapsed(tmp_path):
     (tmp_path / "w.toml").write_text(spec_text(str(tmp_path / "out"), max_steps=12, step_s=0.5))
     cmd = f"{sys.executable} -m swiftslurm submit {tmp_path / 'w.toml'} --executor local --wait"

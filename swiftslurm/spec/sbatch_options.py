@@ -27,7 +27,7 @@ SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
     "container": ("", REQ), "container-id": ("", REQ), "contiguous": ("", NONE), "core-spec": ("S", REQ),
     "cores-per-socket": ("", REQ), "cpu-freq": ("", REQ), "cpus-per-gpu": ("", REQ), "cpus-per-task": ("c", REQ),
     "deadline": ("", REQ), "delay-boot": ("", REQ), "dependency": ("d", REQ), "distribution": ("m", REQ),
-    "error": ("e", REQ), "exclude": ("x", REQ), "exclusive": ("", OPT), "export": ("", OPT),
+    "error": ("e", REQ), "exclude": ("x", REQ), "exclusive": ("", OPT), "export": ("", REQ),
     "export-file": ("", REQ), "extra": ("", REQ), "extra-node-info": ("B", REQ), "get-user-env": ("", OPT),
     "gid": ("", REQ), "gpu-bind": ("", REQ), "gpu-freq": ("", REQ), "gpus": ("G", REQ),
     "gpus-per-node": ("", REQ), "gpus-per-socket": ("", REQ), "gpus-per-task": ("", REQ), "gres": ("", REQ),
@@ -50,7 +50,8 @@ SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
     "version": ("V", NONE), "wait": ("W", NONE), "wait-all-nodes": ("", REQ), "wckey": ("", REQ),
     "wrap": ("", REQ),
 }
-SBATCH_ALIASES = {"cluster": "clusters"}  # same option, two names (getopt: not ambiguous with each other)
+# same option, two names (getopt: not ambiguous with each other); --tasks-per-node is an alias sbatch's help never names
+SBATCH_ALIASES = {"cluster": "clusters", "tasks-per-node": "ntasks-per-node"}
 SHORT_OPTIONS = {short: name for name, (short, _) in SBATCH_OPTIONS.items() if short}
 
 # Options swiftslurm sets from spec keys, or that break how it submits and follows a job:

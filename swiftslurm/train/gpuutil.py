@@ -28,6 +28,14 @@ def nvml_key(uuid: Any, visible: str, local_index: int) -> tuple[str, Any]:
     return ("index", local_index)
 
 
+def rank_slots(own: float | None, rank: int, world_size: int) -> list[float]:
+    """This rank's share of the vector all ranks sum: its mean utilisation (``UNKNOWN`` when it sampled nothing) in
+    its own slot, 0 elsewhere, so the sum holds every rank's value in its slot (pure)."""
+    slots = [0.0] * world_size
+    slots[rank] = UNKNOWN if own is None else own
+    return slots
+
+
 def gpu_fields(values: list[float]) -> dict[str, float]:
     """The logged fields from every rank's mean utilisation (``UNKNOWN`` where a rank sampled nothing) (pure)."""
     known = [(v, r) for r, v in enumerate(values) if v >= 0]

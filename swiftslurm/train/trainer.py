@@ -21,7 +21,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
-from .gpuutil import UNKNOWN, gpu_fields
+from .gpuutil import gpu_fields, rank_slots
 from .metrics import MetricsFile, StepMeter
 
 log = logging.getLogger("swiftslurm.train")
@@ -114,8 +114,7 @@ class SFTTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
             own = self.meter.gpu.take() if self.meter.gpu is not None else None
-            slots = [0.0] * self.args.world_size  # every rank's GPU utilisation, each in its own slot of the same sum
-            slots[self.args.process_index] = UNKNOWN if own is None else own
+            slots = rank_slots(own, self.args.process_index, self.args.world_size)  # every rank's value, each in its slot
             tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
                                                          tdist.ReduceOp.SUM, self.args.device)
             # the ranks of a TP group train on copies of one batch; SP ranks on shards of the same samples
