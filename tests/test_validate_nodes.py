@@ -100,7 +100,10 @@ def refused(tmp: Path, text: str, key: str, found: str, commands=("validate", "p
     (["exec python other.py"], 0, "exec python other.py", "replaces the batch shell"),
     (["set -n"], 0, "set -n", "noexec"),
     (["srun() { true; }"], 0, "srun()", "function named 'srun'"),
-], ids=["quote", "heredoc", "heredoc-mid", "open-if", "backslash", "exit", "cond-exit", "exec", "noexec", "srun-fn"])
+    (["module load a", "kill -9 $$"], 1, "kill -9 $$", "kills the batch shell"),
+    (["shopt -s -o noexec"], 0, "shopt -s -o noexec", "noexec"),
+], ids=["quote", "heredoc", "heredoc-mid", "open-if", "backslash", "exit", "cond-exit", "exec", "noexec", "srun-fn", "kill-self",
+        "shopt-noexec"])
 def test_setup_that_breaks_the_batch_script_is_refused_naming_the_line(tmp_cwd, setup, index, found, words):
     text = COMMAND.format(out="out", slurm="setup = " + json.dumps(setup), tail="")
     out = refused(tmp_cwd, text, f"slurm.setup[{index}]", found)

@@ -23,6 +23,7 @@ entry (``slurm.setup[2]``) and its text.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import subprocess
@@ -33,6 +34,7 @@ from ..errors import Problem
 
 SENTINEL = "then"
 BASH_TIMEOUT_S = 20
+MAX_PROBES = 300  # bash -n runs to find the line that opens what never closes (only when something does)
 # what the rendered script (and submitit's) runs after the setup lines: a function or alias of one of these
 # names in the setup would run instead
 SCRIPT_COMMANDS = ("srun", "wait", "kill", "trap", "export", "echo", "exit", "[", "test")
@@ -59,7 +61,7 @@ class BashVerdict:
             m = _LINE.search(raw)
             if m and not m.group(2).startswith("warning:"):
                 return int(m.group(1)), m.group(2).strip()
-        return None, self.stderr.strip()[:200]
+        return None, self.stderr.strip()[:200] or f"bash -n exited {self.rc}"
 
 
 def bash_n(text: str) -> BashVerdict:
@@ -96,11 +98,12 @@ def _problem(setup: list[str], index: int, what: str, hint: str) -> Problem:
 
 
 def _opener(setup: list[str]) -> int:
-    """The entry that opens what never closes: the one after the longest prefix that still parses."""
-    for k in range(len(setup) - 1, 0, -1):
+    """The entry that opens what never closes: the one after the longest prefix that still parses (looked for
+    among the last MAX_PROBES prefixes: a few ms each)."""
+    for k in range(len(setup) - 1, max(0, len(setup) - MAX_PROBES), -1):
         if bash_n(_text(setup[:k])).clean:
             return k
-    return 0
+    return 0 if len(setup) <= MAX_PROBES else len(setup) - 1
 
 
 def parse_problems(setup: list[str]) -> list[Problem]:
@@ -126,7 +129,7 @@ def parse_problems(setup: list[str]) -> list[Problem]:
     probe = bash_n(_text([*setup, SENTINEL]))
     expected = f"line {len(setup) + 1}: syntax error near unexpected token `{SENTINEL}'"
     if expected not in probe.stderr:
-        i = next((k - 1 for k in range(1, len(setup) + 1)
+        i = next((k - 1 for k in range(max(1, len(setup) + 1 - MAX_PROBES), len(setup) + 1)
                   if bash_n(_text(setup[:k])).clean and f"line {k + 1}: syntax error near unexpected token `{SENTINEL}'"
                   not in bash_n(_text([*setup[:k], SENTINEL])).stderr), len(setup) - 1)
         return [_problem(setup, i, "this setup line carries on into the lines after it (a trailing backslash, or a "
@@ -204,10 +207,11 @@ def tokens(text: str) -> list[_Token]:
     """The setup text as words and operators; comments and here-document bodies dropped."""
     out: list[_Token] = []
     pending: list[tuple[str, bool]] = []  # here-documents whose bodies start after this line: (delimiter, strip tabs)
+    starts = [0] + [m.end() for m in re.finditer("\n", text)]
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        line = text.count("\n", 0, i) + 1
+        line = bisect.bisect_right(starts, i)
         if c in " \t":
             i += 1
             continue
@@ -232,25 +236,26 @@ def tokens(text: str) -> list[_Token]:
                             break
                 pending = []
             if op in ("<<", "<<-"):
-                word, i2 = _word(text, i)
+                word, i2 = _word(text, i, starts)
                 if word is not None:
                     pending.append((word.value, op == "<<-"))
                     out.append(word)
                     i = i2
             continue
-        word, i = _word(text, i)
+        word, i = _word(text, i, starts)
         if word is not None:
             out.append(word)
     return out
 
 
-def _word(text: str, i: int) -> tuple[_Token | None, int]:
-    """One word from ``i`` (blanks before it skipped): its unquoted value and where it ends."""
+def _word(text: str, i: int, starts: list[int]) -> tuple[_Token | None, int]:
+    """One word from ``i`` (blanks before it skipped): its unquoted value and where it ends. ``starts``: where each
+    line of ``text`` starts."""
     n = len(text)
     while i < n and text[i] in " \t":
         i += 1
     start, value, quoted = i, [], False
-    line = text.count("\n", 0, i) + 1
+    line = bisect.bisect_right(starts, i)
     while i < n:
         c = text[i]
         if c in " \t\n;&|()<>":
@@ -372,6 +377,13 @@ def word_problems(setup: list[str], depth: int = 0) -> list[Problem]:
         if name == "exec" and args:
             return [_problem(setup, i, "`exec` with a command replaces the batch shell: the srun line after the setup "
                              "never runs", "run the command without exec (`exec >FILE 2>&1`, redirections only, is fine)")]
+        if name == "kill" and any(a in ("$$", "${$}", "$BASHPID", "${BASHPID}", "0") for a in args):
+            return [_problem(setup, i, "kills the batch shell itself: the srun line after the setup never runs",
+                             "drop it; to fail the job when a setup step fails, put `set -e` first")]
+        if name == "shopt" and "noexec" in args and "-o" in "".join(a for a in args if a.startswith("-")) and \
+                "s" in "".join(a for a in args if a.startswith("-")):
+            args = ["-n"]
+            name = "set"
         if name == "set" and _noexec(args):
             return [_problem(setup, i, "`set -n` (noexec) makes bash read every later line without running it: the "
                              "srun line never runs and the job ends COMPLETED", "drop the n option")]
@@ -408,7 +420,14 @@ def _noexec(args: list[str]) -> bool:
 
 def setup_problems(setup: list[str]) -> list[Problem]:
     """Every check of the setup lines (1-3 above): [] when the batch script reaches its srun line through them."""
-    return parse_problems(setup) or word_problems(setup)
+    problems = parse_problems(setup)
+    if problems:
+        return problems
+    try:
+        return word_problems(setup)
+    except RecursionError:
+        return [_problem(setup, len(setup) - 1, "the setup nests $( ), quotes or braces too deeply to check",
+                         "a setup line nests a few levels; move deep logic into a script the setup sources")]
 
 
 def script_problems(script: str, where: str = "slurm") -> list[Problem]:
