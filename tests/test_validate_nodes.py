@@ -75,7 +75,8 @@ def refused(tmp: Path, text: str, key: str, found: str, commands=("validate", "p
         result = CliRunner().invoke(app, args)
         out = result.output
         assert result.exit_code == 2, f"{command}: {out}"
-        assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit), out
+        assert "Traceback" not in out, out
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
         problems = [line for line in out.splitlines() if line.startswith("  - ")]
         assert len(problems) == 1, f"{command}: {out}"
         assert problems[0].startswith(f"  - {key}"), f"{command}: {out}"

@@ -190,9 +190,8 @@ def render(
     without -o such a spec is refused (one stdout cannot hold several scripts). With --max-array-size
     a sweep too big for one array is split too (job.part0.sh, job.part1.sh, ...).
     """
-    from ..slurm.render import render_sbatch, script_names
-
     from ..prepare import prepare
+    from ..slurm.render import render_sbatch, script_names
 
     limits = _limits(max_array_size)
     prepared = prepare(spec_path, training=True, limits=limits)
