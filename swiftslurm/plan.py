@@ -17,6 +17,7 @@ global task index.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -247,6 +248,29 @@ def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
     return out
 
 
+def _inside(root: str, path: str, check_disk: bool) -> bool:
+    """``path`` is ``root`` or lies under it: by name (``..`` folded), and with ``check_disk`` by the real paths too."""
+    from .fsutil import is_inside
+
+    r, p = PurePosixPath(os.path.normpath(root)), PurePosixPath(os.path.normpath(path))
+    return p == r or r in p.parents or (check_disk and is_inside(root, path))
+
+
+def _resume_from_problems(spec: JobSpec, output_dir: str, task_out: str, check_disk: bool) -> list[Problem]:
+    """``train.resume_from`` may not be the run's own output dir (or a task's, or anything under them): the run
+    would start from the checkpoints it is about to write, and import it into its own ``resume-source/``."""
+    source = spec.train.resume_from
+    if source is None:
+        return []
+    for root, what in ((task_out, "this task's output dir"), (output_dir, "the job's output dir")):
+        if _inside(root, source, check_disk):
+            return [Problem("train.resume_from", f"resume_from is {what} or inside it: a run resumes from its own checkpoints "
+                            "by itself (requeues do), and resume_from names another run's checkpoint to start from",
+                            f"resume_from {source}, output dir {root}",
+                            "drop resume_from to continue this run, or give the new run its own job.output_dir")]
+    return []
+
+
 MAX_LISTED_TASKS = 5  # failing sweep tasks whose problems are listed one by one
 
 
@@ -315,10 +339,11 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         elif task_spec.train.command and task_spec.parallel != type(task_spec.parallel)():
             warns = warns + ["[parallel] applies to the built-in trainer; train.command runs your own script, which must "
                              "set up sequence/tensor parallel itself (the degrees are in the plan file)"]
+        task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
+        problems += _resume_from_problems(task_spec, output_dir, task_out, check_disk)
         if problems:
             failing.append(_task_problems(index, overrides, problems))
             continue
-        task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
         tasks.append(Task(index, overrides, task_out, task_spec))
         ds_configs.append(ds)
         sizings.append(sizing)

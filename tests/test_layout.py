@@ -1,6 +1,6 @@
 """The package's folders follow the data: imports point down the layers, never up, never sideways.
 
-Read from the tree: cli -> doctor -> watch -> submit -> submission -> node -> preflight / train -> checkpoint / slurm -> plan -> spec -> base.
+Read from the tree: cli -> doctor -> watch -> submit -> submission -> node, prepare -> preflight / train -> checkpoint / slurm -> plan -> spec -> base.
 Every import inside swiftslurm (top-level and inside functions) is checked, so a lazy import cannot
 sneak a cycle back in.
 """
@@ -22,7 +22,7 @@ LAYERS = {
     "plan": 3,
     "slurm": 4, "checkpoint": 4, "ledger": 4,
     "preflight": 5, "train": 5,
-    "node": 6,
+    "node": 6, "prepare": 6,
     "submission": 7,
     "submit": 8,
     "watch": 9,

@@ -148,10 +148,13 @@ def test_interrupted_rank_stops_its_command(tmp_path):
 
 
 def test_spec_env_may_not_set_rank(tmp_path):
-    plan = make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), extra='[env]\nRANK = "0"\n'))
-    proc = run_cli("--plan", str(plan))
-    assert proc.returncode == 1 and "per-rank" in proc.stderr and "HINT" in proc.stderr
-    assert not (tmp_path / "env-0.json").exists()
+    """Refused at validate now (tests/test_validate_nodes.py), by the list the node applies too
+    (distenv.check_spec_env: tests/test_distenv.py)."""
+    from swiftslurm.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"env\.RANK"):
+        make_plan_file(tmp_path, command_spec(tmp_path, DUMP_ENV, str(tmp_path), extra='[env]\nRANK = "0"\n'))
+    assert not (tmp_path / "out").exists()
 
 
 def test_mis_sized_local_run_stops_before_the_command(tmp_path):

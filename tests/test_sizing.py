@@ -131,11 +131,14 @@ MODEL_DIR = "model"
 REFUSALS = [  # (train keys, parallel keys, slurm keys, the message's words)
     ('model = "tiny-llama"', "sequence_parallel = 3", None, "not a multiple of sequence_parallel x tensor_parallel = 3"),
     ('model = "tiny-llama"', "tensor_parallel = 8", None, "not a multiple of sequence_parallel x tensor_parallel = 8"),
-    ('model = "tiny-llama"\ntrain_type = "full"', "sequence_parallel = 2\ntensor_parallel = 2", None, "together are not supported"),
+    ('model = "tiny-llama"\ntrain_type = "full"\npacking = false', "sequence_parallel = 2\ntensor_parallel = 2", None, "together are not supported"),
     ('model = "tiny-llama"', "tensor_parallel = 2", None, "AutoTP trains full fine-tuning only"),
     ('model = "tiny-llama"\ntrain_type = "full"\ndeepspeed = "zero3"', "tensor_parallel = 2", None, "supports ZeRO stages 0, 1 and 2"),
     ('model = "tiny-llama"\nattn_implementation = "eager"', "sequence_parallel = 2", None, "refuses eager attention"),
-    ('model = "tiny-llama"\nattn_implementation = "sdpa"', "sequence_parallel = 2", None, "packed rows need flash attention"),
+    ('model = "tiny-llama"\nattn_implementation = "sdpa"', "sequence_parallel = 2", "gpus_per_node = 4", "packed rows need flash attention"),
+    ('model = "tiny-llama"\nattn_implementation = "varlen_attn"\nbf16 = true', "sequence_parallel = 2", "gpus_per_node = 4",
+     "packed rows need flash attention"),
+    ('model = "tiny-llama"', "sequence_parallel = 2", None, "which runs on CUDA GPUs only"),  # a CPU job: "auto" is sdpa there
     ('model = "tiny-llama"\npacking = false\nmax_length = 1001', "sequence_parallel = 2", None, "max_length must be a multiple"),
     (f'model = "{MODEL_DIR}"\npacking = false', "sequence_parallel = 4", None, "head count must divide by sequence_parallel"),
     (f'model = "{MODEL_DIR}"\npacking = false', "sequence_parallel = 2", "nodes = 1\ntasks_per_node = 2", "KV heads to divide"),
@@ -235,7 +238,7 @@ def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(
 
 
 def test_sp_with_packing_on_auto_attention_warns_that_the_nodes_need_flash(tmp_path):
-    run = cli(spec_file(tmp_path, 'model = "tiny-llama"', "sequence_parallel = 2"), "validate")
+    run = cli(spec_file(tmp_path, 'model = "tiny-llama"', "sequence_parallel = 2", slurm="gpus_per_node = 4"), "validate")
     assert run.returncode == 0 and "needs flash attention" in run.stdout, run.stdout + run.stderr
 
 

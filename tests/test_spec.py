@@ -267,8 +267,9 @@ checks = ["ports"]
 """
 
 
-@pytest.mark.parametrize("text", [NO_TRAIN, ""], ids=["preflight-only", "empty-file"])
+@pytest.mark.parametrize("text", [NO_TRAIN, "[preflight]\n"], ids=["preflight-only", "only-preflight-table"])
 def test_spec_without_train_validates_with_a_note_and_plans_no_deepspeed(in_tmp, text):
+    """(An empty file is refused: tests/test_validate_nodes.py.)"""
     path = _write(in_tmp, "pf", text)
     r = CliRunner().invoke(app, ["validate", str(path)])
     assert r.exit_code == 0, r.output

@@ -109,53 +109,14 @@ def guarded(fn):
     return wrapper
 
 
-def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | None = None):
-    """Every check of a spec file, then its plan: the one first step of validate, plan, render, submit and preflight.
+def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | None = None, limits=None):
+    """The plan of a spec file after every check (``prepare.prepare``); the dataset scan's notes go to ``data_notes``."""
+    from ..prepare import prepare
 
-    Loading validates the spec and every sweep combination; ``make_plan(check_disk=True)`` checks each
-    task's files and merges and checks its DeepSpeed config; rendering the sbatch script checks what
-    must go on ``#SBATCH`` lines. So `validate` says ok exactly when `plan` would succeed. ``training``
-    (submit, render): a spec without [train] is refused; validate, plan and preflight accept it with a note.
-    Last, every record of the datasets is checked (``scan_data``), its notes added to ``data_notes``.
-    """
-    from ..plan import make_plan
-    from ..slurm.render import render_all
-    from ..spec import load_raw, load_spec, require_training
-
-    spec = load_spec(spec_path)
-    if training:
-        require_training(spec, str(spec_path))
-    the_plan = make_plan(spec, load_raw(spec_path), base_dir=os.getcwd(), source=str(spec_path), check_disk=True)
-    render_all(the_plan)  # every group's script: what goes on #SBATCH lines
-    notes = scan_data(the_plan)
+    prepared = prepare(spec_path, training=training, limits=limits)
     if data_notes is not None:
-        data_notes += notes
-    return the_plan
-
-
-def scan_data(the_plan) -> list[str]:
-    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
-    SFT records, or prompt/chosen/rejected pairs for ``task = "dpo"``; a malformed record is a DataError
-    naming its file and line. One note per scan, for ``validate``."""
-    import time
-
-    from ..train import preference
-    from ..train.data import scan
-
-    notes, seen = [], set()
-    for task in the_plan.tasks:
-        t = task.spec.train
-        if not task.spec.has_training or t.command or (t.task, tuple(t.dataset)) in seen:
-            continue
-        seen.add((t.task, tuple(t.dataset)))
-        if not t.dataset_scan:
-            notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
-            continue
-        start = time.monotonic()
-        count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
-        kind = "preference pair(s)" if t.task == "dpo" else "record(s)"
-        notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
-    return notes
+        data_notes += prepared.notes
+    return prepared.plan
 
 
 @app.command()
@@ -195,16 +156,17 @@ def plan(
     max_array_size: Optional[int] = MaxArraySize,
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
+    from ..prepare import prepare
     from ..slurm.render import render_all
-
     from ..submit import avoid_bad_nodes
 
-    the_plan = load_plan(spec_path)
+    limits = _limits(max_array_size)
+    prepared = prepare(spec_path, limits=limits)
+    the_plan, scripts = prepared.plan, prepared.scripts
     avoided: list[dict] = []
     if the_plan.spec.has_training:  # as submit to Slurm would: the ledger's recently failed nodes excluded
         the_plan, avoided = avoid_bad_nodes(the_plan)
-    limits = _limits(max_array_size)
-    scripts = render_all(the_plan, limits=limits)
+        scripts = render_all(the_plan, limits=limits)
     if as_json:
         sys.stdout.write(json.dumps({**the_plan.to_json(scripts, limits), "avoided": avoided}, indent=2) + "\n")
         return 0
@@ -228,10 +190,12 @@ def render(
     without -o such a spec is refused (one stdout cannot hold several scripts). With --max-array-size
     a sweep too big for one array is split too (job.part0.sh, job.part1.sh, ...).
     """
-    from ..slurm.render import render_all, render_sbatch, script_names
+    from ..prepare import prepare
+    from ..slurm.render import render_sbatch, script_names
 
-    the_plan = load_plan(spec_path, training=True)
     limits = _limits(max_array_size)
+    prepared = prepare(spec_path, training=True, limits=limits)
+    the_plan = prepared.plan
     parts = the_plan.arrays(limits)
     if out is None:
         if len(parts) > 1 and len(the_plan.groups) == 1:
@@ -247,7 +211,7 @@ def render(
         return 0
     from ..plan import write_plan
 
-    scripts = render_all(the_plan, limits=limits)
+    scripts = prepared.scripts
     paths = [out.with_name(n) for n in script_names(out.name, parts)]
     write_plan(the_plan, scripts, limits)
     for path, script in zip(paths, scripts):

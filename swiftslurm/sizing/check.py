@@ -84,7 +84,16 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
         return None, problems
     stage, off_opt, off_param = _zero(ds)
     t = spec.train
-    problems += lay.training_problems(layout, stage, t.train_type, t.attn_implementation, t.packing, t.max_length)
+    packs = t.packing and getattr(t, "task", "sft") == "sft"  # DPO never packs (the trainer logs packing off)
+    problems += lay.training_problems(layout, stage, t.train_type, t.attn_implementation, packs, t.max_length,
+                                      gpus=bool(spec.slurm.gpus_per_node))
+    if layout.model_parallel > 1 and t.deepspeed == "none":
+        key = "parallel.sequence_parallel" if layout.sequence_parallel > 1 else "parallel.tensor_parallel"
+        problems.append(Problem(key, "sequence and tensor parallel run inside DeepSpeed (Ulysses and AutoTP build their "
+                                "process groups in the DeepSpeed engine); plain DDP has neither",
+                                f'train.deepspeed = "none" with sequence_parallel {layout.sequence_parallel}, tensor_parallel '
+                                f"{layout.tensor_parallel}", 'use a ZeRO preset (deepspeed = "zero2", or "zero1" for tensor '
+                                "parallel), or set the degrees to 1"))
     if layout.model_parallel > 1 and getattr(t, "task", "sft") != "sft":
         problems.append(Problem("parallel", f"sequence/tensor parallel is built for SFT; task = {t.task!r} goes through TRL's "
                                 "trainer, whose batches the Ulysses adapter and AutoTP do not see",
@@ -99,7 +108,7 @@ def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | 
                                 "leaves as an empty shard on every rank", f"use_liger_kernel = true with ZeRO stage {stage}",
                                 'use a ZeRO-2 preset (deepspeed = "zero2"), or use_liger_kernel = "auto"/false'))
     cautions = []
-    if layout.sequence_parallel > 1 and t.packing and t.attn_implementation == "auto":
+    if layout.sequence_parallel > 1 and packs and spec.slurm.gpus_per_node and t.attn_implementation == "auto":
         cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "
                         "have flash-attn for attn_implementation = \"auto\" to pick it, or training refuses to start "
                         "(set packing = false to train with sdpa)")

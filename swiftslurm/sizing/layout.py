@@ -16,8 +16,15 @@ from ..errors import Problem
 from .shape import ModelShape
 
 # attention kernels that keep packed samples apart under Ulysses SP: they read sample boundaries from
-# position_ids (varlen), while sdpa and flex lose the block-diagonal mask the wrapper drops
+# position_ids (varlen), while sdpa and flex lose the block-diagonal mask the wrapper drops. Both are CUDA
+# kernels: a CPU rank never runs one (``auto`` resolves to sdpa there, an explicit one is refused).
 SP_PACKING_ATTN = ("flash_attention_2", "flash_attention_3")
+
+
+def keeps_packed_apart(attn: str) -> bool:
+    """The rule the trainer applies on the node (``train.parallel``) to the attention it resolved: with sequence
+    parallel and packed rows, only these kernels keep samples apart. ``validate`` applies it to what it can know."""
+    return attn in SP_PACKING_ATTN
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,9 @@ def degree_problems(layout: Layout, where: str = "parallel") -> list[Problem]:
 
 
 def training_problems(layout: Layout, zero_stage: int, train_type: str, attn: str, packing: bool, max_length: int,
-                      where: str = "parallel") -> list[Problem]:
-    """What the spec alone refuses (no model shape needed)."""
+                      where: str = "parallel", gpus: bool = True) -> list[Problem]:
+    """What the spec alone refuses (no model shape needed). ``gpus``: the job asks for GPUs (slurm.gpus_per_node);
+    ``packing``: rows are packed (SFT with train.packing)."""
     sp, tp = layout.sequence_parallel, layout.tensor_parallel
     out: list[Problem] = []
     if sp > 1 and tp > 1:
@@ -84,9 +92,16 @@ def training_problems(layout: Layout, zero_stage: int, train_type: str, attn: st
         if attn == "eager":
             out.append(Problem(f"{where}.sequence_parallel", "Ulysses sequence parallel refuses eager attention (it needs an "
                                "O(n^2) 4D mask)", 'train.attn_implementation = "eager"', 'use "sdpa", "flash_attention_2" or "auto"'))
-        elif packing and attn in ("sdpa", "flex_attention"):
+        elif packing and not gpus:
+            out.append(Problem(f"{where}.sequence_parallel", f"sequence_parallel = {sp} with packed rows needs flash attention, "
+                               "which runs on CUDA GPUs only: the Ulysses wrapper drops the mask that keeps packed samples apart, "
+                               "and on this CPU job the ranks would resolve attention to sdpa (refused on the node)",
+                               f"slurm.gpus_per_node = 0, train.packing = true, train.attn_implementation = \"{attn}\"",
+                               "set train.packing = false for a CPU run, or ask for GPUs (slurm.gpus_per_node) with flash-attn "
+                               "installed on the nodes"))
+        elif packing and attn != "auto" and not keeps_packed_apart(attn):
             out.append(Problem(f"{where}.sequence_parallel", "with sequence parallel, packed rows need flash attention: the Ulysses "
-                               "wrapper drops the mask that keeps packed samples apart, so with sdpa or flex_attention samples "
+                               f"wrapper drops the mask that keeps packed samples apart, so with {attn} samples "
                                "would attend to each other", f'train.packing = true, train.attn_implementation = "{attn}"',
                                'set attn_implementation = "flash_attention_2" (GPU, flash-attn installed) or train.packing = false'))
         if max_length % sp:

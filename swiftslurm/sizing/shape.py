@@ -1,5 +1,5 @@
 """A decoder-only transformer's shape (what the memory estimate and the parallel rules need) and its
-parameter counts. Pure, apart from ``read_config_json`` which reads one local file.
+parameter counts. Pure, apart from ``read_config_json`` which reads one local file (through ``fsutil.read_json``).
 
 Counts follow the Llama/Qwen/Mistral layout: embeddings, per layer q/k/v/o projections, a gated MLP
 (gate, up, down) and two RMSNorms, a final norm and an lm_head unless tied. Biases (Qwen2's q/k/v) are
@@ -8,10 +8,11 @@ below 0.1% of the total and left out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..fsutil import CONFIG_CAP, Unreadable, read_json
 
 # the projections peft's "all-linear" picks in a Llama-like decoder (never lm_head)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -89,7 +90,21 @@ TINY_LLAMA = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=
 
 
 class ShapeError(ValueError):
-    """A config.json without the keys a decoder's shape needs (the message names them)."""
+    """A config.json without the keys a decoder's shape needs, or with a value out of range (the message names them)."""
+
+
+# The one range of each shape number: ``train.model_shape`` (spec/parallel.py) and every config.json read here.
+# Beyond these a number is a typo or a hostile file (a head count of 0 divides by zero; 10^11 heads would
+# make every rule that lists divisors spin for minutes).
+SHAPE_BOUNDS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 1_000_000),
+    "num_layers": (1, 100_000),
+    "heads": (1, 100_000),
+    "kv_heads": (1, 100_000),
+    "intermediate_size": (1, 10_000_000),
+    "vocab_size": (1, 100_000_000),
+    "head_dim": (1, 100_000),
+}
 
 
 def shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -100,33 +115,48 @@ def shape_from_config(config: dict[str, Any], source: str = "config.json") -> Mo
     keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
             "num_heads": ("num_attention_heads", "n_head"), "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
             "vocab_size": ("vocab_size",)}
+    bound = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_heads": "heads",
+             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size"}
     values: dict[str, int] = {}
     missing = []
     for field, names in keys.items():
-        found = next((config[n] for n in names if isinstance(config.get(n), int) and not isinstance(config.get(n), bool)), None)
-        if found is None:
+        name = next((n for n in names if config.get(n) is not None), None)  # present: an integer in range, or refused
+        if name is None:
             missing.append(names[0])
         else:
-            values[field] = found
+            values[field] = _bounded(config, name, bound[field], source)
     if missing:
         raise ShapeError(f"{source} has no {', '.join(missing)}")
-    kv = config.get("num_key_value_heads")
-    head_dim = config.get("head_dim")
-    return ModelShape(**values, num_kv_heads=kv if isinstance(kv, int) and kv > 0 else values["num_heads"],
-                      tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                      head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None, source=source)
+    kv = _bounded(config, "num_key_value_heads", "kv_heads", source) if config.get("num_key_value_heads") is not None else None
+    head_dim = _bounded(config, "head_dim", "head_dim", source) if config.get("head_dim") is not None else None
+    return ModelShape(**values, num_kv_heads=kv or values["num_heads"], tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                      head_dim=head_dim, source=source)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bounded(config: dict[str, Any], name: str, bound: str, source: str) -> int:
+    """``config[name]`` as an integer inside ``SHAPE_BOUNDS[bound]``, else ShapeError naming the key and the file."""
+    value = config[name]
+    low, high = SHAPE_BOUNDS[bound]
+    if not _is_int(value) or not low <= value <= high:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ShapeError(f"{source}: {name} = {shown}, expected an integer from {low} to {high:,}")
+    return value
 
 
 def read_config_json(model_dir: str | Path) -> ModelShape | None:
     """The shape in ``model_dir/config.json``; None when there is no such file. ShapeError when it is unreadable
     or lacks the keys (the message says which). Reads the file."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ShapeError(f"{path} cannot be read as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ShapeError(f"{path} is not a JSON object")
+        data = read_json(path, CONFIG_CAP)
+    except FileNotFoundError:
+        return None
+    except Unreadable as exc:
+        raise ShapeError(f"{path} cannot be read ({exc.why})") from None
     return shape_from_config(data, str(path))

@@ -18,6 +18,7 @@ from typing import Mapping
 import hostlist
 
 from ..errors import RuntimeEnvError
+from ..spec.model import PER_RANK_VARS, RUNTIME_VARS, explicit_master_port
 
 # Every job gets a slot of PORTS_PER_JOB ports: MASTER_PORT, then the preflight's store, test listener and
 # iperf3 server (preflight/coord.py). The slots fill [16384, 32768): below Linux's ephemeral range (default
@@ -33,8 +34,8 @@ EPHEMERAL_DEFAULT = (32768, 60999)
 # ephemeral range, so a port found free is not handed to an outgoing connection before its server binds it.
 FREE_PORT_RANGE = (8192, PORT_BASE)
 
-# Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them.
-PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "NNODES")
+# PER_RANK_VARS: variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them.
+# The spec holds the list (validate refuses them), the nodes read the same one (re-exported here).
 
 # Defaults that make hangs and failures visible; the spec's [env] wins over them.
 NCCL_DEFAULTS = {
@@ -152,13 +153,12 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 
 def _explicit_port(explicit: Mapping[str, str]) -> int | None:
-    value = explicit.get("MASTER_PORT", "").strip()
-    if not value:
-        return None
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65532:
-        raise RuntimeEnvError("MASTER_PORT in [env] is not a port number (1-65532)", repr(value),
-                              "remove MASTER_PORT from [env] to let swiftslurm derive one from the job id")
-    return int(value)
+    value = explicit.get("MASTER_PORT", "")
+    try:
+        return explicit_master_port(value)
+    except ValueError:
+        raise RuntimeEnvError("MASTER_PORT in [env] is not a port number (1-65532)", repr(value.strip()),
+                              "remove MASTER_PORT from [env] to let swiftslurm derive one from the job id") from None
 
 
 def _master(explicit: Mapping[str, str], default_addr: str, job_key: str) -> tuple[str, int]:
@@ -341,7 +341,7 @@ def check_allocation(dist: DistEnv, spec) -> None:
 
 def check_spec_env(spec_env: Mapping[str, str]) -> None:
     """The spec's [env] is job-wide; per-rank variables in it would give every rank the same rank."""
-    bad = sorted(k for k in spec_env if k in PER_RANK_VARS)
+    bad = sorted(k for k in spec_env if k in PER_RANK_VARS or k in RUNTIME_VARS)
     if bad:
         raise RuntimeEnvError(
             f"[env] sets per-rank variable(s) {', '.join(bad)}",

@@ -14,10 +14,12 @@ in both runtimes. ``slurm.setup`` lines are the user's shell, written verbatim (
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from ..errors import Problem, SpecError
 from ..plan import Group, Plan
 from ..quoting import shell_quote
 
@@ -35,22 +37,62 @@ class Launch:
         return " ".join(shell_quote(a) for a in (*self.prefix, self.python))
 
 
-def _covered(path: str, mounts: list[str]) -> bool:
-    """A mount already puts host ``path`` at the same path inside (``/scratch:/scratch`` covers /scratch/x)."""
+LIST_SEPARATORS = (":", ",")  # pyxis --container-mounts and apptainer --bind: SRC:DST[:FLAGS], comma-separated
+
+
+def _read_only(flags: str | None) -> bool:
+    return bool(flags) and "ro" in re.split(r"[+,:]", flags or "")
+
+
+def _innermost(path: str, mounts: list[str]) -> tuple[str, str, str | None] | None:
+    """The mount that decides what ``path`` is inside the container: the deepest destination holding it."""
     p = PurePosixPath(path)
+    best: tuple[str, str, str | None] | None = None
     for m in mounts:
-        src, dst = m.split(":")[:2]
-        if src == dst and (PurePosixPath(src) == p or PurePosixPath(src) in p.parents):
-            return True
-    return False
+        src, dst, *flags = m.split(":")
+        d = PurePosixPath(dst)
+        if (d == p or d in p.parents) and (best is None or len(d.parts) > len(PurePosixPath(best[1]).parts)):
+            best = (src, dst, flags[0] if flags else None)
+    return best
+
+
+def _covered(path: str, mounts: list[str]) -> bool:
+    """A mount already puts host ``path`` at the same path inside (``/scratch:/scratch`` covers /scratch/x), and no
+    deeper mount puts something else there."""
+    best = _innermost(path, mounts)
+    return best is not None and PurePosixPath(best[0]) == PurePosixPath(best[1])
+
+
+def _problem(path: str, what: str, found: str, hint: str) -> SpecError:
+    return SpecError("spec", [Problem(path, what, found, hint)])
 
 
 def mounts_of(plan: Plan) -> list[str]:
-    """The container's mounts: the spec's, plus the output dir at its own path unless one covers it."""
+    """The container's mounts: the spec's, plus the output dir at its own path unless one covers it.
+
+    SpecError where the ranks could not write their output dir: a path that would break the runtime's mount
+    list (``:`` or ``,`` in it), or a read-only mount over the output dir.
+    """
     c = plan.container
     mounts = list(c.mounts) if c is not None else []
-    if not _covered(plan.output_dir, mounts):
-        mounts.append(f"{plan.output_dir}:{plan.output_dir}")
+    out = plan.output_dir
+    best = _innermost(out, mounts)
+    if best is not None and _read_only(best[2]):
+        raise _problem("container.mounts", "a read-only mount covers the output dir: the ranks write their checkpoints, "
+                       "logs and metrics there", f"{best[0]}:{best[1]}:{best[2]} over job.output_dir {out}",
+                       "mount that path read-write (drop ':ro'), or choose a job.output_dir outside it")
+    if not _covered(out, mounts):
+        bad = [ch for ch in LIST_SEPARATORS if ch in out]
+        if bad:
+            raise _problem("job.output_dir", f"the output dir is mounted into the container, and {' and '.join(repr(b) for b in bad)} "
+                           f"in it would break the {c.runtime if c else 'container'} mount list (SRC:DST[:FLAGS], comma-separated)",
+                           out, "choose a job.output_dir without ':' or ','")
+        mounts.append(f"{out}:{out}")
+    for m in mounts:  # the spec's own are checked in the model; this holds for every entry that reaches the list
+        parts = m.split(":")
+        if "," in m or len(parts) not in (2, 3) or not all(parts[:2]):
+            raise _problem("container.mounts", "a mount that the runtime's mount list cannot carry", m,
+                           "each mount as SRC:DST or SRC:DST:FLAGS, without ',' and with no ':' inside a path")
     return mounts
 
 

@@ -22,6 +22,7 @@ from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is th
     OWNED_SBATCH_OPTIONS,
     TINY_MODELS,
     CheckpointTable,
+    FieldProblem,
     JobSpec,
     is_local_image,
     JobTable,
@@ -90,6 +91,10 @@ def _problems_from(err: ValidationError, prefix: str = "") -> list[Problem]:
             hint = did_you_mean(str(loc[-1]), valid)
             hint = (hint + " " if hint else "") + (f"valid keys: {', '.join(valid)}" if valid else "")
             problems.append(Problem(path, "unknown key", hint=hint))
+            continue
+        keyed = (e.get("ctx") or {}).get("error")
+        if isinstance(keyed, FieldProblem):  # a validator's refusal of one entry: its own key, found and hint
+            problems.append(Problem(f"{path}.{keyed.key}" if path else keyed.key, keyed.what, keyed.found, keyed.hint))
             continue
         msg = e["msg"]
         if msg.startswith("Value error, "):
@@ -231,8 +236,18 @@ def _sweep_problems(data: dict[str, Any], skip_values: bool) -> list[Problem]:
     return problems
 
 
+EMPTY_SPEC = "empty spec: nothing to run; a preflight-only spec names [preflight]"
+
+
 def parse_spec(text: str, source: str = "spec") -> JobSpec:
-    return validate_spec(parse_toml(text, source), source)
+    """TOML text to a JobSpec. A text without a single key (empty, blank, comments only) is refused: every
+    default would make it a preflight-only job that nobody asked for."""
+    data = parse_toml(text, source)
+    if not data:
+        found = "an empty file" if not text.strip() else "only blank lines and comments"
+        raise SpecError(source, [Problem("", EMPTY_SPEC, found, "start from examples/quickstart.toml (training) or "
+                                         "examples/preflight_only.toml (a preflight-only run)")])
+    return validate_spec(data, source)
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -27,6 +27,8 @@ CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# one word, not an option, no shell expansion (srun runs it as written: "~/venv/bin/python" is not found)
+_PYTHON_RE = re.compile(r"[^\s\-~$`\x00-\x1f\x7f][^\s$`\x00-\x1f\x7f]*")
 _SLURM_WORD_RE = re.compile(r"[A-Za-z0-9._,\[\]\-:&|*!()]+")
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _TIME_RE = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
@@ -35,6 +37,33 @@ MAX_TIME_S = 365 * 86400
 # C0 control characters and DEL: never part of a path, a name or an sbatch value
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
+
+# Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them. The node refuses
+# them too (``slurm.distenv.check_spec_env`` reads this tuple): the one list.
+PER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "NNODES")
+# What the batch script and the runtime set for swiftslurm itself: the plan every rank reads, the task index.
+RUNTIME_VARS = ("SWIFTSLURM_PLAN", "SWIFTSLURM_TASK")
+MAX_PORT = 65532  # MASTER_PORT and the three ports after it (the preflight's) must all be valid
+
+
+class FieldProblem(ValueError):
+    """A validator's refusal of one entry of a table (``env.RANK``): the report names ``key`` under the field's
+    path and shows ``found`` (``spec.load`` reads these off pydantic's error)."""
+
+    def __init__(self, key: str, what: str, found: str, hint: str) -> None:
+        self.key, self.what, self.found, self.hint = key, what, found, hint
+        super().__init__(f"{key}: {what}; found {found}. HINT: {hint}")
+
+
+def explicit_master_port(value: str) -> int | None:
+    """``[env] MASTER_PORT`` as the nodes take it: None when empty (derived from the job id), else a port number
+    1-65532; ValueError otherwise. ``slurm.distenv`` applies the same function on every rank."""
+    value = value.strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_PORT:
+        raise ValueError(f"MASTER_PORT in [env] is not a port number (1-{MAX_PORT}): {value!r}")
+    return int(value)
 
 
 def _path(v: str) -> str:
@@ -165,8 +194,12 @@ class SlurmTable(_Table):
     @field_validator("python")
     @classmethod
     def _python(cls, v: str | None) -> str | None:
-        if v is not None and (not v.strip() or any(c in v for c in "\n\r\x00")):
-            raise ValueError("a path to a Python interpreter (or a command on PATH such as 'python3'), on one line")
+        # one word: srun takes what follows its options as the program, so "--export=NONE" would become an srun
+        # option and "python -u" a program named "python -u"
+        if v is not None and (not _PYTHON_RE.fullmatch(v) or len(v) > 4096):
+            raise ValueError("the interpreter the ranks run: a path (/shared/venv/bin/python) or a command on PATH "
+                             "(python3), one word without spaces, not starting with '-', without '~' or '$' (nothing expands it). HINT: options for Python "
+                             "go in the environment (PYTHONUNBUFFERED, PYTHONOPTIMIZE, ...) via [env]")
         return v
 
     @property
@@ -482,6 +515,17 @@ class JobSpec(_Table):
             val = str(val)
             if "\x00" in val:
                 raise ValueError(f"env.{key}: no NUL bytes")
+            if key in PER_RANK_VARS or key in RUNTIME_VARS:
+                why = "derived from Slurm for each rank" if key in PER_RANK_VARS else "the plan and task index the runtime reads"
+                raise FieldProblem(key, f"{key} is set by swiftslurm on every rank ({why}); a job-wide [env] value would "
+                                   "give every rank the same one, and the nodes refuse it", f"{key} = {val!r}",
+                                   "remove it from [env] (MASTER_ADDR and MASTER_PORT may be set there)")
+            if key == "MASTER_PORT":
+                try:
+                    explicit_master_port(val)
+                except ValueError:
+                    raise FieldProblem(key, f"MASTER_PORT is not a port number (1-{MAX_PORT})", f"{key} = {val!r}",
+                                       "remove MASTER_PORT from [env] to let swiftslurm derive one from the job id") from None
             out[key] = val
         return out
 

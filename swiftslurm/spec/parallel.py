@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sizing.shape import ModelShape
+from ..sizing.shape import SHAPE_BOUNDS, ModelShape
 
 MAX_DEGREE = 1024
 
@@ -28,14 +28,16 @@ class ParallelTable(Table):
 
 
 class ModelShapeTable(Table):
-    hidden_size: int = Field(..., ge=1, le=1_000_000)
-    num_layers: int = Field(..., ge=1, le=100_000)
-    heads: int = Field(..., ge=1, le=100_000)
-    kv_heads: int | None = Field(None, ge=1, le=100_000)  # None: as many as heads (no grouped-query attention)
-    intermediate_size: int = Field(..., ge=1, le=10_000_000)
-    vocab_size: int = Field(..., ge=1, le=100_000_000)
+    # ranges: SHAPE_BOUNDS, the same ones a local config.json is held to (sizing/shape.py)
+    hidden_size: int = Field(..., ge=SHAPE_BOUNDS["hidden_size"][0], le=SHAPE_BOUNDS["hidden_size"][1])
+    num_layers: int = Field(..., ge=SHAPE_BOUNDS["num_layers"][0], le=SHAPE_BOUNDS["num_layers"][1])
+    heads: int = Field(..., ge=SHAPE_BOUNDS["heads"][0], le=SHAPE_BOUNDS["heads"][1])
+    # None: as many as heads (no grouped-query attention)
+    kv_heads: int | None = Field(None, ge=SHAPE_BOUNDS["kv_heads"][0], le=SHAPE_BOUNDS["kv_heads"][1])
+    intermediate_size: int = Field(..., ge=SHAPE_BOUNDS["intermediate_size"][0], le=SHAPE_BOUNDS["intermediate_size"][1])
+    vocab_size: int = Field(..., ge=SHAPE_BOUNDS["vocab_size"][0], le=SHAPE_BOUNDS["vocab_size"][1])
     tie_word_embeddings: bool = False
-    head_dim: int | None = Field(None, ge=1, le=100_000)
+    head_dim: int | None = Field(None, ge=SHAPE_BOUNDS["head_dim"][0], le=SHAPE_BOUNDS["head_dim"][1])
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelShapeTable":

@@ -20,7 +20,7 @@ The rules ``plan`` checks against a local config.json run here again against the
 from __future__ import annotations
 
 from ..errors import SwiftSlurmError
-from ..sizing.layout import SP_PACKING_ATTN, Layout, shape_problems
+from ..sizing.layout import Layout, keeps_packed_apart, shape_problems
 from ..sizing.shape import ShapeError, shape_from_config
 
 
@@ -50,7 +50,7 @@ def parallelism_config(spec, attn: str):
     sp, _ = degrees(spec)
     if sp == 1:
         return None
-    if spec.train.packing and attn not in SP_PACKING_ATTN:
+    if spec.train.packing and not keeps_packed_apart(attn):
         raise ParallelError(
             f"sequence_parallel = {sp} with packed rows needs flash attention, and this node resolved attention to {attn!r}",
             "the Ulysses wrapper drops the mask that keeps packed samples apart: with sdpa or flex_attention they would attend "

@@ -1,0 +1,83 @@
+"""``prepare(spec_path)``: load and validate the spec (every sweep combination), plan every task with the disk
+checks, render every batch script and check that bash parses it and reaches its srun line, then scan every
+dataset record. ``validate`` says ok exactly when ``submit`` would send the job; what a node would refuse after
+the queue wait is refused here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..errors import Problem, SpecError
+from ..plan import ArrayLimits, Plan, make_plan
+from ..slurm.render import render_all
+from ..slurm.scriptcheck import script_problems, setup_problems
+from ..spec import load_raw, load_spec, require_training
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: Plan
+    scripts: list[str]  # one batch script per sbatch call (``plan.arrays(limits)``), each checked with bash -n
+    notes: list[str] = field(default_factory=list)  # what the dataset scan found (counts, time)
+
+
+def prepare(spec_path: str | os.PathLike[str], *, training: bool = False, limits: ArrayLimits | None = None,
+            base_dir: str | None = None) -> Prepared:
+    """Every check of a spec file, then its plan and scripts. Raises SpecError (every problem of the spec) or
+    ``train.records.DataError`` (a malformed dataset record, with its file and line).
+
+    ``training`` (submit, render): a spec without [train] is refused; validate, plan and preflight take it (the plan
+    carries a note). ``base_dir``: where relative paths start (default: the current directory).
+    """
+    source = str(spec_path)
+    spec = load_spec(spec_path)
+    if training:
+        require_training(spec, source)
+    plan = make_plan(spec, load_raw(spec_path), base_dir=base_dir or os.getcwd(), source=source, check_disk=True)
+    scripts = render_all(plan, limits=limits)  # also what must go on #SBATCH lines, and the container's mounts
+    check_scripts(plan, scripts)
+    return Prepared(plan, scripts, scan_data(plan))
+
+
+def check_scripts(plan: Plan, scripts: list[str]) -> None:
+    """Each group's ``slurm.setup`` lines, then each rendered script, through bash's parser (SpecError)."""
+    problems: list[Problem] = []
+    seen: set[tuple[str, ...]] = set()
+    for group in plan.groups:
+        setup = tuple(group.slurm.setup)
+        if setup and setup not in seen:
+            seen.add(setup)
+            problems += setup_problems(list(setup))
+    if not problems:
+        for script in dict.fromkeys(scripts):
+            problems += script_problems(script)
+            if problems:
+                break
+    if problems:
+        raise SpecError(plan.source, problems)
+
+
+def scan_data(plan: Plan) -> list[str]:
+    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
+    SFT records, or prompt/chosen/rejected pairs for ``task = "dpo"``; a malformed record is a DataError
+    naming its file and line. One note per scan, for ``validate``."""
+    from ..train import preference
+    from ..train.data import scan
+
+    notes, seen = [], set()
+    for task in plan.tasks:
+        t = task.spec.train
+        if not task.spec.has_training or t.command or (t.task, tuple(t.dataset)) in seen:
+            continue
+        seen.add((t.task, tuple(t.dataset)))
+        if not t.dataset_scan:
+            notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
+            continue
+        start = time.monotonic()
+        count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
+        kind = "preference pair(s)" if t.task == "dpo" else "record(s)"
+        notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
+    return notes
