@@ -118,7 +118,8 @@ def test_setup_that_breaks_the_batch_script_is_refused_naming_the_line(tmp_cwd, 
     ["exec > >(tee -a setup.log) 2>&1", "set -euo pipefail"],
     ["if [ -f /etc/x ]; then", "  module load a", "fi", "echo \"exit is a word here\""],
     ["ulimit -n 65536; x=$(exit 3); echo $x"],
-], ids=["plain", "heredoc-closed", "heredoc-dash", "exec-redirect", "if-fi", "subshell-exit"])
+    ["module load cuda/12.4 || exit 1", "[ -d /scratch ] || { echo no scratch; exit 3; }"],
+], ids=["plain", "heredoc-closed", "heredoc-dash", "exec-redirect", "if-fi", "subshell-exit", "failing-exit"])
 def test_setup_that_reaches_srun_validates(tmp_cwd, setup):
     (tmp_cwd / "job.toml").write_text(COMMAND.format(out="out", slurm="setup = " + json.dumps(setup), tail=""))
     result = CliRunner().invoke(app, ["validate", "job.toml"])

@@ -13,7 +13,7 @@ started. Three checks, none of which runs a line of the user's code:
    command starts, so bash must refuse it on exactly that line. It does not when the setup swallows the
    next line (a here-document, a quote, a trailing backslash that joins the next line to the last command).
 3. A scan of the command words (quotes, escapes, comments and here-document bodies understood): no
-   ``exit``/``logout``, no ``exec`` of a command (``exec >log 2>&1`` only redirects and is fine), no
+   ``exit``/``logout`` but a failing ``exit N`` (N a literal 1..255: the job ends FAILED, as a guard means), no ``exec`` of a command (``exec >log 2>&1`` only redirects and is fine), no
    ``set -n``/``set -o noexec``, and no function or alias named after a command the script runs after
    the setup (``srun() { :; }`` would replace the launch).
 
@@ -369,11 +369,11 @@ def word_problems(setup: list[str], depth: int = 0) -> list[Problem]:
         while words and words[0] in ("builtin", "command") and len(words) > 1:
             words = [w for w in words[1:] if not (words[0] == "command" and w.startswith("-"))] or words[1:]
         name, args = words[0], words[1:]
-        if name in ENDS_SCRIPT:
+        if name in ENDS_SCRIPT and not _failing_exit(args):
             return [_problem(setup, i, f"`{name}` in the setup ends the batch script before srun starts any rank (with "
                              "exit 0 the job ends COMPLETED, nothing trained)",
-                             "drop it; to fail the job when a setup step fails, put `set -e` first (the job then "
-                             "ends FAILED at that step)")]
+                             "drop it; to fail the job when a setup step fails, exit with a non-zero number "
+                             "(`module load x || exit 1`) or put `set -e` first")]
         if name == "exec" and args:
             return [_problem(setup, i, "`exec` with a command replaces the batch shell: the srun line after the setup "
                              "never runs", "run the command without exec (`exec >FILE 2>&1`, redirections only, is fine)")]
@@ -395,6 +395,11 @@ def word_problems(setup: list[str], depth: int = 0) -> list[Problem]:
             if inner:
                 return [_problem(setup, i, f"eval runs: {inner[0].what}", inner[0].hint)]
     return []
+
+
+def _failing_exit(args: list[str]) -> bool:
+    """``exit N`` with a literal N in 1..255: the job ends FAILED, as a guard like ``module load x || exit 1`` means."""
+    return len(args) == 1 and args[0].isdigit() and 0 < int(args[0]) < 256
 
 
 def _noexec(args: list[str]) -> bool:
