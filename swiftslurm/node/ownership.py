@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeEnvError
-from ..fsutil import atomic_write_text
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 
 LOCK_FILE = ".swiftslurm.lock"
 OWNER_FILE = ".swiftslurm-owner.json"
@@ -32,10 +32,10 @@ _held: dict[str, int] = {}  # lock path -> fd, for this process's life (closing 
 
 def _owner(out_dir: str | Path) -> dict[str, Any]:
     try:
-        data = json.loads(Path(out_dir, OWNER_FILE).read_text())
-    except (OSError, ValueError):
+        data = read_json(Path(out_dir, OWNER_FILE), RECORD_CAP)
+    except (OSError, ValueError):  # missing, or Unreadable: no owner record
         return {}
-    return data if isinstance(data, dict) else {}
+    return {k: v for k, v in data.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
 
 
 def describe(owner: dict[str, Any]) -> str:
