@@ -212,7 +212,7 @@ def _bounded_int(text: str) -> int:
     return value
 
 
-def _depth(value: Any, limit: int) -> int:
+def json_depth(value: Any, limit: int) -> int:
     """How deep ``value`` nests (iterative: never recurses), stopping once past ``limit``."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -243,7 +243,7 @@ def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None
         raise Unreadable(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
         raise Unreadable(source, f"not valid JSON: {exc}") from None
-    if _depth(value, max_depth) > max_depth:
+    if json_depth(value, max_depth) > max_depth:
         raise Unreadable(source, f"JSON nested deeper than {max_depth} levels")
     return value
 

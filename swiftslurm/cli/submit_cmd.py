@@ -14,6 +14,7 @@ from rich.text import Text
 from .. import slurm
 from ..plan import Plan
 from ..errors import SwiftSlurmError
+from ..fsutil import read_tail
 from ..submission import Submission, TaskStatus, load_submission
 from ..submit import resolve_executor, submit_plan
 from .plan_view import avoided_lines
@@ -104,11 +105,9 @@ def last_error_line(sub: Submission, index: int) -> str | None:
     if not sub.folder or index >= len(sub.job_ids):
         return None
     path = Path(sub.folder) / f"{sub.job_ids[index]}_0_log.err"
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - 8192))
-            lines = fh.read().decode("utf-8", "replace").splitlines()
-    except OSError:
+    try:  # a regular file only: a FIFO in the log's place would hang `submit --wait`
+        lines = read_tail(path, 0, 8192)[0].decode("utf-8", "replace").splitlines()
+    except (OSError, ValueError):
         return None
     lines = [ln.removeprefix("[rank0]: ").strip() for ln in lines]
     lines = [ln for ln in lines if ln and not ln.startswith(("srun:", "submitit ", "slurmstepd:")) and not _LOG_LINE.match(ln)]

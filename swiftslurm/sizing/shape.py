@@ -8,10 +8,11 @@ below 0.1% of the total and left out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..fsutil import CONFIG_CAP, Unreadable, read_json
 
 # the projections peft's "all-linear" picks in a Llama-like decoder (never lm_head)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,9 +125,9 @@ def read_config_json(model_dir: str | Path) -> ModelShape | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ShapeError(f"{path} cannot be read as JSON ({exc})") from None
+        data = read_json(path, CONFIG_CAP, expect=None)  # bounded: a regular file, its cap, depth, int64
+    except (OSError, ValueError) as exc:
+        raise ShapeError(f"{path} cannot be read as JSON ({exc.why if isinstance(exc, Unreadable) else exc})") from None
     if not isinstance(data, dict):
         raise ShapeError(f"{path} is not a JSON object")
     return shape_from_config(data, str(path))
