@@ -18,13 +18,14 @@ stage, dtype) come from file names and JSON, and from the small header of DeepSp
 from __future__ import annotations
 
 import re
+import stat
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, is_inside, loads_json, open_regular, read_json, read_text
+from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, file_kind, is_inside, loads_json, open_regular, read_json, read_text
 from .manifest import MANIFEST_NAME, walk_files
 
 KINDS = ("hf-trainer", "hf-model", "peft-adapter")
@@ -109,10 +110,14 @@ def _weights_kind(names: set[str]) -> str | None:
 def _check_file(root: Path, rel: str, facts: Facts) -> None:
     p = root / rel
     try:
-        size = p.stat().st_size
+        st = p.stat()
     except OSError as exc:
         facts.problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
         return
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block a reader, a device never ends
+        facts.problems.append(f"{rel}: {file_kind(st.st_mode)}, not a regular file")
+        return
+    size = st.st_size
     facts.bytes += size
     name = p.name
     if size == 0 and name != "latest":

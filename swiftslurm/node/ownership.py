@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import struct
 import time
 from pathlib import Path
@@ -81,11 +82,13 @@ def holder(out_dir: str | Path) -> dict[str, Any] | None:
 
     Asks with F_GETLK: takes no lock and writes nothing.
     """
-    try:
-        fd = os.open(Path(out_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO planted under the lock's name must not block the open
+        fd = os.open(Path(out_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # not a lock file we made: nobody holds it
+            return None
         query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
         answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
     except OSError:
