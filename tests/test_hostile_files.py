@@ -424,3 +424,10 @@ def test_a_fifo_lock_file_holds_nothing_and_never_blocks(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=RETURN_S,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and proc.stdout.split() == ["None", "{}"], proc.stderr
+
+
+def test_a_flight_dump_with_mixed_keys_and_infinite_numbers_is_not_evidence(tmp_path):
+    run = make_run(tmp_path)
+    dump = {"pg_status": {0: {"last_enqueued_collective": float("inf")}, "1": {"last_enqueued_collective": 3}}, "entries": 7}
+    (run / "logs" / "nccl_trace_rank_0").write_bytes(pickle.dumps(dump))
+    looked_at("doctor", run)

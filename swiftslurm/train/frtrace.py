@@ -107,16 +107,17 @@ class Position:
 def _int(value: Any, default: int = -1) -> int:
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a dump is data we did not write: inf, text, anything
         return default
 
 
 def positions(dump: dict[str, Any], rank: int) -> list[Position]:
     """One position per process group in a dump (from ``pg_status``, the op from its entries)."""
-    entries = [e for e in dump.get("entries") or [] if isinstance(e, dict)]
+    entries = dump.get("entries")
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, (list, tuple)) else []
     status = dump.get("pg_status") or {}
     out = []
-    for pg, st in sorted(status.items()) if isinstance(status, dict) else []:
+    for pg, st in sorted(status.items(), key=lambda kv: str(kv[0])) if isinstance(status, dict) else []:  # keys of mixed kinds
         if not isinstance(st, dict):
             continue
         enq = _int(st.get("last_enqueued_collective"))
