@@ -432,3 +432,11 @@ def test_a_flight_dump_with_mixed_keys_and_infinite_numbers_is_not_evidence(tmp_
     dump = {"pg_status": {0: {"last_enqueued_collective": float("inf")}, "1": {"last_enqueued_collective": 3}}, "entries": 7}
     (run / "logs" / "nccl_trace_rank_0").write_bytes(pickle.dumps(dump))
     looked_at("doctor", run)
+
+
+def test_a_fifo_planted_at_the_nccl_log_path_never_blocks_the_preflight(tmp_path):
+    os.mkfifo(tmp_path / "nccl.log")
+    code = "import sys; from pathlib import Path; from swiftslurm.preflight.topology import read_nccl_log; print(read_nccl_log(Path(sys.argv[1])))"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nccl.log")], capture_output=True, text=True, timeout=RETURN_S,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
