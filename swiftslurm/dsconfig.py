@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Problem, SpecError
+from .fsutil import CONFIG_CAP, Unreadable, read_text
 from .resources import resource_dir
 
 ALLOW_BOTH_OFFLOADS = "swiftslurm_allow_both_offloads"
@@ -70,13 +71,13 @@ def _refuse(path: str, what: str, found: Any = "", hint: str = "", source: str =
 def load_user_config(path: str | Path) -> dict[str, Any]:
     """Read and validate a user's DeepSpeed JSON. Problems are reported under ``train.deepspeed``."""
     source = str(path)
-    try:
-        text = Path(path).read_text("utf-8")
+    try:  # a regular file under its cap (a FIFO named in the spec would hang validate)
+        text = read_text(path, CONFIG_CAP)
     except FileNotFoundError:
         raise _refuse("train.deepspeed", "DeepSpeed config file not found", source,
                       f"a preset ({', '.join(preset_names())}) or a path to an existing .json file", source) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _refuse("train.deepspeed", "cannot read the DeepSpeed config file", f"{source}: {exc}",
+    except (OSError, ValueError) as exc:
+        raise _refuse("train.deepspeed", "cannot read the DeepSpeed config file", f"{source}: {exc.why if isinstance(exc, Unreadable) else exc}",
                       "check the path and its permissions", source) from None
     try:
         data = json.loads(text, parse_constant=_refuse_constant)

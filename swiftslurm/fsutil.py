@@ -33,7 +33,7 @@ import os
 import pickle
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
@@ -67,6 +67,7 @@ LEDGER_CAP = 16 * MIB  # the node-health ledger
 MANIFEST_CAP = 256 * MIB  # a checkpoint manifest (~200 bytes a file)
 CONFIG_CAP = 64 * MIB  # config.json, trainer_state.json, a safetensors index, a DeepSpeed JSON
 LINE_CAP = 4 * MIB  # one JSONL line (metrics.jsonl, a dataset record)
+METRICS_CAP = 64 * MIB  # the part of metrics.jsonl a reader keeps (its newest lines beyond this)
 DUMP_CAP = 64 * MIB  # a flight-recorder dump
 RESULT_CAP = 16 * MIB  # a submitit result pickle
 TAG_CAP = 4 * KIB  # a one-line pointer file: ``latest``
@@ -211,7 +212,7 @@ def _bounded_int(text: str) -> int:
     return value
 
 
-def _depth(value: Any, limit: int) -> int:
+def json_depth(value: Any, limit: int) -> int:
     """How deep ``value`` nests (iterative: never recurses), stopping once past ``limit``."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -226,11 +227,14 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None, max_depth: int = MAX_DEPTH) -> Any:
+def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None, max_depth: int = MAX_DEPTH,
+               finite: bool = True) -> Any:
     """JSON text as Python values, or Unreadable: not JSON, nested deeper than ``max_depth``, NaN/Infinity,
-    a float that overflows, or an integer outside int64."""
+    a float that overflows, or an integer outside int64. ``finite=False`` lets NaN and ±Infinity through
+    (metrics, where a NaN loss is the evidence)."""
+    floats: dict[str, Any] = {"parse_constant": _refuse_constant, "parse_float": _finite_float} if finite else {}
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        value = json.loads(raw, parse_int=_bounded_int, **floats)
     except RecursionError:
         raise Unreadable(source, f"JSON nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
@@ -239,7 +243,7 @@ def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None
         raise Unreadable(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
         raise Unreadable(source, f"not valid JSON: {exc}") from None
-    if _depth(value, max_depth) > max_depth:
+    if json_depth(value, max_depth) > max_depth:
         raise Unreadable(source, f"JSON nested deeper than {max_depth} levels")
     return value
 
@@ -252,6 +256,19 @@ def read_json(path: str | os.PathLike[str], cap: int = RECORD_CAP, *, expect: ty
     if expect is not None and not isinstance(value, expect):
         raise Unreadable(path, f"a JSON {_json_kind(value)} where a JSON {_json_kind(expect())} belongs")
     return value
+
+
+def json_lines(data: bytes, *, source: str | os.PathLike[str] | None = None, first_line: int = 1,
+               finite: bool = True) -> Iterator[tuple[int, Any]]:
+    """The lines of JSONL bytes that parse through :func:`loads_json` (``finite`` as there), with their line
+    numbers; a torn, foreign, hostile or over-``LINE_CAP`` line is left out (rows of a log, not a record to refuse)."""
+    for number, line in enumerate(data.split(b"\n"), start=first_line):
+        if not line.strip() or len(line) > LINE_CAP:
+            continue
+        try:
+            yield number, loads_json(line, source=source, finite=finite)
+        except Unreadable:
+            continue
 
 
 def _json_kind(value: Any) -> str:

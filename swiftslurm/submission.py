@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from . import slurm
 from .errors import SwiftSlurmError
-from .fsutil import atomic_write_text
+from .fsutil import RECORD_CAP, RESULT_CAP, Unreadable, atomic_write_text, read_json, read_plain_pickle
 
 SUBMISSION_FILE = "submission.json"
 POLL_S = 2.0
@@ -89,7 +89,10 @@ class Submission:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Submission":
+        """A record as written by ``to_json``; ValueError naming the first field of another shape (a record
+        read back from a shared dir may hold anything)."""
         keys = {f for f in cls.__dataclass_fields__ if not f.startswith("_")}
+        _check_record(data)
         return cls(**{k: v for k, v in data.items() if k in keys})
 
     @property
@@ -231,15 +234,13 @@ def _result_state(folder: Path, job_id: str, ranks: int) -> str | None:
     COMPLETED when ``ranks`` results all say success, FAILED when any says error; None when
     fewer than ``ranks`` results exist (still running, or killed before it could write one).
     """
-    import pickle
-
     outcomes = []
     for path in sorted(folder.glob(f"{job_id}_*_result.pkl")):
-        try:
-            with path.open("rb") as fh:
-                outcomes.append(pickle.load(fh)[0])
-        except Exception:  # a torn or foreign pickle: not a success
-            outcomes.append("error")
+        try:  # plain values only: a result pickle someone else wrote never runs code here
+            result = read_plain_pickle(path, RESULT_CAP)
+        except (Unreadable, OSError):  # torn, foreign or hostile: not a success
+            result = None
+        outcomes.append(result[0] if isinstance(result, (tuple, list)) and result else "error")
     if any(o != "success" for o in outcomes):
         return "FAILED"
     return "COMPLETED" if outcomes and len(outcomes) >= ranks else None
@@ -269,6 +270,39 @@ def _same_process(pid: int, started: int | None) -> bool:
 
 # ---------------------------------------------------------------- records on disk
 
+# Each field of a record and the shape it must have (a list's items in the second place).
+_RECORD_SHAPE: dict[str, tuple[type | tuple[type, ...], type | tuple[type, ...] | None]] = {
+    "executor": (str, None), "job_ids": (list, str), "output_dir": (str, None), "task_dirs": (list, str),
+    "folder": (str, None), "mode": (str, None), "submitted_at": ((int, float), None), "source": (str, None),
+    "cancelled": (bool, None), "ranks_per_task": (int, None), "job_name": (str, None), "arrays": (list, dict),
+    "pid_starts": (dict, int), "avoided": (list, dict),
+}
+_REQUIRED = ("executor", "job_ids", "output_dir", "task_dirs", "folder")
+
+
+def _check_record(data: Any) -> None:
+    """ValueError unless ``data`` has the shape of a submission record (types only: values are checked where used)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a submission record is a JSON object, found a {type(data).__name__}")
+    for key in _REQUIRED:
+        if key not in data:
+            raise ValueError(f"a submission record without {key!r}")
+    for key, (kind, item) in _RECORD_SHAPE.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{key!r} is a {type(value).__name__} in a submission record")
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        if item is not None and not all(isinstance(v, item) for v in items):
+            raise ValueError(f"{key!r} holds items of another kind in a submission record")
+    for array in data.get("arrays", ()):
+        tasks, ranks = array.get("tasks", []), array.get("ranks_per_task", 1)
+        if not (isinstance(tasks, list) and all(isinstance(t, int) for t in tasks) and isinstance(ranks, int) and 0 < ranks < 1 << 20):
+            raise ValueError("'arrays' holds an entry of another shape in a submission record")
+    if not 0 < data.get("ranks_per_task", 1) < 1 << 20:
+        raise ValueError("'ranks_per_task' is out of range in a submission record")
+
 
 def records_path(output_dir: str) -> Path:
     return Path(output_dir) / SUBMISSION_FILE
@@ -279,12 +313,20 @@ def _write_records(output_dir: str, records: list[dict[str, Any]]) -> None:
 
 
 def load_records(output_dir: str) -> list[dict[str, Any]]:
+    path = records_path(output_dir)
     try:
-        return list(json.loads(records_path(output_dir).read_text()).get("submissions", []))
+        records = read_json(path, RECORD_CAP).get("submissions", [])
+        if not isinstance(records, list):
+            raise Unreadable(path, "'submissions' is not a list")
+        for record in records:
+            _check_record(record)
     except FileNotFoundError:
         return []
-    except (OSError, ValueError, AttributeError) as exc:
-        raise SwiftSlurmError("the submission record is unreadable", f"{records_path(output_dir)}: {exc}", "it is rewritten by the next `swiftslurm submit`") from None
+    except Unreadable as exc:
+        raise SwiftSlurmError("the submission record is unreadable", str(exc), "it is rewritten by the next `swiftslurm submit`") from None
+    except ValueError as exc:
+        raise SwiftSlurmError("the submission record is unreadable", f"{path}: {exc}", "it is rewritten by the next `swiftslurm submit`") from None
+    return records
 
 
 def load_submission(output_dir: str) -> Submission:

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from ..fsutil import RECORD_CAP, read_json
 from .manifest import walk_files
 
 CACHE_FILE = ".swiftslurm-verified.json"
@@ -31,10 +32,10 @@ def _fingerprint(path: Path) -> tuple:
 
 def _load(out_dir: Path) -> dict[str, list]:
     try:
-        data = json.loads((out_dir / CACHE_FILE).read_text())
-    except (OSError, ValueError):
+        data = read_json(out_dir / CACHE_FILE, RECORD_CAP)
+    except (OSError, ValueError):  # none yet, or Unreadable: nothing remembered
         return {}
-    return data if isinstance(data, dict) else {}
+    return {k: v for k, v in data.items() if isinstance(v, list)}
 
 
 def remember_verified(path: Path | str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import RuntimeEnvError
+from ..fsutil import open_regular
 from .manifest import read_manifest
 
 META_KEY = "spec_fingerprint"
@@ -81,7 +82,7 @@ def dataset_identity(path: str) -> str:
     try:
         size = p.stat().st_size
         digest = hashlib.sha256()
-        with p.open("rb") as fh:
+        with open_regular(p) as fh:  # never a FIFO or a device under a dataset's name
             digest.update(fh.read(EDGE_BYTES))
             if size > EDGE_BYTES:
                 fh.seek(max(EDGE_BYTES, size - EDGE_BYTES))

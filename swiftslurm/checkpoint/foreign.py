@@ -17,14 +17,15 @@ stage, dtype) come from file names and JSON, and from the small header of DeepSp
 
 from __future__ import annotations
 
-import json
 import re
+import stat
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, file_kind, is_inside, loads_json, open_regular, read_json, read_text
 from .manifest import MANIFEST_NAME, walk_files
 
 KINDS = ("hf-trainer", "hf-model", "peft-adapter")
@@ -109,10 +110,14 @@ def _weights_kind(names: set[str]) -> str | None:
 def _check_file(root: Path, rel: str, facts: Facts) -> None:
     p = root / rel
     try:
-        size = p.stat().st_size
+        st = p.stat()
     except OSError as exc:
         facts.problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
         return
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block a reader, a device never ends
+        facts.problems.append(f"{rel}: {file_kind(st.st_mode)}, not a regular file")
+        return
+    size = st.st_size
     facts.bytes += size
     name = p.name
     if size == 0 and name != "latest":
@@ -122,39 +127,69 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
         if name.endswith(".safetensors"):
             _check_safetensors(p, size)
         elif name.endswith(".json"):
-            data = json.loads(p.read_text("utf-8"))
+            data = read_json(p, CONFIG_CAP, expect=None)
             if name.endswith(".index.json"):
-                missing = sorted({f for f in (data.get("weight_map") or {}).values() if not (p.parent / f).is_file()})
-                if missing:
-                    facts.problems.append(f"{rel}: names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
+                _check_index(root, p, rel, data, facts)
         elif name.endswith((".pt", ".pth", ".bin")):
-            if zipfile.is_zipfile(p):
-                with zipfile.ZipFile(p) as z:
-                    z.namelist()
-            else:  # torch's zip format since 1.6; an older pickle file or a truncated zip
+            with open_regular(p) as fh:  # never a FIFO or device under a torch file's name
+                whole = zipfile.is_zipfile(fh)
+                if whole:
+                    with zipfile.ZipFile(fh) as z:
+                        z.namelist()
+            if not whole:  # torch's zip format since 1.6; an older pickle file or a truncated zip
                 facts.problems.append(f"{rel}: not a whole torch file (no zip central directory: truncated or damaged)")
+    except Unreadable as exc:
+        facts.problems.append(f"{rel}: {exc.why}")
     except (OSError, ValueError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
-        facts.problems.append(f"{rel}: {exc}")
+        facts.problems.append(f"{rel}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
+
+
+def _check_index(root: Path, p: Path, rel: str, data: Any, facts: Facts) -> None:
+    """A sharded-weights index: a ``weight_map`` of names to shard files, each inside the checkpoint and there."""
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+        facts.problems.append(f"{rel}: not a weights index (no weight_map of tensor names to shard files)")
+        return
+    shards = sorted(set(weight_map.values()))
+    outside = [f for f in shards if not is_inside(root, p.parent / f)]
+    if outside:
+        facts.problems.append(f"{rel}: names shard(s) outside the checkpoint: {', '.join(outside[:3])}")
+        return
+    missing = [f for f in shards if not (p.parent / f).is_file()]
+    if missing:
+        facts.problems.append(f"{rel}: names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
 
 
 def _check_safetensors(p: Path, size: int) -> None:
     header, data_start = _safetensors_header(p)
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if data_start + end != size:
         raise ValueError(f"{size} bytes, its header describes {data_start + end} (truncated or overwritten)")
 
 
 def _safetensors_header(p: Path) -> tuple[dict, int]:
-    with open(p, "rb") as f:
+    """The header of a safetensors file, checked for shape: ``{name: {"dtype": str, "shape": [int], "data_offsets":
+    [begin, end]}}`` (and ``__metadata__``); ValueError naming what is off."""
+    with open_regular(p) as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError("not a safetensors file (shorter than its header length)")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 << 20:
             raise ValueError(f"not a safetensors file (header length {n})")
-        header = json.loads(f.read(n).decode("utf-8"))
+        text = f.read(n)
+    if len(text) < n:
+        raise ValueError(f"not a safetensors file (header of {n} bytes, file ends after {len(text)})")
+    header = loads_json(text, source=p)
     if not isinstance(header, dict):
         raise ValueError("not a safetensors file (header is not a JSON object)")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str) and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+            raise ValueError(f"not a safetensors file (tensor {name[:80]!r}: no dtype and [begin, end] data_offsets)")
     return header, 8 + n
 
 
@@ -163,7 +198,7 @@ def _weights_dtype(root: Path, names: set[str]) -> str | None:
         if name in names:
             try:
                 header, _ = _safetensors_header(root / name)
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # Unreadable is a ValueError
                 return None
             kinds = sorted({v["dtype"] for k, v in header.items() if k != "__metadata__"})
             return "/".join(_SAFETENSORS_DTYPES.get(k, k.lower()) for k in kinds) or None
@@ -172,8 +207,8 @@ def _weights_dtype(root: Path, names: set[str]) -> str | None:
 
 def _config_dtype(root: Path) -> str | None:
     try:
-        config = json.loads((root / "config.json").read_text("utf-8"))
-    except (OSError, ValueError):
+        config = read_json(root / "config.json", CONFIG_CAP)
+    except (OSError, ValueError):  # missing, or Unreadable
         return None
     dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
     return dtype if isinstance(dtype, str) else None
@@ -181,9 +216,13 @@ def _config_dtype(root: Path) -> str | None:
 
 def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     try:
-        state = json.loads((root / "trainer_state.json").read_text("utf-8"))
-        facts.step = int(state["global_step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        step = read_json(root / "trainer_state.json", CONFIG_CAP).get("global_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"global_step is {step!r}, not a step number")
+        facts.step = step
+    except Unreadable as exc:
+        facts.problems.append(f"trainer_state.json: {exc.why}")
+    except (OSError, ValueError) as exc:
         facts.problems.append(f"trainer_state.json: no global_step ({type(exc).__name__}: {exc})")
     rng_ranks = sorted(int(m.group(1) or 0) for n in names if (m := _RNG_RE.match(n)))
     if rng_ranks:
@@ -196,9 +235,16 @@ def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     facts.deepspeed = True
     tag = step_dirs[-1][1]
     if "latest" in names:
-        tag = (root / "latest").read_text("utf-8", errors="replace").strip()
+        try:
+            tag = read_text(root / "latest", TAG_CAP, errors="replace").strip()
+        except (OSError, ValueError) as exc:  # a FIFO or device here would block or never end
+            facts.problems.append(f"latest: {exc.why if isinstance(exc, Unreadable) else exc}")
+            return
+        if not tag or not is_inside(root, root / tag) or (root / tag).resolve() == root.resolve():
+            facts.problems.append(f"latest: names {tag[:200]!r}, which is outside this checkpoint")
+            return
         if not (root / tag).is_dir():
-            facts.problems.append(f"latest: names {tag!r}, which is not a directory here")
+            facts.problems.append(f"latest: names {tag[:200]!r}, which is not a directory here")
             return
     _deepspeed_facts(root, tag, facts)
 
@@ -232,14 +278,21 @@ def _deepspeed_facts(root: Path, tag: str, facts: Facts) -> None:
 
 
 def _ds_config(model_states: Path) -> dict | None:
-    """The ds_config DeepSpeed stored in its model states file (memory-mapped: no tensor data is read)."""
-    if not model_states.is_file() or not zipfile.is_zipfile(model_states):
+    """The ds_config DeepSpeed stored in its model states file (memory-mapped: no tensor data is read).
+
+    ``weights_only=True``: a file we did not write never runs code here. DeepSpeed's states hold classes
+    torch does not allow (the ds_config may still be read when they do not): None, the stage unknown."""
+    try:
+        with open_regular(model_states) as fh:
+            if not zipfile.is_zipfile(fh):
+                return None
+    except OSError:
         return None
     try:
         import torch
 
-        state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=False)
-    except Exception:  # a foreign pickle may need classes we do not have; the stage is then unknown, not an error
+        state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 -- classes it refuses, a torn or hostile file: the stage is unknown, not an error
         return None
     config = state.get("ds_config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else None

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from ..fsutil import NotRegularFile, describe_os_error, file_kind, open_regular  # noqa: F401 -- re-exported
+from ..fsutil import MANIFEST_CAP, NotRegularFile, Unreadable, describe_os_error, file_kind, loads_json, open_regular, read_text  # noqa: F401 -- re-exported
 from .versions import MANIFEST_VERSION, UnsupportedVersion, upgrade, version_of, writer_fields
 
 MANIFEST_NAME = "manifest.json"
@@ -172,10 +172,10 @@ class ManifestError(ValueError):
 
 def parse_manifest(text: str) -> Manifest:
     """A Manifest from ``manifest.json`` text, or ManifestError: not JSON, wrong shape, or edited."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    try:  # bounded: depth, finite numbers, int64 (a size of Infinity or 401 digits is damage, not a size)
+        data = loads_json(text)
+    except Unreadable as exc:
+        raise ManifestError(exc.why) from None
     if not isinstance(data, dict):
         raise ManifestError(f"not a swiftslurm manifest (a JSON {type(data).__name__}, not an object)")
     try:
@@ -189,27 +189,37 @@ def parse_manifest(text: str) -> Manifest:
         raise ManifestError("edited or corrupted: its body checksum does not match")
     data = upgrade(data, version)
     try:
-        files = data["files"]
+        files, step, meta = data["files"], data["step"], data.get("meta") or {}
+        if not isinstance(files, dict) or not isinstance(meta, dict) or not _count(step):
+            raise ValueError("files, step or meta of another kind")
         for rel, entry in files.items():
-            int(entry["size"]), str(entry["checksum"])
-        return Manifest(step=int(data["step"]), algo=algo_name(data["algo"]), files=files, meta=data.get("meta") or {}, version=version)
+            if not _inside_name(rel):
+                raise ValueError(f"file name {rel[:200]!r} leaves the checkpoint")
+            if not (isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("checksum"), str)):
+                raise ValueError(f"entry of {rel[:200]!r} is not a size and a checksum")
+        return Manifest(step=step, algo=algo_name(data["algo"]), files=files, meta=meta, version=version)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ManifestError(f"malformed ({type(exc).__name__}: {exc})") from None
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _inside_name(rel: str) -> bool:
+    """A file name relative to the checkpoint that stays in it: no absolute path, no ``..``, no empty part."""
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\0" not in rel
+
+
 def read_manifest(ckpt: Path) -> Manifest:
     path = Path(ckpt) / MANIFEST_NAME
-    try:
-        with open_regular(path) as f:
-            text = f.read().decode("utf-8")
-    except FileNotFoundError as exc:
-        if os.path.islink(path):
-            raise ManifestError(describe_os_error(path, exc)) from None
+    try:  # a regular file under MANIFEST_CAP (never read whole when bigger, never a FIFO)
+        text = read_text(path, MANIFEST_CAP)
+    except FileNotFoundError:
         raise ManifestError("no manifest.json (never committed, or deleted)") from None
-    except OSError as exc:
-        raise ManifestError(describe_os_error(path, exc)) from None
-    except UnicodeDecodeError as exc:
-        raise ManifestError(f"unreadable: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except Unreadable as exc:
+        raise ManifestError(exc.why) from None
     return parse_manifest(text)
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import atomic_write_text
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 
 SAVE_FILE = "checkpoint-save.json"
 PHASES = ("write", "fsync", "hash", "commit", "prune")  # keys ``<phase>_s`` in the record
@@ -58,7 +58,6 @@ def record_save(output_dir: Path | str, step: int, save_s: float, phases_s: dict
 def read_save(output_dir: Path | str) -> dict[str, Any] | None:
     """The last save's record of a task output dir, or None (no save yet, or unreadable)."""
     try:
-        data = json.loads((Path(output_dir) / SAVE_FILE).read_text())
-    except (OSError, ValueError):
+        return read_json(Path(output_dir) / SAVE_FILE, RECORD_CAP)
+    except (OSError, ValueError):  # none yet, or Unreadable
         return None
-    return data if isinstance(data, dict) else None

@@ -7,12 +7,12 @@ across resubmissions). Everything else here is a JSON file the runtime, the trai
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import fsutil
 from ..checkpoint.savetime import read_save
 from ..node.requeue import read_requeues
 from ..submit import TASK_SPEC_FILE
@@ -86,33 +86,33 @@ class TaskRun:
 
 
 def read_json(path: Path) -> Any:
+    """A small JSON record of a task dir, or None: missing, or unreadable (damaged, over its cap, not a regular file)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return fsutil.read_json(path, fsutil.RECORD_CAP, expect=None)
+    except (OSError, ValueError):
         return None
 
 
 def read_metrics(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """Rows of metrics.jsonl with their line numbers; torn or foreign lines are skipped."""
-    rows = []
+    """Rows of metrics.jsonl with their line numbers (its last METRICS_CAP bytes); torn or foreign lines are skipped."""
     try:
-        with path.open("rb") as fh:
-            for number, raw in enumerate(fh, start=1):
-                try:
-                    row = json.loads(raw)
-                except (ValueError, UnicodeDecodeError):
-                    continue
-                if isinstance(row, dict):
-                    rows.append((number, row))
-    except OSError:
+        data, start = fsutil.read_tail(path, 0, fsutil.METRICS_CAP)
+    except (OSError, ValueError):
         return []
-    return rows
+    first = 1
+    if start > 0:  # the head was skipped: drop the partial first line, count the lines before it
+        cut = data.find(b"\n") + 1
+        try:
+            data, first = data[cut:], 1 + _lines_before(path, start + cut)
+        except OSError:
+            data = data[cut:]
+    return [(number, row) for number, row in fsutil.json_lines(data, source=path, first_line=first, finite=False) if isinstance(row, dict)]
 
 
 def _lines_before(path: Path, offset: int) -> int:
     """How many lines a log has before byte ``offset`` (only counted when the head was skipped)."""
     count = 0
-    with path.open("rb") as fh:
+    with fsutil.open_regular(path) as fh:
         while fh.tell() < offset:
             chunk = fh.read(min(1 << 20, offset - fh.tell()))
             if not chunk:

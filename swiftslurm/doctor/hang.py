@@ -31,6 +31,7 @@ HANG_K = 10  # no logged step for this many times the median interval between lo
 HANG_FLOOR_S = 30.0  # ... and never less than this
 CASCADE_S = 5.0  # ranks whose communication error follows the first timeout this closely waited with it
 
+MAX_WORLD = 1 << 20  # more ranks than any job runs: a number above it in a file is not a world size
 WORLD = re.compile(r"\brank (\d+)/(\d+) \(local")  # the runtime's first line: "rank 1/4 (local 1/2, node 0/2 node1)"
 NAMED = re.compile(r"\[Rank (\d+)\][^\n]*didn't join collective|Rank (\d+) failed to pass monitoredBarrier|"
                    r"missing ranks: \{([\d, ]+)\}")
@@ -135,11 +136,11 @@ def world_ranks(run: TaskRun) -> list[int]:
     """Every rank of the task: from the runtime's "rank r/W" line, else the spec, else the ranks that logged."""
     for ln in run.all_lines:
         m = WORLD.search(ln.text)
-        if m:
+        if m and 0 < len(m.group(2)) <= 7 and 0 < int(m.group(2)) <= MAX_WORLD:  # a log line claiming 4e9 ranks is not believed
             return list(range(int(m.group(2))))
-    slurm = run.spec.get("slurm") or {}
+    slurm = run.spec.get("slurm") if isinstance(run.spec.get("slurm"), dict) else {}
     per_node = slurm.get("tasks_per_node") or slurm.get("gpus_per_node") or 0
-    if isinstance(slurm.get("nodes"), int) and isinstance(per_node, int) and per_node > 0:
+    if isinstance(slurm.get("nodes"), int) and isinstance(per_node, int) and 0 < per_node and 0 < slurm["nodes"] * per_node <= MAX_WORLD:
         return list(range(slurm["nodes"] * per_node))
     return sorted({ln.rank for ln in run.all_lines})
 

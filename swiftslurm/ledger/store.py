@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import SwiftSlurmError
-from ..fsutil import atomic_write_text
+from ..fsutil import LEDGER_CAP, Unreadable, atomic_write_text, loads_json, read_bytes
 
 LEDGER_ENV = "SWIFTSLURM_LEDGER"  # a file path; tests point it into their tmp dir
 DEFAULT_LEDGER = "~/.swiftslurm/ledger.json"
+MAX_WHEN = 1e11  # epoch seconds: year 5138; a later "when" is not a time
 REASONS = ("preflight", "hang", "node_failure")
 
 
@@ -37,8 +38,11 @@ class Entry:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Entry":
+        when = float(data.get("when", 0.0))
+        if not 0 <= when < MAX_WHEN:  # 1e300 would break every date shown from it
+            raise ValueError(f"'when' {data.get('when')!r} is not a time (epoch seconds)")
         return cls(str(data["node"]), str(data["reason"]), str(data.get("detail", "")), str(data.get("job", "")),
-                   float(data.get("when", 0.0)), str(data.get("source", "")))
+                   when, str(data.get("source", "")))
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -51,12 +55,15 @@ def ledger_path(environ: dict[str, str] | None = None) -> Path:
     return Path(os.path.expanduser(env.get(LEDGER_ENV) or DEFAULT_LEDGER))
 
 
-def _parse(path: Path, text: str) -> list[Entry]:
+def _parse(path: Path, raw: bytes) -> list[Entry]:
     try:
-        data = json.loads(text) if text.strip() else []
+        data = loads_json(raw, source=path) if raw.strip() else []
         if not isinstance(data, list):
             raise ValueError("not a JSON list")
         return [Entry.from_json(item) for item in data]
+    except Unreadable as exc:
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why[:300],
+                              f"fix it by hand, or start it over with `swiftslurm nodes --clear-all` (or point ${LEDGER_ENV} elsewhere)") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", f"{type(exc).__name__}: {exc}"[:300],
                               f"fix it by hand, or start it over with `swiftslurm nodes --clear-all` (or point ${LEDGER_ENV} elsewhere)") from None
@@ -66,12 +73,12 @@ def read(path: Path | None = None) -> list[Entry]:
     """Every entry, oldest first; [] when there is no ledger yet."""
     path = ledger_path() if path is None else Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = read_bytes(path, LEDGER_CAP)  # a regular file under its cap (a FIFO here would hang every plan)
     except FileNotFoundError:
         return []
-    except OSError as exc:
-        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", str(exc), f"check its permissions, or point ${LEDGER_ENV} elsewhere") from None
-    return _parse(path, text)
+    except Unreadable as exc:
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why, f"check it (and its permissions), or point ${LEDGER_ENV} elsewhere") from None
+    return _parse(path, raw)
 
 
 @contextlib.contextmanager

@@ -14,13 +14,14 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import struct
 import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeEnvError
-from ..fsutil import atomic_write_text
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 
 LOCK_FILE = ".swiftslurm.lock"
 OWNER_FILE = ".swiftslurm-owner.json"
@@ -32,10 +33,10 @@ _held: dict[str, int] = {}  # lock path -> fd, for this process's life (closing 
 
 def _owner(out_dir: str | Path) -> dict[str, Any]:
     try:
-        data = json.loads(Path(out_dir, OWNER_FILE).read_text())
-    except (OSError, ValueError):
+        data = read_json(Path(out_dir, OWNER_FILE), RECORD_CAP)
+    except (OSError, ValueError):  # missing, or Unreadable: no owner record
         return {}
-    return data if isinstance(data, dict) else {}
+    return {k: v for k, v in data.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
 
 
 def describe(owner: dict[str, Any]) -> str:
@@ -81,11 +82,13 @@ def holder(out_dir: str | Path) -> dict[str, Any] | None:
 
     Asks with F_GETLK: takes no lock and writes nothing.
     """
-    try:
-        fd = os.open(Path(out_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO planted under the lock's name must not block the open
+        fd = os.open(Path(out_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # not a lock file we made: nobody holds it
+            return None
         query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
         answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
     except OSError:

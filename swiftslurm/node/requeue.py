@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import atomic_write_text
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 
 REQUEUES_FILE = "requeues.json"
 # EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
@@ -57,10 +57,16 @@ def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> Req
 
 def read_requeues(out_dir: str) -> list[dict[str, Any]]:
     try:
-        records = json.loads(Path(out_dir, REQUEUES_FILE).read_text())
-    except (OSError, ValueError):
+        records = read_json(Path(out_dir, REQUEUES_FILE), RECORD_CAP, expect=list)
+    except (OSError, ValueError):  # missing, or Unreadable (damaged, foreign, not a regular file): no record
         return []
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+    return [r for r in records if isinstance(r, dict) and _plain_record(r)]
+
+
+def _plain_record(record: dict[str, Any]) -> bool:
+    """A record of the shape we write: the fields we compare are strings or ints (anything else is not ours)."""
+    count = record.get("restart_count", 0)
+    return isinstance(record.get("job_id", ""), (str, int)) and isinstance(count, int) and not isinstance(count, bool)
 
 
 def _same_job(record: dict[str, Any], job_id: str) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import CheckResult, Decision
-from ..fsutil import atomic_write_text
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 
 REPORT_DIR = "preflight"
 REPORT_JSON = "report.json"
@@ -65,8 +65,12 @@ def write_report(output_dir: str | Path, report: dict[str, Any]) -> Path:
     return path
 
 
-def read_report(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+def read_report(path: str | Path) -> dict[str, Any] | None:
+    """A preflight report, or None when it is missing or unreadable (damaged, over its cap, not a regular file)."""
+    try:
+        return read_json(path, RECORD_CAP)
+    except (OSError, ValueError):
+        return None
 
 
 def plot_busbw(runs: list[tuple[str, list[int], list[float]]], path: str | Path) -> Path:

@@ -20,7 +20,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..fsutil import MIB, open_regular
 from .results import CheckResult
+
+NCCL_LOG_CAP = 16 * MIB  # the head of NCCL's debug log read for its transport lines
 
 SYSFS_IB = "/sys/class/infiniband"
 PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS")
@@ -205,10 +208,12 @@ def read_nccl_log(path: Path | None) -> dict[str, Any] | None:
     """The transport NCCL logged to ``path`` (``capture_nccl``), or None when nothing was captured."""
     if path is None:
         return None
-    try:
-        return parse_nccl_transport(path.read_text(errors="replace"))
+    try:  # a regular file only, its head (NCCL logs the transport at init): the path sits in a shared tmp dir
+        with open_regular(path) as fh:
+            head = fh.read(NCCL_LOG_CAP)
     except OSError:
         return None
+    return parse_nccl_transport(head.decode("utf-8", "replace"))
 
 
 def combine(results: list[CheckResult], nccl_by_rank: dict[int, Any], rank_nodes: list[str], multi_node: bool) -> list[CheckResult]:

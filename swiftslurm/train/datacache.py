@@ -36,6 +36,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..fsutil import RECORD_CAP, open_regular, read_json
 from . import data
 from .records import content_files, not_found
 
@@ -49,7 +50,7 @@ def _file_digest(path: str) -> str:
     h = hashlib.sha256()
     for f in content_files(path):
         try:
-            with open(f, "rb") as fh:
+            with open_regular(f) as fh:  # never a FIFO or a device under a dataset's name
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
         except FileNotFoundError:
@@ -85,7 +86,7 @@ class CachedDataset:
         import numpy as np
 
         self.directory = directory
-        self.meta = json.loads((directory / "meta.json").read_text())
+        self.meta = read_json(directory / "meta.json", RECORD_CAP)
         self.offsets = np.memmap(directory / "offsets.bin", dtype=np.int64, mode="r")
         count = int(self.offsets[-1])
         self.input_ids = np.memmap(directory / "input_ids.bin", dtype=np.int32, mode="r", shape=(count,)) if count else np.zeros(0, np.int32)

@@ -10,14 +10,12 @@ in, and the ranks that never enqueued it (the culprits) or left no record (gone)
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import atomic_write_text
+from ..fsutil import DUMP_CAP, Unreadable, atomic_write_text, loads_json, plain_unpickle, read_bytes
 
 PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 
@@ -74,25 +72,19 @@ def write_dump(prefix: str, rank: int, node: str, when: float) -> Path | None:
 # ---------------------------------------------------------------- reading dumps (pure)
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """torch's own dumps are pickles of plain dicts, lists and scalars: refuse anything else."""
-
-    def find_class(self, module: str, name: str):  # noqa: ANN201
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight-recorder dump")
-
-
 def read_dump(path: Path) -> dict[str, Any] | None:
-    """A dump as a dict: our JSON, or torch's pickle (plain types only); None when unreadable."""
+    """A dump as a dict: our JSON, or torch's pickle (plain types only: torch's own dumps are pickles of plain
+    dicts, lists and scalars); None when unreadable (over DUMP_CAP, not a regular file, torn, foreign, hostile)."""
     try:
-        raw = path.read_bytes()
-    except OSError:
+        raw = read_bytes(path, DUMP_CAP)
+    except (OSError, ValueError):
         return None
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = loads_json(raw, source=path)
+    except Unreadable:
         try:
-            data = _PlainUnpickler(io.BytesIO(raw)).load()
-        except Exception:  # noqa: BLE001 -- torn, foreign or hostile: not evidence
+            data = plain_unpickle(raw, source=path)
+        except Unreadable:
             return None
     return data if isinstance(data, dict) else None
 
@@ -115,16 +107,17 @@ class Position:
 def _int(value: Any, default: int = -1) -> int:
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a dump is data we did not write: inf, text, anything
         return default
 
 
 def positions(dump: dict[str, Any], rank: int) -> list[Position]:
     """One position per process group in a dump (from ``pg_status``, the op from its entries)."""
-    entries = [e for e in dump.get("entries") or [] if isinstance(e, dict)]
+    entries = dump.get("entries")
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, (list, tuple)) else []
     status = dump.get("pg_status") or {}
     out = []
-    for pg, st in sorted(status.items()) if isinstance(status, dict) else []:
+    for pg, st in sorted(status.items(), key=lambda kv: str(kv[0])) if isinstance(status, dict) else []:  # keys of mixed kinds
         if not isinstance(st, dict):
             continue
         enq = _int(st.get("last_enqueued_collective"))

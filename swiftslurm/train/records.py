@@ -31,11 +31,13 @@ two documented files. Importing pyarrow also costs a quarter of ``datasets``' se
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import SwiftSlurmError
+from ..fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
 
 JSON_LINES = (".jsonl", ".ndjson")
 FORMATS = "JSONL (.jsonl), JSON (.json), parquet (.parquet), arrow (.arrow) or a datasets.save_to_disk directory"
@@ -93,7 +95,9 @@ def dataset_dir_files(directory: Path) -> list[Path]:
         raise DataError("not a dataset directory (no state.json)", str(directory),
                         f"a directory must be written by datasets' save_to_disk; train.dataset also takes {FORMATS}")
     try:
-        names = [f["filename"] for f in json.loads(state.read_text("utf-8"))["_data_files"]]
+        names = [f["filename"] for f in read_json(state, CONFIG_CAP)["_data_files"]]
+        if not all(isinstance(n, str) and n and (directory / n).resolve().parent == directory.resolve() for n in names):
+            raise ValueError("a shard name that is not a file of this directory")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError("cannot read the dataset directory's state.json", f"{state}: {exc!r}"[:200],
                         "write the directory again with datasets' save_to_disk") from None
@@ -106,7 +110,7 @@ def dataset_dir_files(directory: Path) -> list[Path]:
 
 def _splits(directory: Path) -> list[str]:
     try:
-        return [str(s) for s in json.loads((directory / "dataset_dict.json").read_text("utf-8"))["splits"]]
+        return [str(s) for s in read_json(directory / "dataset_dict.json", CONFIG_CAP)["splits"]][:100]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
@@ -123,34 +127,65 @@ def _unreadable(p: Path, exc: Exception) -> DataError:
     return DataError("cannot read the dataset file", f"{p}: {exc}", f"train.dataset takes {FORMATS}, JSON as UTF-8")
 
 
-def _json_lines(p: Path) -> Iterator[tuple[str, Any]]:
+def _open(p: Path) -> io.BufferedReader:
+    """A dataset file, a regular one only (a FIFO or device in its place would block or never end)."""
     try:
-        with p.open("rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    yield f"line {lineno}", json.loads(raw)
-                except UnicodeDecodeError as exc:
-                    raise _unreadable(p, f"line {lineno}: {exc}") from None
-                except json.JSONDecodeError as exc:
-                    raise bad_json(p, f"line {lineno}", exc.msg, raw[:80].decode("utf-8", "replace").rstrip()) from None
+        return io.BufferedReader(open_regular(p), 1 << 20)
     except OSError as exc:
-        raise _unreadable(p, exc) from None
+        raise _unreadable(p, exc.strerror or exc) from None
+
+
+def _record(p: Path, where: str, text: str | bytes, decode: Any) -> Any:
+    """One record decoded, refused past MAX_DEPTH levels of nesting (deeper JSON is an attack, not a record)."""
+    try:
+        value = decode(text)
+    except RecursionError:
+        value = None
+        deep = True
+    else:
+        deep = json_depth(value[0] if isinstance(value, tuple) else value, MAX_DEPTH) > MAX_DEPTH
+    if deep:
+        raise bad_json(p, where, f"nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _json_lines(p: Path) -> Iterator[tuple[str, Any]]:
+    fh = _open(p)
+    with fh:
+        lineno = 0
+        while True:
+            try:
+                raw = fh.readline(LINE_CAP + 1)
+            except OSError as exc:
+                raise _unreadable(p, exc) from None
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > LINE_CAP and not raw.endswith(b"\n"):
+                raise bad_json(p, f"line {lineno}", f"a line longer than {LINE_CAP >> 20} MiB", raw[:80].decode("utf-8", "replace"))
+            if not raw.strip():
+                continue
+            try:
+                yield f"line {lineno}", _record(p, f"line {lineno}", raw, json.loads)
+            except UnicodeDecodeError as exc:
+                raise _unreadable(p, f"line {lineno}: {exc}") from None
+            except json.JSONDecodeError as exc:
+                raise bad_json(p, f"line {lineno}", exc.msg, raw[:80].decode("utf-8", "replace").rstrip()) from None
 
 
 def _starts_with_bracket(p: Path) -> bool:
-    try:
-        with p.open("rb") as fh:
+    with _open(p) as fh:
+        try:
             return fh.read(JSON_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
-    except OSError as exc:
-        raise _unreadable(p, exc) from None
+        except OSError as exc:
+            raise _unreadable(p, exc) from None
 
 
 def _json_array(p: Path) -> Iterator[tuple[str, Any]]:
     """Element by element: raw_decode at each position, tracking the line each element starts on."""
     try:
-        text = p.read_text("utf-8-sig")
+        with _open(p) as fh:
+            text = fh.read().decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise _unreadable(p, exc) from None
     decoder = json.JSONDecoder()
@@ -167,7 +202,7 @@ def _json_array(p: Path) -> Iterator[tuple[str, Any]]:
     if skip() != "]":
         while True:
             try:
-                record, pos = decoder.raw_decode(text, pos)
+                record, pos = _record(p, f"line {line}", text, lambda t: decoder.raw_decode(t, pos))
             except json.JSONDecodeError as exc:
                 raise bad_json(p, f"line {exc.lineno}", exc.msg, text[exc.pos:exc.pos + 60].split("\n")[0]) from None
             yield f"line {line}", record

@@ -278,12 +278,13 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
 
 def read_summary(output_dir: str) -> str | None:
     """The end-of-training summary rank 0 wrote (for `submit --wait` to print), or None."""
-    import json
+    from ..fsutil import RECORD_CAP, read_json
 
     try:
-        return json.loads((Path(output_dir) / SUMMARY_FILE).read_text())["text"]
-    except (OSError, ValueError, KeyError):
+        text = read_json(Path(output_dir) / SUMMARY_FILE, RECORD_CAP).get("text")
+    except (OSError, ValueError):  # none, or Unreadable
         return None
+    return text if isinstance(text, str) else None
 
 
 def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> str:

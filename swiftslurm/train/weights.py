@@ -8,11 +8,11 @@ silent partial load.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeEnvError
+from ..fsutil import CONFIG_CAP, is_inside, read_json
 
 FULL = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")
@@ -36,13 +36,26 @@ def _read(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _index_shards(ckpt: Path, index: Path) -> list[str]:
+    """The shard files a weights index names, each a file inside ``ckpt``; RuntimeEnvError otherwise."""
+    try:
+        weight_map = read_json(index, CONFIG_CAP).get("weight_map")
+    except (OSError, ValueError) as exc:  # Unreadable names the file and why
+        raise RuntimeEnvError("the checkpoint's weights index cannot be read", str(exc), "copy the checkpoint again") from None
+    shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+    if not shards or not all(isinstance(s, str) and s and is_inside(ckpt, ckpt / s) for s in shards):
+        raise RuntimeEnvError("the checkpoint's weights index names no shard files inside the checkpoint", str(index),
+                              "copy the checkpoint again, or point at the model directory it came from")
+    return shards
+
+
 def full_state_dict(ckpt: Path) -> dict[str, Any]:
     for name in FULL:
         p = ckpt / name
         if not p.is_file():
             continue
         if name.endswith(".index.json"):
-            shards = sorted(set(json.loads(p.read_text())["weight_map"].values()))
+            shards = _index_shards(ckpt, p)
             out: dict[str, Any] = {}
             for shard in shards:
                 out.update(_read(ckpt / shard))

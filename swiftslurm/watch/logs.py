@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from ..fsutil import Unreadable, read_tail
+
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[,.](\d{1,6}))?")
 RANK_TAG = re.compile(r"\[rank (\d+) ([^\]\s]+)\]")  # the runtime's "[rank 3 node2]"
 TORCH_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch.distributed's "[rank1]: " before a child's traceback
@@ -114,16 +116,12 @@ def _glob_escape(text: str) -> str:
 
 def read_text(path: Path, offset: int = 0, max_bytes: int = SCAN_BYTES) -> tuple[str, int]:
     """Complete lines of ``path`` from ``offset`` (at most the last ``max_bytes``): (text, new offset)."""
-    try:
-        size = path.stat().st_size
-        if size < offset:  # truncated or replaced: start over
-            offset = 0
-        with path.open("rb") as fh:
-            start = max(offset, size - max_bytes)
-            fh.seek(start)
-            chunk = fh.read(size - start)
-    except OSError:
+    try:  # a regular file only (a FIFO in a log's place would block forever), at most its last max_bytes
+        chunk, start = read_tail(path, offset, max_bytes)
+    except (OSError, Unreadable):
         return "", offset
+    if start < offset:  # truncated or replaced: read again from its start
+        offset = 0
     if start > offset:  # skipped ahead: drop the partial first line
         cut = chunk.find(b"\n") + 1
         chunk, start = chunk[cut:], start + cut

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import fsutil
 from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
 from ..train.sft import SUMMARY_FILE
@@ -268,9 +269,10 @@ def last_requeue_time(requeues: list[dict[str, Any]]) -> float | None:
 
 
 def read_json(path: Path) -> Any:
+    """A small JSON record of a task dir, or None: missing, or unreadable (damaged, over its cap, not a regular file)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return fsutil.read_json(path, fsutil.RECORD_CAP, expect=None)
+    except (OSError, ValueError):
         return None
 
 
@@ -286,24 +288,18 @@ class TaskFiles:
     def metrics(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl so far (a torn last line waits for the next call)."""
         path = self.dir / METRICS_FILE
-        try:
-            size = path.stat().st_size
-            if size < self._offset:  # rewritten (a new run in the same dir): read again
-                self._offset, self._rows = 0, []
-            with path.open("rb") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-        except OSError:
+        try:  # a regular file only; beyond METRICS_CAP its newest rows
+            chunk, start = fsutil.read_tail(path, self._offset, fsutil.METRICS_CAP)
+        except (OSError, ValueError):
             return self._rows
+        if start < self._offset:  # rewritten (a new run in the same dir): read again
+            self._offset, self._rows = 0, []
+        if start > self._offset:  # skipped ahead: drop the partial first line
+            cut = chunk.find(b"\n") + 1
+            chunk, start = chunk[cut:], start + cut
         end = chunk.rfind(b"\n") + 1
-        for line in chunk[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(row, dict):
-                self._rows.append(row)
-        self._offset += end
+        self._rows.extend(row for _, row in fsutil.json_lines(chunk[:end], source=path, finite=False) if isinstance(row, dict))
+        self._offset = start + end
         return self._rows
 
     def summary(self) -> dict[str, Any] | None:
