@@ -40,7 +40,16 @@ VARIANTS = {
     "dpo": {"task": "dpo", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora", "deepspeed": "zero2",
             "lora_target_modules": ["k_proj", "up_proj"], "precompute_ref_log_probs": True, "max_prompt_length": 64,
             "max_steps": 2, "learning_rate": 1e-2},
+    # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
+    # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
+    "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,
+                "bf16": True, "gradient_checkpointing": False,
+                "checkpoint": {"convert_timeout_s": 10, "allow_spec_change": True}},
 }
+SLOW_CONVERTER = """import os, sys, time
+if "--input_folder" in sys.argv and os.environ.get("SWIFTSLURM_TEST_SLOW_CONVERT_S"):
+    time.sleep(float(os.environ["SWIFTSLURM_TEST_SLOW_CONVERT_S"]))  # a slow ds_to_universal
+"""
 
 
 def run_dir(preset: str) -> str:
@@ -53,8 +62,10 @@ def spec_text(preset: str, out: Path) -> str:
         keys = {"model": "tiny-llama", "dataset": [str(DATA / "alpaca_demo.jsonl")], "per_device_train_batch_size": 2,
                 "max_length": 128, "save_steps": 100, "logging_steps": 1, "learning_rate": 1e-3, "report_to": ["none"],
                 **VARIANTS[preset]}
-        train = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
-        return f'[job]\nname = "{preset}"\noutput_dir = {json.dumps(str(out))}\n[train]\n{train}\n[checkpoint]\nforced_save_fractions = []\n'
+        checkpoint = {"forced_save_fractions": [], **keys.pop("checkpoint", {})}
+        train = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items()).replace("__OUT__", str(out.parent))
+        tail = "\n".join(f"{k} = {json.dumps(v)}" for k, v in checkpoint.items())
+        return f'[job]\nname = "{preset}"\noutput_dir = {json.dumps(str(out))}\n[train]\n{train}\n[checkpoint]\n{tail}\n'
     deepspeed, table, checkpointing = preset, {}, False
     if preset.endswith(".toml"):  # a shipped example: its DeepSpeed choice as written
         import tomllib
@@ -113,7 +124,14 @@ def main(out_root: str, presets: list[str]) -> int:
             ds, _warnings = dsconfig.build_for_spec(spec)
             row["zero_stage"] = ds.get("zero_optimization", {}).get("stage")
             row["ds_config"] = ds
-            result = train(spec, dist, ds, str(out), None, lambda: False)
+            resume = None
+            if preset == "convert":  # the converter runs as a child: a sitecustomize on its PYTHONPATH slows it
+                slow = Path(out_root, "slow-converter")
+                slow.mkdir(exist_ok=True)
+                (slow / "sitecustomize.py").write_text(SLOW_CONVERTER)
+                os.environ.update(SWIFTSLURM_TEST_SLOW_CONVERT_S="30", PYTHONPATH=f"{slow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                resume = True  # as `swiftslurm run`: the own newest checkpoint, else train.resume_from
+            result = train(spec, dist, ds, str(out), resume, lambda: False)
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],

@@ -6,7 +6,8 @@ the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and
   examples/zero3_offload.toml runs with its own [deepspeed] table;
 - spec keys that only training shows: train.optimizer = "apollo_adamw" (trains) and "galore_adamw_8bit"
   (refused on a CPU node, with the reason), warmup_ratio (the learning rate of each step), DPO's
-  precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter).
+  precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter),
+  checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
     out = tmp_path_factory.mktemp("presets")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out),
-                           "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "dpo"],  # plain DDP before any DeepSpeed engine
+                           "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo"],  # plain DDP before any DeepSpeed engine
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
@@ -46,7 +47,7 @@ def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
 
 def test_every_shipped_preset_takes_one_step_on_a_real_engine(runs):
     aio, rows, out, _log = runs
-    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "dpo"}
+    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "convert", "dpo"}
     for name, row in rows.items():
         if name not in SHIPPED | {EXAMPLE}:
             continue
@@ -114,3 +115,11 @@ def test_dpo_precomputes_the_reference_and_lora_targets_the_named_modules(runs):
     assert "Computing reference log probs for train dataset" in log  # TRL scored the reference before training
     adapter = json.loads((out / "dpo" / "checkpoint-2" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["k_proj", "up_proj"]  # not peft's Llama default (q_proj, v_proj)
+
+
+def test_convert_timeout_s_bounds_the_universal_conversion(runs):
+    """zero2's checkpoint resumed under ZeRO-3 must be converted; the converter takes 30 s, the key allows 10."""
+    row = runs[1]["convert"]
+    assert not row["ok"] and row.get("refused"), row
+    assert "converting checkpoint-1 to a universal checkpoint took longer than 10 s" in row["error"], row["error"]
+    assert "raise checkpoint.convert_timeout_s" in row["error"] and row["wall_s"] < 28  # killed at 10 s, not waited out
