@@ -3,7 +3,8 @@
 Pure parts (spec rules, the array split, golden scripts) run anywhere; `slurm`-marked tests run the real
 thing on the local cluster. Containers cannot run here (no pyxis plugin, no Apptainer package): the pyxis
 and Apptainer scripts are compared with golden files, and the Apptainer path runs for real on the cluster
-through a stateful fake `apptainer` that records its argv and execs the inner command.
+through a stateful fake `apptainer` that shows the command only what is bound (tests/fake_container.py;
+test_containers.py runs pyxis the same way).
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import fake_container
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
 from swiftslurm.node.banner import container_row
@@ -287,64 +288,15 @@ def test_banner_shows_container_and_digest():
 
 # ---------------------------------------------------------------- a fake apptainer (stateful) for real runs
 
-FAKE_APPTAINER = r'''#!/usr/bin/env python3
-"""A stand-in for `apptainer exec` (no Apptainer here): checks what real Apptainer checks, records its argv, execs."""
-import fcntl, json, os, sys
-
-STATE = __STATE__
-args = sys.argv[1:]
-if not args or args[0] != "exec":
-    sys.exit("FATAL: fake apptainer knows only 'exec'")
-i, binds, pwd, flags = 1, [], None, []
-while i < len(args) and args[i].startswith("-"):
-    if args[i] in ("--bind", "-B", "--pwd"):
-        (binds.append if args[i] != "--pwd" else flags.append)(args[i + 1])
-        pwd = args[i + 1] if args[i] == "--pwd" else pwd
-        i += 2
-    elif args[i] in ("--nv", "--writable-tmpfs", "--cleanenv"):
-        flags.append(args[i]); i += 1
-    else:
-        sys.exit(f"FATAL: unknown option {args[i]}")
-image, inner = args[i], args[i + 1:]
-if not os.path.isfile(image):
-    sys.exit(f"FATAL: could not open image {image}: no such file")
-for b in binds:
-    if not os.path.exists(b.split(":")[0]):
-        sys.exit(f"FATAL: mount source {b} does not exist")
-with open(STATE, "a") as fh:  # one JSON line per exec, appended under a lock (ranks run at once)
-    fcntl.lockf(fh, fcntl.LOCK_EX)
-    fh.write(json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("SLURM_PROCID"), "node": os.environ.get("SLURMD_NODENAME")}) + "\n")
-env = {k: v for k, v in os.environ.items() if not k.startswith("APPTAINERENV_")}
-env.update({k[len("APPTAINERENV_"):]: v for k, v in os.environ.items() if k.startswith("APPTAINERENV_")})
-env.update(APPTAINER_CONTAINER=image, APPTAINER_NAME=os.path.basename(image))
-if pwd:
-    os.chdir(pwd)
-os.execvpe(inner[0], inner, env)
-'''
-
 
 def fake_apptainer(tmp_path: Path) -> tuple[Path, Path]:
-    """bin dir holding `apptainer`, and the state file it appends to."""
-    bindir, state = tmp_path / "bin", tmp_path / "apptainer-calls.jsonl"
-    bindir.mkdir(exist_ok=True)
-    exe = bindir / "apptainer"
-    exe.write_text(FAKE_APPTAINER.replace("__STATE__", repr(str(state))))
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return bindir, state
+    """bin dir holding `apptainer` (tests/fake_container.py: only what is bound is visible), and its state file."""
+    state = tmp_path / "apptainer-calls.jsonl"
+    return fake_container.install(tmp_path / "bin", state), state
 
 
 def calls(state: Path) -> list[dict]:
-    return [json.loads(line) for line in state.read_text().splitlines()] if state.exists() else []
-
-
-def test_fake_apptainer_refuses_what_apptainer_refuses(tmp_path):
-    bindir, state = fake_apptainer(tmp_path)
-    run = lambda *a: subprocess.run([str(bindir / "apptainer"), *a], capture_output=True, text=True)  # noqa: E731
-    assert run("exec", str(tmp_path / "none.sif"), "true").returncode != 0
-    (tmp_path / "i.sif").write_bytes(b"SIF")
-    assert run("exec", "--bind", "/nonexistent-x:/x", str(tmp_path / "i.sif"), "true").returncode != 0
-    ok = run("exec", "--bind", f"{tmp_path}:/t", str(tmp_path / "i.sif"), "sh", "-c", "echo $APPTAINER_CONTAINER")
-    assert ok.stdout.strip() == str(tmp_path / "i.sif") and len(calls(state)) == 1
+    return fake_container.starts(state)
 
 
 # ---------------------------------------------------------------- on the cluster
@@ -381,7 +333,7 @@ def test_setup_lines_and_python_reach_the_ranks(tmp_path):
 @pytest.mark.slurm
 def test_apptainer_path_runs_on_the_cluster_through_a_fake_apptainer(tmp_path):
     bindir, state = fake_apptainer(tmp_path)
-    (tmp_path / "img.sif").write_bytes(b"SIF")
+    fake_container.make_image(tmp_path / "img.sif")
     seen = tmp_path / "seen"
     seen.mkdir()
     cmd = ["bash", "-c", f'echo "$APPTAINER_CONTAINER|$SITE_TOKEN" > {seen}/rank-$RANK']

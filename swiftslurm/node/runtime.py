@@ -103,7 +103,7 @@ def _run_claimed(data, task, ds_config, dist, mode: str) -> tuple[int, failure.F
         # well would deliver twice, and a second USR2 can kill a child already past its handlers.
         # submitit's local executor signals only the ranks it started: there we forward.
         forward = dist.executor != "slurm"
-        code = run_command(spec.train.command, the_env, cwd=data.get("base_dir") or None, dist=dist, out_dir=out_dir, log=log, forward=forward)
+        code = run_command(spec.train.command, the_env, cwd=command_cwd(spec, data.get("base_dir")), dist=dist, out_dir=out_dir, log=log, forward=forward)
         if signals.stop_requested():
             return walltime_exit(dist, spec, out_dir, log, step=None), None
         return code, None  # the command's own last words in the log say why, better than a record could
@@ -181,6 +181,15 @@ def check_master_port(dist, log) -> None:
         raise RuntimeEnvError("MASTER_PORT is busy on the master node", result.observed, result.hint)
     if result.hint:
         log.warning("%s. HINT: %s", result.observed, result.hint)
+
+
+def command_cwd(spec, base_dir: str | None) -> str | None:
+    """Where ``train.command`` runs: ``container.workdir`` inside a container that names one (the host's
+    submit dir may not be mounted there, or be only an empty mount-point parent), else the submit dir."""
+    c = spec.container
+    if c is not None and c.workdir:
+        return c.workdir
+    return base_dir or None
 
 
 def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log, forward: bool = True) -> int:

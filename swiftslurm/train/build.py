@@ -184,3 +184,28 @@ def check_optimizer(optimizer: str, cuda: bool) -> None:
     if optimizer == "galore_adamw_8bit" and not cuda:
         raise OptimizerUnavailable("train.optimizer = 'galore_adamw_8bit' needs a GPU (bitsandbytes' 8-bit optimizer)",
                                    "no CUDA device on this node", "use galore_adamw on CPU nodes")
+
+
+class OffloadUnavailable(SwiftSlurmError):
+    exit_code = 2
+
+
+def nvme_offloads(ds_config: dict[str, Any]) -> list[str]:
+    """The ZeRO sections of ``ds_config`` that offload to NVMe (pure)."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    return [key for key in ("offload_optimizer", "offload_param") if (zero.get(key) or {}).get("device") == "nvme"]
+
+
+def check_offload(ds_config: dict[str, Any]) -> None:
+    """NVMe offload swaps through DeepSpeed's async_io op (libaio): refuse here, with the reason, when the op
+    cannot build on this node, rather than fail deep inside the engine's start-up."""
+    sections = nvme_offloads(ds_config)
+    if not sections:
+        return
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise OffloadUnavailable(
+            "NVMe offload needs DeepSpeed's async_io op, which cannot build on this node",
+            f"zero_optimization.{' and '.join(sections)} device = 'nvme'; libaio (its headers and library) not found",
+            "install libaio-dev (libaio-devel) on the nodes or in the image, or offload to \"cpu\" (deepspeed = \"zero3_offload\")")

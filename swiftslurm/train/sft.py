@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                    allow_low_rank_optimizer_state, check_optimizer, load_model_and_tokenizer, training_arguments)
+                    allow_low_rank_optimizer_state, check_offload, check_optimizer, load_model_and_tokenizer, training_arguments)
 
 from ..errors import SwiftSlurmError
 
@@ -103,6 +103,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
     check_optimizer(spec.train.optimizer, cuda)
+    check_offload(ds_config)
     import transformers
 
     from . import deadline, kernels, nvme_swap, parallel, worldsize

@@ -1,0 +1,149 @@
+"""Short runs of the built-in trainer in ONE process (world size 1): every shipped DeepSpeed preset for one
+optimizer step, and a few spec keys that need training to show their effect (VARIANTS).
+
+    python tests/one_process_runs.py OUT_DIR [PRESET | EXAMPLE.toml | VARIANT ...]
+
+Each preset goes the way a user's spec goes: ``dsconfig.build_for_spec`` (preset + [deepspeed] + the
+batch/precision keys) -> ``train.sft.train`` (HF Trainer + a real DeepSpeed engine, DS_ACCELERATOR=cpu).
+An EXAMPLE.toml brings its own ``train.deepspeed``, ``[deepspeed]`` table, precision and checkpointing onto
+the tiny model. A VARIANT is a preset-free spec of its own. Prints one JSON line per run: {"preset", "ok", "steps", "loss",
+"learning_rate", "optimizer", "zero_stage", "ds_config", "error"}. A refusal
+(SwiftSlurmError) is reported with its message, never raised: the test decides what may be refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _inline(value) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
+
+
+DATA = ROOT / "examples" / "data"
+VARIANTS = {
+    # APOLLO on plain DDP (GaLore/APOLLO cannot run under ZeRO) with a linear schedule warmed up over half the steps
+    "apollo": {"train_type": "full", "deepspeed": "none", "optimizer": "apollo_adamw", "galore_rank": 8,
+               "galore_update_proj_gap": 2, "max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5},
+    # the 8-bit GaLore needs bitsandbytes on a GPU: the node refuses it before loading anything
+    "galore8bit": {"train_type": "full", "deepspeed": "none", "optimizer": "galore_adamw_8bit", "max_steps": 1},
+    # DPO + LoRA on two named modules only (not peft's default for Llama), the reference scored once before training
+    "dpo": {"task": "dpo", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora", "deepspeed": "zero2",
+            "lora_target_modules": ["k_proj", "up_proj"], "precompute_ref_log_probs": True, "max_prompt_length": 64,
+            "max_steps": 2, "learning_rate": 1e-2},
+    # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
+    # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
+    "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,
+                "bf16": True, "gradient_checkpointing": False,
+                "checkpoint": {"convert_timeout_s": 10, "allow_spec_change": True}},
+}
+SLOW_CONVERTER = """import os, sys, time
+if "--input_folder" in sys.argv and os.environ.get("SWIFTSLURM_TEST_SLOW_CONVERT_S"):
+    time.sleep(float(os.environ["SWIFTSLURM_TEST_SLOW_CONVERT_S"]))  # a slow ds_to_universal
+"""
+
+
+def run_dir(preset: str) -> str:
+    """The run's own dir under OUT_DIR (an example is never the preset it names)."""
+    return "example-" + Path(preset).stem if preset.endswith(".toml") else preset
+
+
+def spec_text(preset: str, out: Path) -> str:
+    if preset in VARIANTS:
+        keys = {"model": "tiny-llama", "dataset": [str(DATA / "alpaca_demo.jsonl")], "per_device_train_batch_size": 2,
+                "max_length": 128, "save_steps": 100, "logging_steps": 1, "learning_rate": 1e-3, "report_to": ["none"],
+                **VARIANTS[preset]}
+        checkpoint = {"forced_save_fractions": [], **keys.pop("checkpoint", {})}
+        train = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items()).replace("__OUT__", str(out.parent))
+        tail = "\n".join(f"{k} = {json.dumps(v)}" for k, v in checkpoint.items())
+        return f'[job]\nname = "{preset}"\noutput_dir = {json.dumps(str(out))}\n[train]\n{train}\n[checkpoint]\n{tail}\n'
+    deepspeed, table, checkpointing = preset, {}, False
+    if preset.endswith(".toml"):  # a shipped example: its DeepSpeed choice as written
+        import tomllib
+
+        example = tomllib.loads((ROOT / preset).read_text())
+        deepspeed, table = example["train"]["deepspeed"], example.get("deepspeed", {})
+        checkpointing = example["train"].get("gradient_checkpointing", False)
+    overrides = "\n".join(f"{k} = {_inline(v)}" for k, v in table.items())
+    return f"""
+[job]
+name = "preset-{Path(preset).stem}"
+output_dir = {json.dumps(str(out))}
+[train]
+model = "tiny-llama"
+dataset = [{json.dumps(str(ROOT / "examples" / "data" / "alpaca_demo.jsonl"))}]
+train_type = "full"
+deepspeed = "{deepspeed}"
+gradient_checkpointing = {json.dumps(checkpointing)}
+per_device_train_batch_size = 2
+max_steps = 1
+max_length = 128
+bf16 = true
+save_steps = 100
+logging_steps = 1
+learning_rate = 1e-3
+report_to = ["none"]
+[checkpoint]
+forced_save_fractions = []
+[deepspeed]
+{overrides}
+"""
+
+
+def main(out_root: str, presets: list[str]) -> int:
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    from swiftslurm import dsconfig
+    from swiftslurm.errors import SwiftSlurmError
+    from swiftslurm.slurm.distenv import DistEnv, free_port
+    from swiftslurm.spec import parse_spec
+    from swiftslurm.train.sft import train
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    print("AIO " + json.dumps(AsyncIOBuilder().is_compatible(verbose=False)), flush=True)
+    port = free_port()
+    os.environ["MASTER_PORT"] = str(port)
+    dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1, nodes=("localhost",),
+                   node="localhost", master_addr="127.0.0.1", master_port=port, job_id=f"local-{os.getpid()}",
+                   requeue_id=f"local-{os.getpid()}", array_task_id=None, restart_count=0, gpus=(), executor="local")
+    for preset in presets or dsconfig.preset_names():
+        out = Path(out_root, run_dir(preset))
+        row: dict = {"preset": preset, "ok": False}
+        started = time.perf_counter()
+        try:
+            spec = parse_spec(spec_text(preset, out))
+            ds, _warnings = dsconfig.build_for_spec(spec)
+            row["zero_stage"] = ds.get("zero_optimization", {}).get("stage")
+            row["ds_config"] = ds
+            resume = None
+            if preset == "convert":  # the converter runs as a child: a sitecustomize on its PYTHONPATH slows it
+                slow = Path(out_root, "slow-converter")
+                slow.mkdir(exist_ok=True)
+                (slow / "sitecustomize.py").write_text(SLOW_CONVERTER)
+                os.environ.update(SWIFTSLURM_TEST_SLOW_CONVERT_S="30", PYTHONPATH=f"{slow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                resume = True  # as `swiftslurm run`: the own newest checkpoint, else train.resume_from
+            result = train(spec, dist, ds, str(out), resume, lambda: False)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            stepped = [r for r in rows if r.get("loss") is not None]
+            row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
+                       learning_rate=[r.get("learning_rate") for r in stepped])
+        except SwiftSlurmError as exc:
+            row.update(refused=True, error=exc.message())
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-3000:])
+        row["wall_s"] = round(time.perf_counter() - started, 1)
+        print("PRESET " + json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

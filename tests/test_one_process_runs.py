@@ -1,0 +1,125 @@
+"""Short trainer runs in ONE process (tests/one_process_runs.py: world size 1, the tiny model, real DeepSpeed on
+the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and trainer (train.sft.train):
+
+- every shipped DeepSpeed preset starts a real engine and takes one optimizer step; a preset the CPU cannot
+  run is refused by the node with its reason (NVMe offload without DeepSpeed's async_io op / libaio);
+  examples/zero3_offload.toml runs with its own [deepspeed] table;
+- spec keys that only training shows: train.optimizer = "apollo_adamw" (trains) and "galore_adamw_8bit"
+  (refused on a CPU node, with the reason), warmup_ratio (the learning rate of each step), DPO's
+  precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter),
+  checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from one_process_runs import run_dir
+from swiftslurm import dsconfig
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = "examples/zero3_offload.toml"
+SHIPPED = {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
+    out = tmp_path_factory.mktemp("presets")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out),
+                           "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo"],  # plain DDP before any DeepSpeed engine
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    aio = json.loads(next(ln for ln in lines if ln.startswith("AIO "))[4:])
+    rows = [json.loads(ln[len("PRESET "):]) for ln in lines if ln.startswith("PRESET ")]
+    return aio, {r["preset"]: r for r in rows}, out, proc.stdout + proc.stderr
+
+
+def test_every_shipped_preset_takes_one_step_on_a_real_engine(runs):
+    aio, rows, out, _log = runs
+    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "convert", "dpo"}
+    for name, row in rows.items():
+        if name not in SHIPPED | {EXAMPLE}:
+            continue
+        if name == "zero3_nvme" and not aio:
+            continue
+        assert row["ok"], f"{name}: {row.get('error')}\n{row.get('trace', '')}"
+        assert row["steps"] == 1 and len(row["loss"]) == 1 and math.isfinite(row["loss"][0]), row
+        shards = out / run_dir(name) / "checkpoint-1" / "global_step1"  # the engine's own checkpoint
+        files = sorted(p.name for p in shards.iterdir())
+        assert any(f.endswith("model_states.pt") for f in files), (name, files)
+        assert row["zero_stage"] == 0 or any(f.endswith("optim_states.pt") for f in files), (name, files)
+
+
+def test_presets_reach_the_engine_as_shipped(runs):
+    """What each engine got is the preset (its stage and offloads), not a default."""
+    _aio, rows, _out, _log = runs
+    for name in SHIPPED:
+        preset = dsconfig.load_preset(name)["zero_optimization"]
+        got = rows[name]["ds_config"]["zero_optimization"]
+        assert got["stage"] == preset["stage"] == rows[name]["zero_stage"], name
+        for key in ("offload_optimizer", "offload_param"):
+            assert (got.get(key) or {}).get("device") == (preset.get(key) or {}).get("device"), (name, key)
+    example = tomllib.loads((ROOT / EXAMPLE).read_text())
+    got = rows[EXAMPLE]["ds_config"]["zero_optimization"]
+    assert rows[EXAMPLE]["zero_stage"] == 3 and got["offload_optimizer"]["device"] == "cpu"
+    for key, value in example["deepspeed"]["zero_optimization"].items():  # the example's own [deepspeed] table
+        assert got[key] == value, key
+
+
+def test_nvme_offload_is_refused_with_its_reason_where_the_cpu_cannot_run_it(runs):
+    aio, rows, _out, _log = runs
+    row = rows["zero3_nvme"]
+    if aio:  # libaio present: the preset must run like the others (checked above)
+        assert row["ok"], row
+        return
+    assert not row["ok"] and row.get("refused"), row
+    assert "NVMe offload needs DeepSpeed's async_io op" in row["error"] and "libaio" in row["error"], row["error"]
+    assert "zero3_offload" in row["error"]  # the way out
+
+
+# ---------------------------------------------------------------- keys only training shows
+
+
+def test_apollo_trains_and_warmup_ratio_shapes_the_learning_rate(runs):
+    _aio, rows, _out, _log = runs
+    row = rows["apollo"]
+    assert row["ok"], f"{row.get('error')}\n{row.get('trace', '')}"
+    assert row["optimizer"] == "apollo_torch.AdamW" and row["steps"] == 4
+    assert all(math.isfinite(x) for x in row["loss"]) and row["loss"][-1] < row["loss"][0]
+    # linear schedule, lr 1e-3, 4 steps, warmup_ratio 0.5: 2 warm-up steps (without it: 1e-3, 7.5e-4, 5e-4, 2.5e-4)
+    assert row["learning_rate"] == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])
+
+
+def test_galore_8bit_is_refused_by_a_cpu_node_with_the_reason(runs):
+    row = runs[1]["galore8bit"]
+    assert not row["ok"] and row.get("refused"), row
+    assert "needs a GPU" in row["error"] and "galore_adamw on CPU" in row["error"]
+
+
+def test_dpo_precomputes_the_reference_and_lora_targets_the_named_modules(runs):
+    _aio, rows, out, log = runs
+    row = rows["dpo"]
+    assert row["ok"], f"{row.get('error')}\n{row.get('trace', '')}"
+    assert row["steps"] == 2 and row["loss"][0] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the start
+    assert "Computing reference log probs for train dataset" in log  # TRL scored the reference before training
+    adapter = json.loads((out / "dpo" / "checkpoint-2" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["k_proj", "up_proj"]  # not peft's Llama default (q_proj, v_proj)
+
+
+def test_convert_timeout_s_bounds_the_universal_conversion(runs):
+    """zero2's checkpoint resumed under ZeRO-3 must be converted; the converter takes 30 s, the key allows 10."""
+    row = runs[1]["convert"]
+    assert not row["ok"] and row.get("refused"), row
+    assert "converting checkpoint-1 to a universal checkpoint took longer than 10 s" in row["error"], row["error"]
+    assert "raise checkpoint.convert_timeout_s" in row["error"] and row["wall_s"] < 28  # killed at 10 s, not waited out
