@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import slurm
 from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
 from ..train.sft import SUMMARY_FILE
 
 METRICS_FILE = "metrics.jsonl"
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "UNKNOWN")
+# Slurm's final states (slurm.FINAL_STATES, the one list) but COMPLETED; UNKNOWN: Slurm lost the job
+FAILED_STATES = (slurm.FINAL_STATES - {"COMPLETED"}) | {"UNKNOWN"}
 RATE_WINDOW = 20  # logging rows of the current segment that the pace (steps per second) is measured over
 
 
@@ -199,7 +201,7 @@ def total_of(rows: list[Progress]) -> Total:
     return Total(
         tasks=len(rows),
         done=sum(r.state == "COMPLETED" for r in rows),
-        failed=sum(r.state in FINAL_STATES and r.state != "COMPLETED" for r in rows),
+        failed=sum(r.state in FAILED_STATES for r in rows),
         running=len(running),
         step=sum(steps) if any(r.step is not None for r in rows) else None,
         max_steps=sum(m or 0 for m in maxes) if known and maxes else None,
