@@ -89,10 +89,8 @@ def status_table(rows: list[TaskStatus], title: str = "") -> Table:
 
 def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
     """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
-    try:
-        from ..train.sft import read_summary
-    except ImportError:
-        return
+    from ..train.sft import read_summary
+
     for index, task_dir in enumerate(sub.task_dirs[:limit]):
         text = read_summary(task_dir) if task_dir else None
         if text:
