@@ -79,7 +79,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
         if mode == "preflight":
             return 0
 
-    if dist.rank == 0:
+    if dist.rank == 0 and dist.executor != "torchrun":  # torchrun's agent store already listens on MASTER_PORT
         check_master_port(dist, log)
     the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")), pg_timeout_s=spec.train.ddp_timeout)
     if spec.train.command:
