@@ -289,7 +289,7 @@ def test_submitit_local_rank0_error_is_seen_at_once(tmp_path):
         plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2", extra=extra))
         job = submit_local(tmp_path, plan)
         started = time.monotonic()
-        with pytest.raises(pytest.fail.Exception, match=f"rank 0 failed:(.|\n)*MASTER_PORT is busy"):
+        with pytest.raises(pytest.fail.Exception, match="rank 0 failed:(.|\n)*MASTER_PORT is busy"):
             wait_local_job(job, 90)
     assert time.monotonic() - started < 45
     assert not (tmp_path / "rank-1.json").exists()

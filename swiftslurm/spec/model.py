@@ -9,7 +9,8 @@ from __future__ import annotations
 from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
 from .parallel import ModelShapeTable, ParallelTable, Table
-from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
+from .sbatch_options import MEM_CONFLICTS, parse_extra
+from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
 import re
 from typing import Any, Literal, Union, get_args
 
