@@ -60,12 +60,6 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
 
 
-def index_ranges_of(plan: Plan, group: int) -> str:
-    from ..slurm.render import index_ranges
-
-    return index_ranges(plan.groups[group].tasks)
-
-
 def _q(path: str) -> str:
     from ..quoting import shell_quote
 

@@ -80,10 +80,6 @@ class DistEnv:
     executor: str  # "slurm" | "local" | "torchrun"
     gpu: str = ""  # the one GPU this rank drives (its LOCAL_RANK-th visible GPU); "" on CPU
 
-    @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
-
     def summary(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "

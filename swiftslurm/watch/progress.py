@@ -283,7 +283,6 @@ class TaskFiles:
         self.dir = Path(task_dir)
         self._offset = 0
         self._rows: list[dict[str, Any]] = []
-        self._checkpoint: tuple[str, int] | None = None
 
     def metrics(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl so far (a torn last line waits for the next call)."""
