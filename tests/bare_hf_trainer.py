@@ -8,7 +8,6 @@ tokens); everything that trains and saves is plain transformers + DeepSpeed on t
 OUT/steps.jsonl.
 """
 
-import json
 import os
 import sys
 

@@ -24,13 +24,13 @@ from functools import lru_cache
 
 import pytest
 
+from swiftslurm import slurm
+
 HARDWARE_SKIP = "needs hardware CI does not have: "
 START_HINT = "bring it up with tests/cluster/up.sh as root (see tests/cluster/README.md)"
 
-# sacct states after which a job will not change again (a requeued job shows REQUEUED, then PENDING).
-FINAL_STATES = frozenset(
-    {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
-)
+# sacct states after which a job will not change again (a requeued job shows REQUEUED, then PENDING): the one list
+FINAL_STATES = slurm.FINAL_STATES
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -280,6 +280,86 @@ def test_single_process():
     assert (d.rank, d.world_size, d.job_id, d.master_addr) == (0, 1, "local-42", "127.0.0.1")
 
 
+# ---------------------------------------------------------------- derive under torchrun (and launchers that set its variables)
+
+
+def torchrun_env(rank: int = 5, **over: str) -> dict[str, str]:
+    """A torchrun worker's variables (torch.distributed.run, --nnodes=2 --nproc-per-node=4): this is rank 5 on node 1."""
+    env = {
+        "RANK": str(rank), "LOCAL_RANK": str(rank % 4), "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": str(rank // 4), "GROUP_WORLD_SIZE": "2", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu-a", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "run7", "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "3", "PATH": "/usr/bin",
+    }
+    env.update(over)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_derive_torchrun_ranks():
+    d = derive(torchrun_env(HOSTNAME="gpu-b"))
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size) == (5, 1, 8, 4)
+    assert (d.node_rank, d.nnodes, d.node, d.nodes) == (1, 2, "gpu-b", ("node-0", "gpu-b"))
+    assert (d.master_addr, d.master_port) == ("gpu-a", 29400)  # torchrun's rendezvous, not an inherited one
+    assert (d.job_id, d.requeue_id, d.restart_count, d.executor) == ("run7", "run7", 1, "torchrun")
+    assert distenv.dist_vars(d) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1",
+                               "GROUP_RANK": "1", "NNODES": "2", "MASTER_ADDR": "gpu-a", "MASTER_PORT": "29400"}
+
+
+def test_torchrun_inside_a_slurm_step_wins():
+    """`srun torchrun ...`: one Slurm task per node, so SLURM_PROCID numbers nodes; torchrun's RANK is the rank."""
+    env = {**slurm_env(SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
+                       SLURM_TASKS_PER_NODE="1(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)"), **torchrun_env(6)}
+    d = derive(env)
+    assert (d.rank, d.world_size, d.local_rank, d.node, d.executor) == (6, 8, 2, "node2", "torchrun")
+    assert d.job_id == "4711"  # the Slurm job around the run names it
+
+
+def test_slurm_wins_over_inherited_torchrun_style_vars():
+    """A Slurm step without torchrun: RANK/WORLD_SIZE in the environment came from the submitting shell."""
+    d = derive(slurm_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
+    assert (d.rank, d.world_size, d.executor) == (3, 4, "slurm")
+
+
+def test_torchrun_style_vars_without_torchrun_and_defaults():
+    """SkyPilot or a hand-written launcher: RANK and WORLD_SIZE alone; the rest as for one node."""
+    d = derive({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "12345"}, pid=9)
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size, d.node_rank, d.nnodes) == (1, 1, 2, 2, 0, 1)
+    assert (d.master_addr, d.master_port, d.job_id, d.node, d.executor) == ("127.0.0.1", 12345, "torchrun-12345", "localhost", "torchrun")
+    d = derive({"RANK": "3", "WORLD_SIZE": "4", "NODE_RANK": "1", "NNODES": "2", "MASTER_ADDR": "h0"})
+    assert (d.local_rank, d.local_world_size, d.node_rank, d.nnodes, d.nodes) == (1, 2, 1, 2, ("node-0", "localhost"))
+    assert d.master_port == port_for_job("torchrun-0")
+    d = derive(torchrun_env(TORCHELASTIC_RUN_ID="none"))  # torchrun's default --rdzv-id: name the run by its port
+    assert d.job_id == "torchrun-29400"
+
+
+def test_torchrun_explicit_master_wins_and_bad_values_are_clear():
+    d = derive(torchrun_env(), explicit={"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500"})
+    assert (d.master_addr, d.master_port) == ("10.0.0.9", 29500)
+    for bad in ({"RANK": "8"}, {"RANK": "-1"}, {"WORLD_SIZE": "0"}):
+        with pytest.raises(RuntimeEnvError, match="RANK is not inside WORLD_SIZE"):
+            derive(torchrun_env(**bad))
+    with pytest.raises(RuntimeEnvError, match="LOCAL_RANK is not an integer"):
+        derive(torchrun_env(LOCAL_RANK="x"))
+
+
+def test_the_test_launcher_gives_its_ranks_what_torchrun_gives():
+    """train/launch.py starts its ranks with torchrun's variables; derive turns them into the same ranks."""
+    from swiftslurm.train.launch import torchrun_vars
+
+    ranks = [derive(torchrun_vars(rank, 3, 12000)) for rank in range(3)]
+    assert [(d.rank, d.local_rank, d.world_size, d.local_world_size, d.node_rank, d.nnodes) for d in ranks] == [
+        (r, r, 3, 3, 0, 1) for r in range(3)]
+    assert {(d.master_addr, d.master_port, d.job_id, d.executor) for d in ranks} == {("127.0.0.1", 12000, ranks[0].job_id, "torchrun")}
+    check_allocation(ranks[0], spec_of("nodes = 1\ntasks_per_node = 3"))
+
+
+def test_torchrun_allocation_compares_the_world_size():
+    check_allocation(derive(torchrun_env()), spec_of("nodes = 2\ntasks_per_node = 4"))
+    with pytest.raises(RuntimeEnvError) as err:
+        check_allocation(derive(torchrun_env()), spec_of())
+    assert "--nnodes=2 --nproc-per-node=2" in err.value.hint
+
+
 # ---------------------------------------------------------------- check_allocation
 
 

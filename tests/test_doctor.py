@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm import ledger
-from swiftslurm.doctor import diagnose, diagnose_task
+from swiftslurm.doctor import diagnose_task
 from swiftslurm.doctor.evidence import Line, TaskRun, read_task
 from swiftslurm.doctor.hang import culprits, stack_dumps
 from swiftslurm.doctor.target import runs_of

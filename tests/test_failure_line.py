@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from rich import box
 from rich.console import Console
 from rich.panel import Panel

@@ -370,6 +370,21 @@ def test_gate_without_checks_is_a_no_op(tmp_path):
     assert "allreduce" in checks_for(spec, "preflight")  # a diagnostic run with [] runs every check
 
 
+def test_check_names_have_one_source():
+    """The spec's field, the preflight-only default and the README's reference all read spec.CHECKS."""
+    from swiftslurm.errors import SpecError
+    from swiftslurm.preflight import checks_for
+    from swiftslurm.spec import CHECKS, parse_spec
+    from swiftslurm.spec.doc import DESCRIPTIONS
+
+    spec = parse_spec('[train]\ncommand = ["true"]\n[preflight]\nchecks = []\n')
+    assert checks_for(spec, "preflight") == list(CHECKS)
+    assert parse_spec(f'[train]\ncommand = ["true"]\n[preflight]\nchecks = {list(CHECKS)!r}\n'.replace("'", '"')).preflight.checks == list(CHECKS)
+    with pytest.raises(SpecError):
+        parse_spec('[train]\ncommand = ["true"]\n[preflight]\nchecks = ["topology"]\n')
+    assert all(f"`{name}`" in DESCRIPTIONS["preflight.checks"] for name in CHECKS)
+
+
 def test_exclusion_ends_once_the_job_was_requeued_max_requeues_times():
     """A node that keeps failing (or an exclusion Slurm keeps refusing) must end the job, not requeue it forever."""
     from types import SimpleNamespace

@@ -16,14 +16,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import free_port, launch
-from test_train import losses, quickstart_spec, run, to_toml
+from test_train import losses, quickstart_spec, run
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"

@@ -147,6 +147,50 @@ def test_interrupted_rank_stops_its_command(tmp_path):
     assert "stopping train.command" in err
 
 
+BROKEN_IMPORT = """
+import sys
+class _Broken:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            raise ImportError("simulated broken module " + name, name=name)
+sys.meta_path.insert(0, _Broken())
+"""
+
+
+@pytest.mark.parametrize("module,checks", [("swiftslurm.preflight.gate", '["disk"]'), ("swiftslurm.preflight.ports", "[]")])
+def test_a_broken_own_import_fails_the_rank_loudly(tmp_path, module, checks):
+    """An ImportError from one of our own modules is a bug to see, not "not installed": the rank fails with the
+    traceback before the command runs (it once skipped the preflight, or the master port check, silently)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(BROKEN_IMPORT.format(module=module))
+    spec = command_spec(tmp_path, DUMP_ENV, str(tmp_path)).replace("checks = []", f"checks = {checks}")
+    plan = make_plan_file(tmp_path, spec)
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = run_cli("--plan", str(plan), env=env)
+    assert proc.returncode != 0 and f"simulated broken module {module}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" in proc.stderr and not (tmp_path / "env-0.json").exists()
+
+
+@pytest.mark.parametrize("module", ["swiftslurm.train.sft", "deepspeed"])
+def test_the_trainer_import_fails_loudly_for_our_modules_and_with_a_hint_for_a_missing_extra(tmp_path, module):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    missing = "import sys; sys.modules[{module!r}] = None  # as if not installed\n"  # import: ModuleNotFoundError
+    (shim / "sitecustomize.py").write_text((BROKEN_IMPORT if module.startswith("swiftslurm") else missing).format(module=module))
+    plan = make_plan_file(tmp_path, TRAIN_SPEC.format(out=tmp_path / "out", data=ROOT / "examples" / "data" / "alpaca_demo.jsonl"))
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = run_cli("--plan", str(plan), env=env)
+    if module.startswith("swiftslurm"):
+        assert proc.returncode != 0 and "Traceback" in proc.stderr and f"simulated broken module {module}" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and "not installed" in proc.stderr and "deepspeed" in proc.stderr, proc.stderr[-2000:]
+        assert "swiftslurm[train]" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_spec_env_may_not_set_rank(tmp_path):
     """Refused at validate now (tests/test_validate_nodes.py), by the list the node applies too
     (distenv.check_spec_env: tests/test_distenv.py)."""
@@ -247,7 +291,7 @@ def test_submitit_local_rank0_error_is_seen_at_once(tmp_path):
         plan = make_plan_file(tmp_path, command_spec(tmp_path, ALLREDUCE, str(tmp_path), slurm="tasks_per_node = 2", extra=extra))
         job = submit_local(tmp_path, plan)
         started = time.monotonic()
-        with pytest.raises(pytest.fail.Exception, match=f"rank 0 failed:(.|\n)*MASTER_PORT is busy"):
+        with pytest.raises(pytest.fail.Exception, match="rank 0 failed:(.|\n)*MASTER_PORT is busy"):
             wait_local_job(job, 90)
     assert time.monotonic() - started < 45
     assert not (tmp_path / "rank-1.json").exists()

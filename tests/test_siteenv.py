@@ -106,7 +106,7 @@ def test_parse_array_limits_on_captured_config():
         "SchedulerParameters     = bf_interval=1,sched_interval=1", "SchedulerParameters     = bf_interval=1,max_array_tasks=7,sched_interval=1")
     assert slurm.parse_array_limits(capped) == ArrayLimits(10, 7)
     assert slurm.parse_array_limits("") == ArrayLimits(None, None)
-    assert slurm.parse_config(text)["SlurmdParameters"] == "config_overrides"
+    assert slurm.parse_scontrol_config(text)["SlurmdParameters"] == "config_overrides"
 
 
 def test_split_keeps_global_indices_and_fits_every_cap():

@@ -8,6 +8,7 @@ import pytest
 
 from swiftslurm import slurm
 from swiftslurm.errors import SubmissionError, SwiftSlurmError
+from swiftslurm.plan import ArrayLimits
 
 DATA = Path(__file__).parent / "data" / "slurm"
 
@@ -162,6 +163,9 @@ def test_scontrol_show_config_of_22_05_and_24_11():
     assert new["TaskPlugin"] == "task/affinity,task/cgroup" and new["ConstrainCores"] == "yes"
     assert new["SchedulerParameters"] == "bf_continue,bf_max_job_test=500,default_queue_depth=500"
     assert not any(" " in k for k in new)
+    # the array caps read through the same parser (one parser of `scontrol show config`)
+    assert slurm.parse_array_limits(read("22.05/scontrol_show_config.txt")) == ArrayLimits(1001, None)
+    assert slurm.parse_array_limits(read("24.11/scontrol_show_config.txt")) == ArrayLimits(1001, None)
 
 
 def test_expand_job_ids_edge_cases():

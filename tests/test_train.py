@@ -236,7 +236,6 @@ def test_zero3_full_saves_consolidated_weights_that_load_with_same_logits(tmp_pa
 
 
 def test_zero2_offload_lora_saves_an_adapter(tmp_path):
-    import torch
     from peft import PeftModel
 
     from swiftslurm.train.tinymodel import build_model

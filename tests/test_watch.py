@@ -20,12 +20,13 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from swiftslurm import slurm
 from swiftslurm.cli.watch_cmd import PlainFollower, plain_line, progress_table
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
 from swiftslurm.submit import submit_plan
 from swiftslurm.watch import logs as L
-from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments
+from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments, total_of
 
 RUN = Path(__file__).parent / "data" / "watch_run"
 WAIT_S = 180
@@ -84,6 +85,14 @@ def cli(*args, timeout=WAIT_S):
 
 
 # ---------------------------------------------------------------- progress, on the real run's files
+
+
+@pytest.mark.parametrize("state", sorted(slurm.FINAL_STATES - {"COMPLETED"}) + ["UNKNOWN"])
+def test_total_counts_every_final_state_but_completed_as_failed(state):
+    """Slurm's final states have one list (slurm.FINAL_STATES): a REVOKED task (a federated sibling) failed too."""
+    rows = [Progress(task=0, state="COMPLETED"), Progress(task=1, state=state), Progress(task=2, state="RUNNING")]
+    total = total_of(rows)
+    assert (total.done, total.failed, total.running) == (1, 1, 1)
 
 
 def test_progress_of_a_real_finished_run():

@@ -14,7 +14,6 @@ The losses of steps 5-8 and 9-12 stay within 1e-3 of ref's.
 from __future__ import annotations
 
 import json
-import shutil
 import tomllib
 from pathlib import Path
 

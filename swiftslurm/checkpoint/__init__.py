@@ -22,6 +22,7 @@ from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
 from .split import verified_split
 
 __all__ = [
+    "savetime",
     "Exchange",
     "SingleRank",
     "agree_resume_point",

@@ -93,7 +93,7 @@ def inspect_dir(path: Path | str) -> Facts:
         _trainer_facts(path, names, facts)
     facts.weights = facts.weights or _weights_kind(names)
     if kind == "peft-adapter" and not names & set(ADAPTER_FILES):
-        facts.problems.append(f"adapter_model.safetensors: missing (an adapter_config.json without adapter weights)")
+        facts.problems.append("adapter_model.safetensors: missing (an adapter_config.json without adapter weights)")
     if facts.dtype is None:
         facts.dtype = _config_dtype(path) or _weights_dtype(path, names)
     return facts

@@ -34,7 +34,6 @@ from .names import final_dir
 from .verify import verify
 
 UNIVERSAL_DIR = "universal"  # under the task's output dir
-LOAD_KEY = ("checkpoint", "load_universal")
 _OPTIM = re.compile(r"^global_step\d+/(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_MP = re.compile(r"^global_step\d+/mp_rank_(\d+)_model_states\.pt$")
 

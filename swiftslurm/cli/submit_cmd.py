@@ -56,12 +56,6 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
 
 
-def index_ranges_of(plan: Plan, group: int) -> str:
-    from ..slurm.render import index_ranges
-
-    return index_ranges(plan.groups[group].tasks)
-
-
 def _q(path: str) -> str:
     from ..quoting import shell_quote
 
@@ -85,10 +79,8 @@ def status_table(rows: list[TaskStatus], title: str = "") -> Table:
 
 def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
     """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
-    try:
-        from ..train.sft import read_summary
-    except ImportError:
-        return
+    from ..train.sft import read_summary
+
     for index, task_dir in enumerate(sub.task_dirs[:limit]):
         text = read_summary(task_dir) if task_dir else None
         if text:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..preflight.results import CheckResult, blamed_nodes
 from .evidence import TaskRun
 from .findings import Evidence, Finding
-from .logrules import bare, evidence_of, killed_ranks
+from .logrules import evidence_of, killed_ranks
 
 PREFLIGHT_FILE = "preflight/report.json"
 WALLTIME_STOPS = 2  # this many walltime stops in a row without a new step is a loop

@@ -9,6 +9,7 @@ stop that is not requeued ends every rank with NOT_REQUEUED_EXIT and the reason 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from ..errors import PreflightFailed, RuntimeEnvError
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0  # a command asked to stop (TERM) gets this long before KILL
+TRAINER_PACKAGES = ("torch", "transformers", "deepspeed")  # third-party, of the optional [train] extra
 
 
 # ---------------------------------------------------------------- entry points
@@ -83,7 +85,7 @@ def _run_claimed(data, task, ds_config, dist, mode: str) -> tuple[int, failure.F
     banner.enable_stack_dumps(dist, out_dir)
     log.info("%s", dist.summary())
 
-    resume = None if spec.train.command else _resume_point(out_dir, log) or (
+    resume = None if spec.train.command else _resume_point(out_dir) or (
         f"train.resume_from = {spec.train.resume_from}{' (weights only)' if spec.train.resume_weights_only else ''}, "
         "verified by rank 0 at train start" if spec.train.resume_from else None)
     shown = "- (train.command runs your own script)" if spec.train.command else (resume or "none (fresh start)")
@@ -95,7 +97,7 @@ def _run_claimed(data, task, ds_config, dist, mode: str) -> tuple[int, failure.F
         if mode == "preflight":
             return 0, None
 
-    if dist.rank == 0:
+    if dist.rank == 0 and dist.executor != "torchrun":  # torchrun's agent store already listens on MASTER_PORT
         check_master_port(dist, log)
     the_env = distenv.child_env(os.environ, dist, spec.env, log_dir=str(Path(out_dir, "logs")), pg_timeout_s=spec.train.ddp_timeout)
     if spec.train.command:
@@ -127,24 +129,18 @@ def _read_task(plan_path: str, index: int):
     return data, task, ds_config
 
 
-def _resume_point(out_dir: str, log) -> str | None:
+def _resume_point(out_dir: str) -> str | None:
     """What the banner shows as the resume point. Not the decision: that is one for all ranks, made once the
     trainer's process group exists (rank 0 verifies, every rank checks it can read it: train.resume)."""
-    try:
-        from ..checkpoint import list_checkpoints
-    except ImportError:
-        log.info("checkpoint module not installed: starting fresh")
-        return None
+    from ..checkpoint import list_checkpoints
+
     listed = list_checkpoints(out_dir)
     return f"the newest verified, chosen by rank 0 at train start (newest here: {listed[0]})" if listed else None
 
 
 def _preflight(dist, spec, out_dir: str, mode: str, log, ds_config=None) -> bool:
-    try:
-        from ..preflight import gate
-    except ImportError:
-        log.info("preflight module not installed: skipping preflight checks")
-        return True
+    from ..preflight import gate  # our own module: a broken import fails the rank, it never skips the checks
+
     return bool(gate(dist, spec, out_dir, mode, ds_config))
 
 
@@ -172,10 +168,8 @@ def _preflight_failed(dist, out_dir: str, log) -> failure.Failure | None:
 def check_master_port(dist, log) -> None:
     """Rank 0, right before the rendezvous it hosts: a busy MASTER_PORT is a RuntimeEnvError with the fix
     (the other ranks would otherwise wait out the rendezvous timeout); one in the ephemeral range a warning."""
-    try:
-        from ..preflight import ports
-    except ImportError:
-        return
+    from ..preflight import ports
+
     result = ports.check_master_port(dist.node, dist.master_port, ports.ephemeral_range())
     if not result.ok:
         raise RuntimeEnvError("MASTER_PORT is busy on the master node", result.observed, result.hint)
@@ -239,10 +233,13 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
 
 
 def _train(dist, spec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
-    try:
-        from ..train import sft
-    except ImportError as exc:
-        raise RuntimeEnvError("the trainer is not installed", str(exc), "reinstall swiftslurm, or set train.command to run your own script") from None
+    from ..train import sft  # our own: a broken import fails the rank with its traceback
+
+    # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training
+    missing = [name for name in TRAINER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeEnvError("the built-in trainer needs packages that are not installed", ", ".join(missing),
+                              "pip install 'swiftslurm[train]' on every node, or set train.command to run your own script")
     os.environ.clear()
     os.environ.update(the_env)  # the one export step, for the in-process trainer
     # Slurm sends the walltime USR2 to every process of the step, children included: a `ninja` building a

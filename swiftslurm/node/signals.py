@@ -44,11 +44,6 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
-def request_stop() -> None:
-    """The same as receiving SIGUSR2 (for callers that learn of the walltime another way)."""
-    _stop.set()
-
-
 def take_received() -> list[int]:
     """Signals received since the last call, oldest first (for forwarding to a child)."""
     taken = []

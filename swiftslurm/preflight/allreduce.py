@@ -18,7 +18,6 @@ from typing import Any
 
 CPU_SIZES = [2**k for k in (12, 16, 20, 22, 24)]  # 4 KiB .. 16 MiB
 GPU_SIZES = [2**k for k in (20, 22, 24, 26, 28, 30, 32)]  # 1 MiB .. 4 GiB
-TIME_PER_SIZE_S = 0.4
 
 
 def bus_bw(algbw: float, world_size: int) -> float:

@@ -89,9 +89,6 @@ def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) ->
         return Finished(code, _read(out), _read(err))
 
 
-Call = tuple[str, str, Callable[[], list[CheckResult]]]  # (check, node, fn)
-
-
 class Calls:
     """Check functions running in daemon threads from ``start``; ``collect(deadline)`` waits for them until a
     monotonic deadline. A call still running then is a failed result naming its check and node; one that

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from ..spec import CHECKS
 from .coord import CoordinationError
 from .report import build_report, print_report, write_report
 from .results import Decision, decide
@@ -24,14 +25,13 @@ from .run import GATHER_GRACE_S, run_checks
 
 ACK_WAIT_S = 5
 EXCLUDE_WAIT_S = 120  # rank 0's scontrol calls (each bounded by SLURM_TIMEOUT_S), seen from the other ranks
-ALL_CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
 
 
 def checks_for(spec: Any, mode: str) -> list[str]:
     """The checks to run: the spec's list; a preflight-only run with an empty list runs them all (pure)."""
     checks = list(spec.preflight.checks)
     if not checks and mode == "preflight":
-        checks = list(ALL_CHECKS)
+        checks = list(CHECKS)
     return checks
 
 

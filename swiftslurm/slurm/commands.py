@@ -42,20 +42,10 @@ def show_hostnames(hostlist: str) -> list[str]:
     return _run(["scontrol", "show", "hostnames", hostlist]).stdout.split()
 
 
-def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config`` output -> {name: value} (pure). Lines are ``Name  = value``."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        name, eq, value = line.partition("=")
-        if eq and name.strip() and " " not in name.strip():
-            out[name.strip()] = value.strip()
-    return out
-
-
 def parse_array_limits(text: str) -> ArrayLimits:
     """The array caps in ``scontrol show config`` output (pure): MaxArraySize, and SchedulerParameters'
     ``max_array_tasks``. A missing or unreadable value is no cap."""
-    config = parse_config(text)
+    config = parse_scontrol_config(text)
     size = config.get("MaxArraySize", "")
     tasks = None
     for item in config.get("SchedulerParameters", "").split(","):

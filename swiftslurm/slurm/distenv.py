@@ -1,9 +1,20 @@
-"""The distributed environment of one rank, derived from the environment Slurm (or submitit's
-local executor) gives it.
+"""The distributed environment of one rank, derived from the environment its launcher gives it: Slurm
+(an srun task), submitit's local executor, or torchrun (and launchers that set torchrun's variables:
+SkyPilot, the test launcher ``train/launch.py``).
 
 Pure: ``derive(env)`` reads a mapping and returns a ``DistEnv``; ``check_allocation`` compares it
 with the spec; ``child_env`` builds (and returns) the environment a rank's trainer runs with. Nothing
 here reads or writes ``os.environ``: the caller passes it in and applies the result (STYLE.md, 7).
+
+Which launcher, first match wins (``derive``):
+
+1. submitit's local executor (``SUBMITIT_EXECUTOR=local`` or ``SUBMITIT_LOCAL_JOB_ID``);
+2. torchrun itself (``TORCHELASTIC_RUN_ID`` with ``RANK`` and ``WORLD_SIZE``), even inside a Slurm step:
+   ``srun torchrun ...`` starts one Slurm task per node, so ``SLURM_PROCID`` numbers nodes, not ranks;
+3. a Slurm job step (``SLURM_JOB_ID`` and ``SLURM_PROCID``): Slurm's variables win over any ``RANK`` or
+   ``WORLD_SIZE`` in the environment (sbatch exports the submitting shell's, which are nobody's choice);
+4. torchrun's variables without torchrun (``RANK`` and ``WORLD_SIZE``);
+5. nothing: a single process.
 """
 
 from __future__ import annotations
@@ -67,12 +78,8 @@ class DistEnv:
     array_task_id: int | None
     restart_count: int  # SLURM_RESTART_COUNT or 0
     gpus: tuple[str, ...]  # GPU ids visible on this node to this rank (() on CPU)
-    executor: str  # "slurm" | "local"
+    executor: str  # "slurm" | "local" | "torchrun"
     gpu: str = ""  # the one GPU this rank drives (its LOCAL_RANK-th visible GPU); "" on CPU
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
 
     def summary(self) -> str:
         return (
@@ -190,16 +197,23 @@ def bind_gpu(gpus: tuple[str, ...], local_rank: int, local_world_size: int) -> s
 
 def derive(env: Mapping[str, str], pid: int | None = None, explicit: Mapping[str, str] | None = None) -> DistEnv:
     """The rank's distributed environment from SLURM_* (an srun task), SUBMITIT_LOCAL_* (submitit's
-    local executor) or nothing (a single process, ``pid`` names it). Raises RuntimeEnvError.
+    local executor), torchrun's RANK/WORLD_SIZE/... or nothing (a single process, ``pid`` names it); which
+    one wins: the module docstring. Raises RuntimeEnvError.
 
-    MASTER_ADDR/MASTER_PORT come from ``explicit`` (the spec's [env]) or are derived; the same names
-    in ``env`` are ignored (inherited from whoever ran sbatch, they would make every job share a port).
+    MASTER_ADDR/MASTER_PORT come from ``explicit`` (the spec's [env]) or are derived; under Slurm and the
+    local executor the same names in ``env`` are ignored (inherited from whoever ran sbatch, they would make
+    every job share a port), under torchrun they are its rendezvous and used.
     """
     explicit = explicit or {}
+    torchrun_vars = "RANK" in env and "WORLD_SIZE" in env
     if env.get("SUBMITIT_EXECUTOR") == "local" or "SUBMITIT_LOCAL_JOB_ID" in env:
         return _derive_local(env, explicit)
+    if torchrun_vars and env.get("TORCHELASTIC_RUN_ID"):
+        return _derive_torchrun(env, explicit)
     if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
         return _derive_slurm(env, explicit)
+    if torchrun_vars:
+        return _derive_torchrun(env, explicit)
     return _derive_single(env, pid, explicit)
 
 
@@ -278,6 +292,43 @@ def _derive_local(env: Mapping[str, str], explicit: Mapping[str, str]) -> DistEn
     )
 
 
+def _derive_torchrun(env: Mapping[str, str], explicit: Mapping[str, str]) -> DistEnv:
+    """torchrun's worker variables (torch.distributed.run): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK / GROUP_WORLD_SIZE (the node's index and the node count; NODE_RANK / NNODES as other launchers
+    name them), MASTER_ADDR / MASTER_PORT (the rendezvous), TORCHELASTIC_RUN_ID / _RESTART_COUNT. Only RANK
+    and WORLD_SIZE are required; the rest defaults as for one node. torchrun does not name the other nodes:
+    ``nodes`` holds this node's name at its index and ``node-<i>`` for the others."""
+    rank = _int(env, "RANK")
+    world_size = _int(env, "WORLD_SIZE")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise RuntimeEnvError("RANK is not inside WORLD_SIZE", f"RANK={rank} WORLD_SIZE={world_size}",
+                              "start the ranks with torchrun (it sets both), or set 0 <= RANK < WORLD_SIZE")
+    group = "GROUP_WORLD_SIZE" if env.get("GROUP_WORLD_SIZE") else "NNODES"
+    nnodes = _int(env, group, 1)
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", max(world_size // max(nnodes, 1), 1))
+    local_rank = _int(env, "LOCAL_RANK", rank % local_world_size)
+    node_rank = _int(env, "GROUP_RANK" if env.get("GROUP_RANK") else "NODE_RANK", rank // local_world_size)
+    node = env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or "localhost"
+    nodes = tuple(node if i == node_rank else f"node-{i}" for i in range(max(nnodes, node_rank + 1)))
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    env_port = env.get("MASTER_PORT", "").strip()
+    # one id for every rank of the run: the Slurm job around it, torchrun's --rdzv-id, else the rendezvous port
+    job_id = (env.get("SLURM_JOB_ID", "").strip() or (run_id if run_id not in ("", "none") else "")
+              or f"torchrun-{env_port or 0}")
+    master_addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    master_port = int(env_port) if env_port.isascii() and env_port.isdigit() else port_for_job(job_id)
+    master_addr, master_port = explicit.get("MASTER_ADDR", "").strip() or master_addr, _explicit_port(explicit) or master_port
+    gpus = visible_gpus(env)
+    return DistEnv(
+        rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+        node_rank=node_rank, nnodes=nnodes, nodes=nodes, node=node,
+        master_addr=master_addr, master_port=master_port,
+        job_id=job_id, requeue_id=job_id, array_task_id=None,
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        gpus=gpus, executor="torchrun", gpu=bind_gpu(gpus, local_rank, local_world_size),
+    )  # fmt: skip
+
+
 def _derive_single(env: Mapping[str, str], pid: int | None, explicit: Mapping[str, str]) -> DistEnv:
     job_id = f"local-{pid if pid is not None else 0}"
     master_addr, master_port = _master(explicit, "127.0.0.1", job_id)
@@ -297,6 +348,14 @@ def _derive_single(env: Mapping[str, str], pid: int | None, explicit: Mapping[st
 def check_allocation(dist: DistEnv, spec) -> None:
     """What Slurm granted vs what the spec asked; RuntimeEnvError with a HINT before any training."""
     want_nodes, want_tpn = spec.slurm.nodes, spec.slurm.ranks_per_node
+    if dist.executor == "torchrun":
+        if dist.world_size != spec.world_size:
+            raise RuntimeEnvError(
+                f"the launcher started {dist.world_size} rank(s), the spec asks for {spec.world_size}",
+                f"WORLD_SIZE={dist.world_size}; slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
+                f"start torchrun with --nnodes={want_nodes} --nproc-per-node={want_tpn}",
+            )
+        return
     if dist.executor == "local":
         # the local executor runs the whole job's ranks on this one machine
         if dist.world_size != spec.world_size:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .load import JobSpec, table_model
+from .load import CHECKS, JobSpec, table_model
 
 DESCRIPTIONS: dict[str, str] = {
     "job.name": "Slurm job name; letters, digits, `.`, `_`, `-`",
@@ -86,7 +86,7 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.convert_timeout_s": "resuming on another data-parallel world size or ZeRO stage converts the checkpoint with DeepSpeed's universal-checkpoint tool on rank 0; longer than this is an error on every rank (docs/checkpoints.md)",
     "checkpoint.deadline_save": "save before the USR2 signal when the job's end time (read from Slurm at each start) leaves no room for the next regular save; `deadline_margin_s` in metrics.jsonl",
     "checkpoint.allow_spec_change": "resume a checkpoint although the training spec changed since it was saved (`train.*` but logging/saving, `[deepspeed]`, the resolved DeepSpeed essentials, the dataset files); off: such a resume is refused, naming the changed keys. The allocation never counts",
-    "preflight.checks": "any of `ports`, `allreduce`, `iperf3`, `nvme`, `gpu`, `disk`, `sharedfs`; `[]` disables",
+    "preflight.checks": "any of " + ", ".join(f"`{name}`" for name in CHECKS) + "; `[]` disables",
     "preflight.min_allreduce_busbw_gbps": "all-reduce bus bandwidth floor, GB/s (0 = report only)",
     "preflight.min_iperf3_gbps": "iperf3 floor between node pairs, Gbit/s; unset: 20, and a miss only warns (a value you set fails the check)",
     "preflight.min_nvme_iops": "fio 4k random-read IOPS floor per node; unset: 50000, and a miss only warns",

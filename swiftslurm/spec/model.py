@@ -9,9 +9,10 @@ from __future__ import annotations
 from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
 from .parallel import ModelShapeTable, ParallelTable, Table
-from .sbatch_options import MEM_CONFLICTS, OWNED_SBATCH_OPTIONS, parse_extra  # OWNED_...: re-exported
+from .sbatch_options import MEM_CONFLICTS, parse_extra
+from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
 import re
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
@@ -22,7 +23,9 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen_attn"
 # TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
                   "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-CHECKS = ("ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs")
+# The preflight check names: the one list (the spec's field type, the preflight-only default, the README)
+CheckName = Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]
+CHECKS: tuple[str, ...] = get_args(CheckName)
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -397,7 +400,7 @@ DEFAULT_MIN_NVME_IOPS = 50000
 
 
 class PreflightTable(_Table):
-    checks: list[Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]] = Field(
+    checks: list[CheckName] = Field(
         default_factory=lambda: ["ports", "allreduce", "iperf3", "nvme"]
     )
     min_allreduce_busbw_gbps: float = Field(0.0, ge=0, le=1_000_000)

@@ -90,13 +90,6 @@ class GpuSampler:
                 self._sum += value
                 self._count += 1
 
-    def sample_now(self) -> None:
-        """One sample taken at once (tests; the loop samples on its own)."""
-        value = self._read()
-        with self._lock:
-            self._sum += value
-            self._count += 1
-
     def take(self) -> float | None:
         with self._lock:
             mean = self._sum / self._count / 100.0 if self._count else None

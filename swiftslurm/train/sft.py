@@ -10,6 +10,7 @@ metrics.jsonl under ``output_dir``. Without CUDA it runs on the CPU: DS_ACCELERA
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -95,39 +96,114 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     ``resume_from``: True = the newest verified checkpoint, chosen by rank 0 and checked by every rank
     (``resume.resolve``), else ``train.resume_from`` (``resume_from.resolve_start``); a path = that checkpoint
     (checked by every rank); None = a fresh start.
+
+    Everything this starts (NVMe swap folders, the ``deepspeed.comm`` timer patch, the GPU sampler thread, the
+    progress watchdog) is owned by one ExitStack: whichever phase fails, each is undone.
     """
     started = time.perf_counter()
-    from ..checkpoint.fingerprint import check_parallel_degrees, check_spec_drift, training_fingerprint
+    from ..checkpoint.fingerprint import training_fingerprint
+    from .shutdown import shut_down_distributed
 
-    planned_ds_config = ds_config
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
     check_optimizer(spec.train.optimizer, cuda)
     check_offload(ds_config)
     import transformers
 
-    from . import deadline, kernels, nvme_swap, parallel, worldsize
-    from . import resume_from as resume_from_mod
-    from .metrics import CommTimer, StepMeter, flops_per_token
-    from .gpuutil import GpuSampler
-    from .shutdown import shut_down_distributed
-    from .trainer import MetricsFileCallback, ScheduleCallback
-    from .watchdog import ProgressWatchdog
-
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
+    task = _task(spec)
+    kern = _choose_kernels(spec, ds_config, cuda, task)
+    with contextlib.ExitStack() as stack:
+        planned_ds_config = ds_config
+        ds_config = _isolate_nvme_swap(ds_config, dist, output_dir, stack)
+        # before the model: ZeRO-3 init needs it
+        from . import parallel
+
+        args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
+        start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
+        model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
+        dataset, collator = task.data(spec, args, tok, model, kern.attn, output_dir)
+        if dist.rank == 0:
+            from . import kernels
+
+            log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", kern.attn, kern.attn_why,
+                        kernels.liger_names(kern.liger), kern.liger_why, task.describe_data(spec, dataset))
+        tools = _instruments(spec, dist, output_dir, should_stop, stack)
+        job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
+               "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
+               "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": kern.packs,
+               "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
+        trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config)
+        trainer.train(resume_from_checkpoint=resume_from)
+    from . import kernels
+
+    kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
+    result = _result(trainer, tools.schedule, output_dir, tools.metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
+    # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
+    # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
+    trainer.accelerator.free_memory()
+    del trainer, model
+    shut_down_distributed()  # no rank may abort at exit: train/shutdown.py says why
+    return result
+
+
+# ---------------------------------------------------------------- the phases of train()
+
+
+@dataclass
+class _Kernels:
+    """The attention implementation, Liger kernels and packing of this run, each with why."""
+
+    attn: str
+    attn_why: str
+    liger: dict[str, bool] | None
+    liger_why: str
+    packs: bool
+
+
+@dataclass
+class _Instruments:
+    """The measurements and stop logic handed to the Trainer (their undo is on the ExitStack)."""
+
+    meter: Any
+    watchdog: Any
+    deadline: Any
+    schedule: Any
+    callbacks: list[Any]
+    metrics_path: Path
+
+
+def _choose_kernels(spec, ds_config: dict[str, Any], cuda: bool, task) -> _Kernels:
+    from . import kernels
+
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and spec.train.task == "sft"
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
-    task = _task(spec)
     if task.name == "dpo" and liger is not None:  # TRL scores DPO with its own log-prob pass; Liger was measured for SFT only
         liger, liger_why = None, "not used by DPO"
+    return _Kernels(attn, attn_why, liger, liger_why, packs)
+
+
+def _isolate_nvme_swap(ds_config: dict[str, Any], dist, output_dir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """This rank's ds config with per-job/task NVMe swap folders; removing this rank's swap files is on the stack."""
+    from . import nvme_swap
+
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
-    # before the model: ZeRO-3 init needs it
-    args = task.arguments(spec, output_dir, ds_config, cuda, liger, parallel.parallelism_config(spec, attn))
-    # the process group exists now: own newest verified checkpoint, else train.resume_from (resume_from.py)
+    stack.callback(nvme_swap.cleanup, swap_folders, dist.rank)
+    return ds_config
+
+
+def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, args, planned_ds_config: dict[str, Any]):
+    """(start, the checkpoint the Trainer resumes): the process group exists now, so all ranks agree on the own
+    newest verified checkpoint, else ``train.resume_from`` (resume_from.py); another DP size is converted."""
+    from ..checkpoint.fingerprint import check_parallel_degrees, check_spec_drift
+    from . import parallel, worldsize
+    from . import resume_from as resume_from_mod
+    from .shutdown import shut_down_distributed
+
     try:
         start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
     except SwiftSlurmError as exc:
@@ -140,14 +216,23 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         check_spec_drift(resume_from, spec, planned_ds_config, log)
     resume_from = worldsize.adapt(resume_from, output_dir, dist, args, spec.checkpoint.checksum,  # another DP size: convert
                                   spec.checkpoint.convert_timeout_s)
-    model, tok = load_model_and_tokenizer(spec, cuda, attn)
-    if attn == kernels.VARLEN:  # the flash kernel's head dimensions: known once the model's config is
+    return start, resume_from
+
+
+def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
+    """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
+    wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
+    from . import kernels, parallel
+    from . import resume_from as resume_from_mod
+
+    model, tok = load_model_and_tokenizer(spec, cuda, kern.attn)
+    if kern.attn == kernels.VARLEN:  # the flash kernel's head dimensions: known once the model's config is
         text = model.config.get_text_config()
-        fitted = kernels.fit_to_model(spec.train.attn_implementation, attn, attn_why,
+        fitted = kernels.fit_to_model(spec.train.attn_implementation, kern.attn, kern.attn_why,
                                       getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-        if fitted[0] != attn:
+        if fitted[0] != kern.attn:
             model.set_attn_implementation(fitted[0])
-        attn, attn_why = fitted
+        kern.attn, kern.attn_why = fitted
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
     if tok.pad_token is None:
@@ -161,50 +246,49 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     if spec.train.train_type == "lora" and task.name == "sft":  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dataset, collator = task.data(spec, args, tok, model, attn, output_dir)
-    if dist.rank == 0:
-        log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", attn, attn_why, kernels.liger_names(liger),
-                    liger_why, task.describe_data(spec, dataset))
+    return model, tok, (total_params, trainable)
+
+
+def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], stack: contextlib.ExitStack) -> _Instruments:
+    """The comm timer (patches ``deepspeed.comm``), the GPU sampler (a thread), the watchdog, the deadline watch and
+    the callbacks; every one that starts something is undone by ``stack``."""
+    from . import deadline
+    from .gpuutil import GpuSampler
+    from .metrics import CommTimer, StepMeter
+    from .trainer import MetricsFileCallback, ScheduleCallback
+    from .watchdog import ProgressWatchdog
 
     comm = CommTimer().install()
-    gpu = GpuSampler.for_this_rank() if cuda else None  # None: no NVML here, the gpu_util fields stay absent
+    stack.callback(comm.uninstall)
+    gpu = GpuSampler.for_this_rank()  # None: no CUDA or no NVML here, the gpu_util fields stay absent
+    if gpu is not None:
+        stack.callback(gpu.stop)
     meter = StepMeter(comm, gpu)
     # stacks and flight record of a rank that stops stepping; rank 0 logs which collective each rank is in
     watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800), world_size=dist.world_size, node=dist.node)
+    stack.callback(watchdog.stop)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
     callbacks = [schedule]
     metrics_path = Path(output_dir) / "metrics.jsonl"
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))
-    job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
-           "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
-           "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": packs,
-           "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
+    return _Instruments(meter, watchdog, watch, schedule, callbacks, metrics_path)
+
+
+def _build_trainer(spec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
+                   job: dict[str, Any], params: tuple[int, int], ds_config: dict[str, Any]):
+    from .metrics import flops_per_token
+
     trainer = task.trainer(
         spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
-        processing_class=tok, callbacks=callbacks, meter=meter, job=job,
-        flops_per_token=flops_per_token(total_params, trainable), cpu_adam=cuda and _offloads_optimizer(ds_config),
+        processing_class=tok, callbacks=tools.callbacks, meter=tools.meter, job=job,
+        flops_per_token=flops_per_token(*params), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
-    trainer.deadline = watch
+    trainer.deadline = tools.deadline
     if spec.train.optimizer != "adamw":
         allow_low_rank_optimizer_state(spec.train.optimizer)
-    try:
-        trainer.train(resume_from_checkpoint=resume_from)
-    finally:
-        watchdog.stop()
-        comm.uninstall()
-        if gpu is not None:
-            gpu.stop()
-        nvme_swap.cleanup(swap_folders, dist.rank)
-    kernels_used = {"attn_implementation": attn, "liger": kernels.liger_names(liger), "packing": job["packing"], "task": task.name}
-    result = _result(trainer, schedule, output_dir, metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
-    # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
-    # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
-    trainer.accelerator.free_memory()
-    del trainer, model
-    shut_down_distributed()  # no rank may abort at exit: train/shutdown.py says why
-    return result
+    return trainer
 
 
 def _zero_stage(ds_config: dict[str, Any]) -> int:

@@ -71,7 +71,6 @@ class ProgressWatchdog:
         self.stall = _parse_stall(env.get(STALL_ENV, ""))
         self.durations: list[float] = []
         self._last: float | None = None
-        self.armed_s: float | None = None
 
     def step_done(self, step: int) -> None:
         now = time.monotonic()
@@ -92,7 +91,6 @@ class ProgressWatchdog:
             faulthandler.dump_traceback_later(limit + max(limit, self.backup_s), repeat=False, file=self.target, exit=False)
         except (ValueError, RuntimeError, OSError, AttributeError):  # no real file behind stderr: no dumps from C
             pass
-        self.armed_s = limit
         self._timer = threading.Timer(limit, self._fire, (limit,))
         self._timer.daemon = True
         self._timer.start()
@@ -166,7 +164,6 @@ class ProgressWatchdog:
 
         faulthandler.cancel_dump_traceback_later()
         self._cancel_timer()
-        self.armed_s = None
 
     stop = pause
 

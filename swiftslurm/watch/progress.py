@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import fsutil
+from .. import slurm
 from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
 from ..train.sft import SUMMARY_FILE
 
 METRICS_FILE = "metrics.jsonl"
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "UNKNOWN")
+# Slurm's final states (slurm.FINAL_STATES, the one list) but COMPLETED; UNKNOWN: Slurm lost the job
+FAILED_STATES = (slurm.FINAL_STATES - {"COMPLETED"}) | {"UNKNOWN"}
 RATE_WINDOW = 20  # logging rows of the current segment that the pace (steps per second) is measured over
 
 
@@ -200,7 +202,7 @@ def total_of(rows: list[Progress]) -> Total:
     return Total(
         tasks=len(rows),
         done=sum(r.state == "COMPLETED" for r in rows),
-        failed=sum(r.state in FINAL_STATES and r.state != "COMPLETED" for r in rows),
+        failed=sum(r.state in FAILED_STATES for r in rows),
         running=len(running),
         step=sum(steps) if any(r.step is not None for r in rows) else None,
         max_steps=sum(m or 0 for m in maxes) if known and maxes else None,
@@ -283,7 +285,6 @@ class TaskFiles:
         self.dir = Path(task_dir)
         self._offset = 0
         self._rows: list[dict[str, Any]] = []
-        self._checkpoint: tuple[str, int] | None = None
 
     def metrics(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl so far (a torn last line waits for the next call)."""
