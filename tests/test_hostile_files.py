@@ -265,7 +265,6 @@ def test_a_log_claiming_four_billion_ranks_is_not_believed(tmp_path):
 
 
 @pytest.mark.parametrize("entry,found", [
-    ('[{"node": "node1", "reason": "hang", "when": 1e300}]', "is not a time"),
     ('[{"node": "node1", "reason": "hang", "when": Infinity}]', "Infinity is not a number"),
     (DEEP, "nested deeper than 64"),
     ('{"node": "node1"}', "not a JSON list"),

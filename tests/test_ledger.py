@@ -73,6 +73,27 @@ def bad(*names: str, now: float = 1e6, age_h: float = 1.0) -> dict[str, list[Ent
     return recent([Entry(n, "preflight", "ports refused", "7", now - age_h * HOUR - i) for i, n in enumerate(names)], now, 24)
 
 
+def test_entries_that_are_not_entries_are_left_out_and_said_never_the_whole_ledger(tmp_path, monkeypatch):
+    """doctor once wrote ``gpu[07`` (a torn log line) into the ledger, which broke every plan for 24 h; a date of 1e300,
+    a reason holding rich markup: each bad entry is left out and named, the good ones stay, the next write drops them."""
+    path = tmp_path / "ledger.json"
+    now = time.time()
+    good = {"node": "node1", "reason": "hang[/]", "detail": "rank 1 [/] stopped", "job": "7", "when": now, "source": ""}
+    bad = [{**good, "node": "gpu[07"}, {**good, "node": "node2", "when": 1e300}, {**good, "node": ["node3"]}, "node4"]
+    path.write_text(json.dumps([good, *bad]))
+    dropped: list[str] = []
+    assert [e.node for e in ledger.read(path, dropped)] == ["node1"] and len(dropped) == 4, dropped
+    assert "'gpu[07' is not a node name" in dropped[0] and "is not a time" in dropped[1]
+    assert avoid(recent(ledger.read(path), now, 24), None, None, ["node1", "node2", "node3"], 1).excluded == ("node1",)
+    env = {"SWIFTSLURM_LEDGER": str(path)}
+    shown = cli("nodes", env=env)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stdout + shown.stderr
+    assert "rank 1 [/] stopped" in shown.stdout and shown.stdout.count("left out") == 4, shown.stdout
+    assert json.loads(cli("nodes", "--json", env=env).stdout)["dropped"] == dropped
+    assert ledger.record([Entry("gpu[08", "hang", "torn", "8"), Entry("node5", "hang", "x", "8")], path)[0].node == "node5"
+    assert [e["node"] for e in json.loads(path.read_text())] == ["node1", "node5"]  # the write dropped the bad ones
+
+
 def test_avoid_merges_with_the_users_exclude():
     d = avoid(bad("node3"), "node1", None, ["node1", "node2", "node3", "node4"], 2)
     assert d.excluded == ("node3",) and d.exclude == "node[1,3]" and "excluding node3" in d.notes[0]

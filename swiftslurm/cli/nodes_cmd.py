@@ -41,10 +41,13 @@ def nodes_command(console: Console, as_json: bool, clear: list[str], clear_all: 
         console.print(f"forgot {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}" + (f" of {escape(', '.join(names))}" if names else "")
                       + f" in {escape(str(path))}", highlight=False)
         return 0
-    entries = sorted(ledger.read(path), key=lambda e: (e.node, -e.when))
+    dropped: list[str] = []
+    entries = sorted(ledger.read(path, dropped), key=lambda e: (e.node, -e.when))
     if as_json:
-        sys.stdout.write(json.dumps({"ledger": str(path), "entries": [e.to_json() for e in entries]}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"ledger": str(path), "entries": [e.to_json() for e in entries], "dropped": dropped}, indent=2) + "\n")
         return 0
+    for why in dropped:
+        console.print(f"[yellow]left out[/] of {escape(str(path))}: {escape(why)} (the next change to the ledger drops it)", highlight=False)
     if not entries:
         console.print(f"the node-health ledger {escape(str(path))} is empty: no node failed a preflight, hung or lost a rank", highlight=False)
         return 0
@@ -53,7 +56,7 @@ def nodes_command(console: Console, as_json: bool, clear: list[str], clear_all: 
     for col in ("node", "reason", "job", "when", "what was seen"):
         table.add_column(col, overflow="fold")
     for e in entries:
-        table.add_row(escape(e.node), e.reason, escape(e.job or "-"), f"{_when(e.when)} ({_ago(now - e.when)})", escape(e.detail))
+        table.add_row(escape(e.node), escape(e.reason), escape(e.job or "-"), f"{_when(e.when)} ({_ago(now - e.when)})", escape(e.detail))
     console.print(table)
     console.print("submit excludes a node failed within slurm.bad_node_ttl_h (24 h by default; slurm.avoid_bad_nodes = false "
                   "turns it off); forget one with `swiftslurm nodes --clear NODE`", highlight=False)

@@ -7,6 +7,6 @@ recently failed nodes a submission excludes, and which it cannot exclude without
 
 from .apply import avoid_in_plan
 from .avoid import Avoidance, avoid
-from .store import LEDGER_ENV, Entry, clear, ledger_path, read, recent, record
+from .store import LEDGER_ENV, Entry, clear, ledger_path, read, recent, record, valid_node_name
 
-__all__ = ["avoid_in_plan", "Avoidance", "avoid", "LEDGER_ENV", "Entry", "clear", "ledger_path", "read", "recent", "record"]
+__all__ = ["avoid_in_plan", "Avoidance", "avoid", "LEDGER_ENV", "Entry", "clear", "ledger_path", "read", "recent", "record", "valid_node_name"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +23,13 @@ LEDGER_ENV = "SWIFTSLURM_LEDGER"  # a file path; tests point it into their tmp d
 DEFAULT_LEDGER = "~/.swiftslurm/ledger.json"
 MAX_WHEN = 1e11  # epoch seconds: year 5138; a later "when" is not a time
 REASONS = ("preflight", "hang", "node_failure")
+# a Slurm node name as sinfo prints one (no hostlist brackets or commas, no spaces): "gpu[07" from a torn log line
+# would break every `plan` that excludes it
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def valid_node_name(name: str) -> bool:
+    return bool(NODE_NAME.match(name))
 
 
 @dataclass(frozen=True)
@@ -38,11 +46,20 @@ class Entry:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Entry":
-        when = float(data.get("when", 0.0))
-        if not 0 <= when < MAX_WHEN:  # 1e300 would break every date shown from it
-            raise ValueError(f"'when' {data.get('when')!r} is not a time (epoch seconds)")
-        return cls(str(data["node"]), str(data["reason"]), str(data.get("detail", "")), str(data.get("job", "")),
-                   when, str(data.get("source", "")))
+        """An entry from the file, or ValueError saying what is wrong with it (for ``read``'s dropped list)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"an entry is a JSON object, not {type(data).__name__}")
+        when = data.get("when", 0.0)
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < MAX_WHEN:  # 1e300: no date
+            raise ValueError(f"'when' {str(when)[:40]!r} is not a time (epoch seconds)")
+        fields = {k: data.get(k, "") for k in ("node", "reason", "detail", "job", "source")}
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in fields.values()):
+            raise ValueError("node, reason, detail, job and source are strings")
+        node = str(fields["node"])
+        if not valid_node_name(node):
+            raise ValueError(f"{node[:60]!r} is not a node name")
+        return cls(node, str(fields["reason"])[:64], str(fields["detail"])[:2000], str(fields["job"])[:64], float(when),
+                   str(fields["source"])[:4096])
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -55,22 +72,30 @@ def ledger_path(environ: dict[str, str] | None = None) -> Path:
     return Path(os.path.expanduser(env.get(LEDGER_ENV) or DEFAULT_LEDGER))
 
 
-def _parse(path: Path, raw: bytes) -> list[Entry]:
+def _parse(path: Path, raw: bytes, dropped: list[str] | None) -> list[Entry]:
     try:
         data = loads_json(raw, source=path) if raw.strip() else []
         if not isinstance(data, list):
             raise ValueError("not a JSON list")
-        return [Entry.from_json(item) for item in data]
     except Unreadable as exc:
         raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why[:300],
                               f"fix it by hand, or start it over with `swiftslurm nodes --clear-all` (or point ${LEDGER_ENV} elsewhere)") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", f"{type(exc).__name__}: {exc}"[:300],
+    except ValueError as exc:
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", str(exc)[:300],
                               f"fix it by hand, or start it over with `swiftslurm nodes --clear-all` (or point ${LEDGER_ENV} elsewhere)") from None
+    entries = []
+    for i, item in enumerate(data):
+        try:
+            entries.append(Entry.from_json(item))
+        except ValueError as exc:  # one bad entry (a torn node name, a date out of range) is left out, not the ledger
+            if dropped is not None:
+                dropped.append(f"entry {i}: {exc}")
+    return entries
 
 
-def read(path: Path | None = None) -> list[Entry]:
-    """Every entry, oldest first; [] when there is no ledger yet."""
+def read(path: Path | None = None, dropped: list[str] | None = None) -> list[Entry]:
+    """Every entry, oldest first; [] when there is no ledger yet. An entry that is not one (a bad node name or
+    time) is left out, and said in ``dropped`` when given; the next write drops it from the file."""
     path = ledger_path() if path is None else Path(path)
     try:
         raw = read_bytes(path, LEDGER_CAP)  # a regular file under its cap (a FIFO here would hang every plan)
@@ -78,7 +103,7 @@ def read(path: Path | None = None) -> list[Entry]:
         return []
     except Unreadable as exc:
         raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why, f"check it (and its permissions), or point ${LEDGER_ENV} elsewhere") from None
-    return _parse(path, raw)
+    return _parse(path, raw, dropped)
 
 
 @contextlib.contextmanager
@@ -111,10 +136,10 @@ def _update(path: Path | None, change: Callable[[list[Entry]], list[Entry]], tol
 
 
 def record(entries: Iterable[Entry], path: Path | None = None) -> list[Entry]:
-    """Add ``entries`` (``when`` 0 means now); one already there (same node, reason and job) is not added twice.
-    Returns the entries added."""
+    """Add ``entries`` (``when`` 0 means now); one already there (same node, reason and job) is not added twice,
+    one whose node is not a node name (``gpu[07`` from a torn log line) not at all. Returns the entries added."""
     now = time.time()
-    new = [e if e.when else Entry(e.node, e.reason, e.detail, e.job, now, e.source) for e in entries if e.node]
+    new = [e if e.when else Entry(e.node, e.reason, e.detail, e.job, now, e.source) for e in entries if valid_node_name(e.node)]
     added: list[Entry] = []
 
     def change(current: list[Entry]) -> list[Entry]:
