@@ -13,19 +13,26 @@ exactly header + the data its header describes; an index's every shard exists; a
 (``.pt``/``.pth``/``.bin``) has its central directory (a truncated copy does not); DeepSpeed's optimizer
 shards cover ranks 0..N-1 and ``latest`` names a directory that exists. Facts (step, world size, ZeRO
 stage, dtype) come from file names and JSON, and from the small header of DeepSpeed's model states file.
+
+Everything here is data we did not write: files are read through ``fsutil`` (regular files only, capped,
+bounded JSON), DeepSpeed's state only with ``torch.load(weights_only=True)`` (no code runs; the ZeRO stage
+stays unknown when that fails), and every path the checkpoint names or links to (a symlink, ``latest``, an
+index's ``weight_map``) must stay inside it, else ``Outside`` names it.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import stat
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .manifest import MANIFEST_NAME, walk_files
+from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, file_kind, is_inside, loads_json, open_regular, read_json, read_text
+from .manifest import MANIFEST_NAME
 
 KINDS = ("hf-trainer", "hf-model", "peft-adapter")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -62,6 +69,41 @@ class NotACheckpoint(ValueError):
     """The directory is none of the kinds we read; the message lists what it holds."""
 
 
+class Outside(Exception):
+    """A path the checkpoint holds or names leads outside it (a symlink, ``latest``, a ``weight_map`` entry),
+    or a symlinked directory is reached twice (a loop): the message names it. Never imported."""
+
+
+def source_files(root: Path | str) -> list[str]:
+    """Every file under ``root`` as a sorted POSIX relative path, following symlinks that stay inside ``root``
+    (a symlinked ``global_step*/`` is walked like a directory, so what is reported is what is copied).
+    Outside for a symlink that leaves ``root`` (or dangles), and for a directory reached twice (a loop)."""
+    root = Path(root)
+    real_root = root.resolve()
+    seen = {real_root}
+    out: list[str] = []
+    stack = [(root, "")]
+    while stack:
+        here, prefix = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                path = Path(entry.path)
+                if entry.is_symlink():
+                    target = os.readlink(path)
+                    if not path.exists() or not is_inside(real_root, path):
+                        raise Outside(f"{rel}: a symlink to {target}, outside the checkpoint")
+                if entry.is_dir():  # follows a symlink: checked above to stay inside
+                    real = path.resolve()
+                    if real in seen:
+                        raise Outside(f"{rel}: a directory reached twice through a symlink (a loop, or a second name for {real.name})")
+                    seen.add(real)
+                    stack.append((path, rel + "/"))
+                else:
+                    out.append(rel)
+    return sorted(out)
+
+
 def kind_of(names: set[str]) -> str | None:
     """The kind of a directory from its top-level names (pure); None when it is none we know."""
     if "trainer_state.json" in names:
@@ -84,7 +126,7 @@ def inspect_dir(path: Path | str) -> Facts:
         shown = ", ".join(sorted(names)[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "an empty directory"
         raise NotACheckpoint(f"none of {', '.join(KINDS)}: it holds {shown}")
     facts = Facts(kind=kind, path=str(path))
-    rels = walk_files(path)
+    rels = source_files(path)
     facts.files = len(rels)
     for rel in rels:
         _check_file(path, rel, facts)
@@ -109,10 +151,14 @@ def _weights_kind(names: set[str]) -> str | None:
 def _check_file(root: Path, rel: str, facts: Facts) -> None:
     p = root / rel
     try:
-        size = p.stat().st_size
+        st = p.stat()
     except OSError as exc:
         facts.problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
         return
+    if not stat.S_ISREG(st.st_mode):
+        facts.problems.append(f"{rel}: {file_kind(st.st_mode)}, not a regular file")
+        return
+    size = st.st_size
     facts.bytes += size
     name = p.name
     if size == 0 and name != "latest":
@@ -122,40 +168,83 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
         if name.endswith(".safetensors"):
             _check_safetensors(p, size)
         elif name.endswith(".json"):
-            data = json.loads(p.read_text("utf-8"))
+            data = read_json(p, CONFIG_CAP, expect=None)
             if name.endswith(".index.json"):
-                missing = sorted({f for f in (data.get("weight_map") or {}).values() if not (p.parent / f).is_file()})
-                if missing:
-                    facts.problems.append(f"{rel}: names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
+                _check_index(root, rel, data, facts)
         elif name.endswith((".pt", ".pth", ".bin")):
             if zipfile.is_zipfile(p):
                 with zipfile.ZipFile(p) as z:
                     z.namelist()
             else:  # torch's zip format since 1.6; an older pickle file or a truncated zip
                 facts.problems.append(f"{rel}: not a whole torch file (no zip central directory: truncated or damaged)")
+    except Unreadable as exc:
+        facts.problems.append(f"{rel}: {exc.why}")
     except (OSError, ValueError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         facts.problems.append(f"{rel}: {exc}")
 
 
+def _check_index(root: Path, rel: str, data: Any, facts: Facts) -> None:
+    """An index's ``weight_map`` (tensor name -> shard file): every shard inside the checkpoint and present."""
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        facts.problems.append(f"{rel}: damaged: its weight_map is not an object of tensor name -> shard file")
+        return
+    parent = (root / rel).parent
+    for shard in sorted(set(weight_map.values())):
+        if not shard or not is_inside(root, parent / shard):
+            raise Outside(f"{rel}: its weight_map names {shard!r}, outside the checkpoint")
+    missing = sorted(f for f in set(weight_map.values()) if not (parent / f).is_file())
+    if missing:
+        facts.problems.append(f"{rel}: names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
+
+
 def _check_safetensors(p: Path, size: int) -> None:
     header, data_start = _safetensors_header(p)
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if data_start + end != size:
         raise ValueError(f"{size} bytes, its header describes {data_start + end} (truncated or overwritten)")
 
 
 def _safetensors_header(p: Path) -> tuple[dict, int]:
-    with open(p, "rb") as f:
+    """The header of a safetensors file, checked for shape; ValueError "damaged: why" otherwise."""
+    with open_regular(p) as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError("not a safetensors file (shorter than its header length)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"not a safetensors file (header length {n})")
-        header = json.loads(f.read(n).decode("utf-8"))
-    if not isinstance(header, dict):
-        raise ValueError("not a safetensors file (header is not a JSON object)")
+        if n > CONFIG_CAP:
+            raise ValueError(f"damaged: a safetensors header length of {n} bytes (over {CONFIG_CAP >> 20} MiB)")
+        raw = f.read(n)
+    if len(raw) < n:
+        raise ValueError(f"damaged: the file ends inside its {n}-byte safetensors header")
+    try:
+        header = loads_json(raw)
+    except Unreadable as exc:
+        raise ValueError(f"damaged: its safetensors header is {exc.why}") from None
+    why = _header_shape_problem(header)
+    if why:
+        raise ValueError(f"damaged: {why}")
     return header, 8 + n
+
+
+def _header_shape_problem(header: Any) -> str | None:
+    """What is wrong with the shape of a safetensors header (pure), or None."""
+    if not isinstance(header, dict):
+        return "its safetensors header is not a JSON object"
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict):
+                return "its safetensors __metadata__ is not a JSON object"
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+            return f"tensor {name[:80]!r} in its safetensors header has no dtype"
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            return f"tensor {name[:80]!r} in its safetensors header has no shape of whole numbers"
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name[:80]!r} in its safetensors header has no data_offsets [begin, end]"
+    return None
 
 
 def _weights_dtype(root: Path, names: set[str]) -> str | None:
@@ -172,7 +261,7 @@ def _weights_dtype(root: Path, names: set[str]) -> str | None:
 
 def _config_dtype(root: Path) -> str | None:
     try:
-        config = json.loads((root / "config.json").read_text("utf-8"))
+        config = read_json(root / "config.json", CONFIG_CAP)
     except (OSError, ValueError):
         return None
     dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
@@ -181,8 +270,12 @@ def _config_dtype(root: Path) -> str | None:
 
 def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     try:
-        state = json.loads((root / "trainer_state.json").read_text("utf-8"))
-        facts.step = int(state["global_step"])
+        step = read_json(root / "trainer_state.json", CONFIG_CAP)["global_step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"{step!r} is not a step number")
+        facts.step = step
+    except Unreadable as exc:
+        facts.problems.append(f"trainer_state.json: no global_step ({exc.why})")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         facts.problems.append(f"trainer_state.json: no global_step ({type(exc).__name__}: {exc})")
     rng_ranks = sorted(int(m.group(1) or 0) for n in names if (m := _RNG_RE.match(n)))
@@ -196,7 +289,13 @@ def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     facts.deepspeed = True
     tag = step_dirs[-1][1]
     if "latest" in names:
-        tag = (root / "latest").read_text("utf-8", errors="replace").strip()
+        try:
+            tag = read_text(root / "latest", TAG_CAP, errors="replace").strip()
+        except (OSError, ValueError) as exc:
+            facts.problems.append(f"latest: {exc.why if isinstance(exc, Unreadable) else exc}")
+            return
+        if not tag or not is_inside(root, root / tag) or (root / tag).resolve() == root.resolve():
+            raise Outside(f"latest: names {tag[:200]!r}, outside the checkpoint's own directories")
         if not (root / tag).is_dir():
             facts.problems.append(f"latest: names {tag!r}, which is not a directory here")
             return
@@ -219,11 +318,11 @@ def _deepspeed_facts(root: Path, tag: str, facts: Facts) -> None:
     model_states = root / tag / ("mp_rank_00_model_states.pt" if not zero3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     ds_config = _ds_config(model_states)
     if ds_config:
-        stage = (ds_config.get("zero_optimization") or {}).get("stage")
-        facts.zero_stage = int(stage) if isinstance(stage, int) else facts.zero_stage
-        if (ds_config.get("bf16") or {}).get("enabled") is True:
+        stage = _section(ds_config, "zero_optimization").get("stage")
+        facts.zero_stage = stage if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3 else facts.zero_stage
+        if _section(ds_config, "bf16").get("enabled") is True:
             facts.dtype = "bfloat16"
-        elif (ds_config.get("fp16") or {}).get("enabled") is True:
+        elif _section(ds_config, "fp16").get("enabled") is True:
             facts.dtype = "float16"
     elif optim and facts.zero_stage is None:
         facts.notes.append("ZeRO stage 1 or 2 (the model states file did not say which)")
@@ -231,15 +330,26 @@ def _deepspeed_facts(root: Path, tag: str, facts: Facts) -> None:
         facts.dtype = facts.dtype or "bfloat16"
 
 
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _ds_config(model_states: Path) -> dict | None:
-    """The ds_config DeepSpeed stored in its model states file (memory-mapped: no tensor data is read)."""
+    """The ds_config DeepSpeed stored in its model states file (memory-mapped: no tensor data is read).
+
+    ``weights_only=True``: tensors and plain containers only, a class in the pickle is refused (it would run
+    code). A file that needs more, or whose pickle is over ``CONFIG_CAP``, leaves the stage unknown."""
     if not model_states.is_file() or not zipfile.is_zipfile(model_states):
         return None
     try:
+        with zipfile.ZipFile(model_states) as z:
+            if any(i.filename.endswith("data.pkl") and i.file_size > CONFIG_CAP for i in z.infolist()):
+                return None
         import torch
 
-        state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=False)
-    except Exception:  # a foreign pickle may need classes we do not have; the stage is then unknown, not an error
+        state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 -- foreign, hostile or torn: the stage is then unknown, not an error
         return None
     config = state.get("ds_config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else None
