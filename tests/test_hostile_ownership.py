@@ -186,25 +186,49 @@ def test_cancel_refuses_a_forged_record_and_the_process_lives(tmp_path):
         sleeper.wait()
 
 
-def test_cancel_refuses_a_python_process_on_another_folder_or_dir(tmp_path):
-    """Even a process that looks like a submitit controller must run on this record's folder, from its dir."""
+START_CONTROLLER = """
+import os, sys
+from pathlib import Path
+os.chdir(sys.argv[2])
+from submitit.local.local import start_controller
+Path(sys.argv[3]).write_text(str(start_controller(folder=sys.argv[1], command="sleep 120", timeout_min=5).pid))
+"""
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_cancel_proves_a_real_controller_by_folder_and_working_dir(tmp_path):
+    """A real submitit controller (started from /) is stopped only by a record with its folder and its dir."""
     out = tmp_path / "out"
     folder = out / "logs" / "submitit" / "x"
     folder.mkdir(parents=True)
-    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m", "submitit.local._local", str(folder)], cwd=tmp_path)
-    other_cwd = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(folder)], cwd="/",
-                                 env={**os.environ, "SUBMITIT_LOCAL_NTASKS": "x"}, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-c", START_CONTROLLER, str(folder), "/", str(tmp_path / "pid")], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=60, check=True)
+    pid = int((tmp_path / "pid").read_text())
     try:
-        forged_record(out, fake.pid, folder=str(folder))
+        forged_record(out, pid, folder=str(folder), cwd=str(tmp_path))
+        one_message(swiftslurm("cancel", str(out)), 3, f"pid {pid} works in /, not in {tmp_path}")
+        forged_record(out, pid, folder=str(out / "logs" / "submitit" / "y"), cwd="/")
         one_message(swiftslurm("cancel", str(out)), 3, "not this submission's submitit controller")
-        if other_cwd.poll() is None:  # submitit's controller may exit at once on the bad environment: then nothing to refuse
-            forged_record(out, other_cwd.pid, folder=str(folder), cwd=str(tmp_path))
-            one_message(swiftslurm("cancel", str(out)), 3, f"works in /, not in {tmp_path}")
-        assert fake.poll() is None
+        assert not _gone(pid, 0.5)
+        forged_record(out, pid, folder=str(folder), cwd="/")  # every fact matches: the controller this record launched
+        r = swiftslurm("cancel", str(out))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert _gone(pid), "the controller outlived its cancel"
     finally:
-        for proc in (fake, other_cwd):
-            proc.kill()
-            proc.wait()
+        if not _gone(pid, 0):
+            os.kill(pid, 15)
+            _gone(pid)
 
 
 # ---------------------------------------------------------------- a parent's record blocks only with a held lock
