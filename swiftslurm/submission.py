@@ -311,8 +311,9 @@ def _why_not_ours(pid: int, sub: "Submission") -> str | None:
     if args[1:] != controller_argv(sub.folder) or "python" not in Path(args[0] if args else "").name:
         shown = " ".join(args)[:160] or "(no command line)"
         return f"pid {pid} runs `{shown}`, not this submission's submitit controller"
-    if not sub.cwd or os.path.realpath(sub.cwd) != cwd:
-        return f"pid {pid} works in {cwd}, not in {sub.cwd or '(no dir recorded)'} where this job was submitted"
+    recorded = sub.cwd if isinstance(sub.cwd, str) else ""
+    if not recorded or os.path.realpath(recorded) != cwd:
+        return f"pid {pid} works in {cwd}, not in {recorded or '(no dir recorded)'} where this job was submitted"
     return None
 
 

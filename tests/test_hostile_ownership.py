@@ -374,3 +374,13 @@ def test_a_safetensors_header_of_the_wrong_shape_is_damage(tmp_path, header, why
     r = swiftslurm("import", str(src), "--into", str(tmp_path / "ours"))
     one_message(r, 5, "the checkpoint to import is damaged", f"model.safetensors: damaged: {why}")
     assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("name", ["latest", "trainer_state.json", "config.json"])
+def test_a_fifo_in_a_foreign_checkpoint_is_damage_not_a_hang(tmp_path, name):
+    src = hf_trainer_ckpt(tmp_path / "theirs")
+    (src / name).unlink()
+    os.mkfifo(src / name)
+    r = swiftslurm("import", str(src), "--into", str(tmp_path / "ours"))  # the 120 s timeout: a hang fails the test
+    one_message(r, 5, "the checkpoint to import is damaged", f"{name}: a FIFO, not a regular file")
+    assert not (tmp_path / "ours").exists()
