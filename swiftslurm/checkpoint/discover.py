@@ -17,7 +17,7 @@ from typing import Callable
 
 from .manifest import ManifestError, read_manifest
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
-from .cache import CACHE_FILE, TMP_INFIX, forget, is_remembered, remember_verified, save as save_cache
+from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified, save as save_cache
 from .verify import verify, verify_cached
 
 
@@ -66,9 +66,8 @@ _reported: set[str] = set()  # foreign checkpoints this process already said it 
 
 
 def _not_ours(ckpt: Path) -> str | None:
-    """Why retention must keep ``ckpt`` whatever its age (no manifest of ours, or one it cannot read), else None."""
-    if is_remembered(ckpt):  # committed or verified by this job: ours
-        return None
+    """Why retention must keep ``ckpt`` whatever its age (no manifest of ours, or one it cannot read), else None.
+    Always the manifest itself, never the verified cache (a file in the dir: anyone may have written it)."""
     try:
         read_manifest(ckpt)
     except ManifestError as exc:
