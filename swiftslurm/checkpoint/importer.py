@@ -100,12 +100,16 @@ def import_dir(src: Path | str, into: Path | str, algo: str = "xxh3", owned: boo
         raise _outside(src, exc) from None
     into.mkdir(parents=True, exist_ok=True)
     staging = prepare_staging(into, facts.step)
-    for rel in rels:
-        _place(src, rel, staging / rel)
     meta = {"step": facts.step, "world_size": facts.world_size, "zero_stage": facts.zero_stage, "dtype": facts.dtype,
             "source": {"kind": facts.kind, "path": str(src), "deepspeed": facts.deepspeed, "weights": facts.weights,
                        "imported_at": time.time()}}
-    commit(staging, final, algo=algo, meta=meta)
+    try:
+        for rel in rels:
+            _place(src, rel, staging / rel)
+        commit(staging, final, algo=algo, meta=meta)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # the staging dir this import made, and nothing else
+        raise
     result = verify(final)
     if not result.ok:  # the source changed while it was placed
         raise CheckpointDamaged(f"the imported copy does not verify: {final}", result.summary(), "import it again")
