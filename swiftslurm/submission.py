@@ -78,6 +78,7 @@ class Submission:
     arrays: list[dict[str, Any]] = field(default_factory=list)
     # local: controller pid -> its start time (/proc/PID/stat field 22): a pid reused by another process is not ours
     pid_starts: dict[str, int] = field(default_factory=dict)
+    cwd: str = ""  # local: where submit ran, the controllers' working dir (cancel checks it: _why_not_ours)
     # the node-health ledger's exclusion, one entry per allocation group it concerned: {"group": i, **Avoidance.to_json()}
     avoided: list[dict[str, Any]] = field(default_factory=list)
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
@@ -180,16 +181,23 @@ class Submission:
         return any(not slurm.is_final(r.state) and r.state != "UNKNOWN" for r in self.statuses())
 
     def cancel(self) -> None:
+        """Stop the job: scancel its Slurm jobs, or SIGTERM each local controller that is provably the one
+        this record launched (``_why_not_ours``). CancelRefused, before anything is signalled or written,
+        when a recorded pid is alive but cannot be proven ours; a pid no longer running needs no signal."""
         if self.executor == "slurm":
             slurm.scancel(self.slurm_job_ids)
         else:
             import signal
 
-            for jid in self.job_ids:
-                # only our controller: a recorded pid may since belong to another process
-                if jid.isdigit() and _same_process(int(jid), self.pid_starts.get(jid)):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(jid), signal.SIGTERM)  # the submitit controller forwards it to the ranks
+            live = [int(jid) for jid in self.job_ids if jid.isdigit() and _alive(int(jid)) and not _reused(int(jid), self.pid_starts.get(jid))]
+            for pid in live:
+                why = _why_not_ours(pid, self)
+                if why:
+                    raise CancelRefused("cancel refused: not a process this submission started", why,
+                                        f"nothing was signalled; if it is yours, stop it with `kill {pid}`")
+            for pid in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # the submitit controller forwards it to the ranks
         self.cancelled = True
         if self.output_dir:
             update_record(self)
@@ -253,6 +261,61 @@ def process_start(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+class CancelRefused(SwiftSlurmError):
+    """A local cancel that cannot prove the process it would signal is the job's: nothing is signalled (exit 3)."""
+
+    exit_code = 3
+
+
+def controller_argv(folder: str) -> list[str]:
+    """What submitit's local executor runs as a job's controller, after the interpreter (its ``start_controller``)."""
+    return ["-m", "submitit.local._local", folder]
+
+
+def _alive(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie (whoever it is)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _reused(pid: int, started: int | None) -> bool:
+    """The recorded process has ended and its pid now names another one (the start times differ): nothing to stop."""
+    return started is not None and process_start(pid) != started
+
+
+def _why_not_ours(pid: int, sub: "Submission") -> str | None:
+    """None when the live process ``pid`` is the controller ``sub`` launched, else why not (one line).
+
+    A record is data anyone may write, start time included (it can be copied from /proc): the process must
+    also run submitit's controller on this record's own folder (under its output dir), from the dir submit
+    ran in, as this user."""
+    started = sub.pid_starts.get(str(pid))
+    if started is None:
+        return f"the record names pid {pid} without its start time: it cannot be told from another process"
+    if not _same_process(pid, started):
+        return f"pid {pid} is not the process that started at the time the record says"
+    if not sub.folder or not sub.output_dir or Path(sub.output_dir) not in Path(sub.folder).parents:
+        return f"the record's submitit folder {sub.folder!r} is not under its output dir {sub.output_dir!r}"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError as exc:
+        return f"pid {pid} cannot be inspected ({exc.strerror or exc}): not a process of this user's"
+    args = [a.decode("utf-8", "replace") for a in (argv[:-1] if argv and not argv[-1] else argv)]
+    if uid != os.getuid():
+        return f"pid {pid} belongs to another user (uid {uid})"
+    if args[1:] != controller_argv(sub.folder) or "python" not in Path(args[0] if args else "").name:
+        shown = " ".join(args)[:160] or "(no command line)"
+        return f"pid {pid} runs `{shown}`, not this submission's submitit controller"
+    recorded = sub.cwd if isinstance(sub.cwd, str) else ""
+    if not recorded or os.path.realpath(recorded) != cwd:
+        return f"pid {pid} works in {cwd}, not in {recorded or '(no dir recorded)'} where this job was submitted"
+    return None
 
 
 def _same_process(pid: int, started: int | None) -> bool:

@@ -188,11 +188,11 @@ def _overlaps(a: str, b: str) -> bool:
 def active_owner(plan: Plan) -> Submission | None:
     """A recorded submission that is still pending/running/requeued and writes where ``plan`` would.
 
-    Looks at the records of the plan's output dir, of its parents (a sweep whose task dir this is) and
-    of its task dirs (a job submitted into one of them). Reads only.
+    Looks at the records of the plan's output dir and of its task dirs (a job submitted into one of them).
+    Reads only. A parent's record is never read here: it may be anyone's (``parent_holder`` asks its lock).
     """
     ours = [t.output_dir for t in plan.tasks]
-    places = [plan.output_dir, *(str(p) for p in Path(plan.output_dir).parents), *ours]
+    places = [plan.output_dir, *ours]
     seen: set[str] = set()
     for place in places:
         if place in seen or not records_path(place).is_file():
@@ -211,14 +211,43 @@ def active_owner(plan: Plan) -> Submission | None:
     return None
 
 
+def parent_holder(output_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """A dir above ``output_dir`` whose lock a live job holds (its output dir holds ours), with the owner.
+
+    Shared parents (``/scratch``) hold records anyone may have written: only a lock really held counts, and
+    nothing a record names is read or trusted (no folder, no job id, no pickle)."""
+    from .node.ownership import holder
+
+    for above in Path(output_dir).absolute().parents:
+        owner = holder(above)
+        if owner is not None:
+            return str(above), owner
+    return None
+
+
+def refuse_if_inside_a_live_job(plan: Plan) -> None:
+    """SubmissionError (exit 3) when a live job's lock is held in a dir above the plan's output dir (reads only)."""
+    from .node.ownership import describe
+    from .quoting import shell_quote
+
+    above = parent_holder(plan.output_dir)
+    if above is not None:
+        raise SubmissionError(
+            "an active job already owns this output dir",
+            f"{above[0]}, a dir above {plan.output_dir}, is in use by {describe(above[1])}",
+            f"wait for it, give this spec a job.output_dir outside it, or stop it (swiftslurm cancel {shell_quote(above[0])})",
+        )
+
+
 def refuse_if_owned(plan: Plan) -> None:
-    """SubmissionError (exit 3) when an active job owns the plan's output dir or one of its task dirs.
+    """SubmissionError (exit 3) when an active job owns the plan's output dir, one of its task dirs, or a dir above.
 
     Checked before anything is written; a finished or cancelled job's dir may be reused.
     """
     from .node.ownership import describe, holder
     from .quoting import shell_quote
 
+    refuse_if_inside_a_live_job(plan)
     sub = active_owner(plan)
     if sub is not None:
         ids = sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids
@@ -351,6 +380,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
     limits = array_limits(kind) if plan.is_array else ArrayLimits()
     parts = _parts(plan, limits)
     scripts = render_all(plan, limits=limits)
+    refuse_if_inside_a_live_job(plan)  # before the output dir is made: nothing is written inside a live job's dir
     with _submitting(plan.output_dir):
         refuse_if_owned(plan)
         write_plan(plan, scripts, limits)
@@ -385,6 +415,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
             ],
             avoided=avoided,
             pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},
+            cwd=os.getcwd() if kind == "local" else "",  # the controllers' working dir: cancel checks it
             _jobs=jobs_flat,
         )
         update_record(sub)

@@ -332,16 +332,16 @@ def test_a_manifest_of_the_wrong_shape_is_malformed():
 
 
 @pytest.mark.parametrize("plant,problem", [
-    (lambda s: (s / "latest").write_text("../../.."), "outside this checkpoint"),
-    (lambda s: (s / "latest").write_text("."), "outside this checkpoint"),
+    (lambda s: (s / "latest").write_text("../../.."), "outside the checkpoint"),
+    (lambda s: (s / "latest").write_text("."), "outside the checkpoint"),
     (lambda s: (s / "model.safetensors.index.json").write_text('{"weight_map": {"w": "../../../etc/passwd"}}'), "outside the checkpoint"),
-    (lambda s: (s / "model.safetensors.index.json").write_text('{"weight_map": ["w"]}'), "not a weights index"),
+    (lambda s: (s / "model.safetensors.index.json").write_text('{"weight_map": ["w"]}'), "weight_map is not an object"),
     (lambda s: (s / "trainer_state.json").write_text('{"global_step": "3"}'), "not a step number"),
     (lambda s: (s / "trainer_state.json").write_text('{"global_step": 1' + "0" * 401 + "}"), "integer of 402 digits"),
     (lambda s: (s / "trainer_state.json").write_text(DEEP), "nested deeper than 64"),
     (lambda s: (s / "model.safetensors").write_bytes(safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": "0,4"}}, b"\0" * 4)),
      "data_offsets"),
-    (lambda s: (s / "model.safetensors").write_bytes(safetensors_bytes({"w": [1, 2]}, b"\0" * 4)), "data_offsets"),
+    (lambda s: (s / "model.safetensors").write_bytes(safetensors_bytes({"w": [1, 2]}, b"\0" * 4)), "has no dtype"),
     (lambda s: (s / "model.safetensors").write_bytes(safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e400]}})),
      "Infinity is not a number"),
 ])
@@ -352,7 +352,8 @@ def test_hostile_foreign_checkpoints_are_refused_with_the_file_named(tmp_path, p
     proc, took = cli("import", str(src), "--into", str(tmp_path / "into"))
     text = proc.stdout + proc.stderr
     assert took < RETURN_S and "Traceback" not in text, text
-    assert proc.returncode == 5, text
+    # a path out of the checkpoint refuses the import (exit 2, tests/test_hostile_ownership.py); the rest is damage (exit 5)
+    assert proc.returncode == (2 if "outside" in problem else 5), text
     assert problem in text
     assert snapshot(tmp_path) == before  # refused: nothing committed, nothing changed in the source
 

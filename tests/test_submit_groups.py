@@ -233,21 +233,25 @@ def _sleeper_pid() -> subprocess.Popen:
 
 
 def test_local_cancel_never_signals_a_reused_pid(tmp_path):
-    """A recorded controller pid now held by another process (here: a sleep we start) is left alone."""
+    """A recorded controller pid now held by another process (here: a sleep we start) is left alone: a reused
+    pid (another start time) is a job that ended; a record that cannot prove the process is its own is refused."""
+    from swiftslurm.submission import CancelRefused
+
     other = _sleeper_pid()
     try:
         pid = str(other.pid)
         wrong = Submission("local", [pid], str(tmp_path), [str(tmp_path)], str(tmp_path), pid_starts={pid: process_start(other.pid) - 1})
+        assert wrong.statuses()[0].state != "RUNNING"
+        wrong.cancel()  # the recorded controller is gone: nothing to stop
         legacy = Submission("local", [pid], str(tmp_path), [str(tmp_path)], str(tmp_path))  # a record without a start time
-        for sub in (wrong, legacy):
-            assert sub.statuses()[0].state != "RUNNING"
-            sub.cancel()
-            time.sleep(0.3)
-            assert other.poll() is None, "cancel signalled a process that is not the job"
-        ours = Submission("local", [pid], str(tmp_path), [str(tmp_path)], str(tmp_path), pid_starts={pid: process_start(other.pid)})
-        assert ours.statuses()[0].state == "RUNNING"
-        ours.cancel()
-        assert other.wait(timeout=10) == -15
+        copied = Submission("local", [pid], str(tmp_path), [str(tmp_path)], str(tmp_path / "logs"),  # start time copied from /proc
+                            pid_starts={pid: process_start(other.pid)}, cwd=os.getcwd())
+        for sub, words in ((legacy, "without its start time"), (copied, "runs `sleep 60`, not this submission's submitit controller")):
+            with pytest.raises(CancelRefused, match="not a process this submission started") as err:
+                sub.cancel()
+            assert words in err.value.found and err.value.exit_code == 3
+        time.sleep(0.3)
+        assert other.poll() is None, "cancel signalled a process that is not the job"
     finally:
         other.kill()
         other.wait()

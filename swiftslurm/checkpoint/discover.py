@@ -1,7 +1,9 @@
 """Finding checkpoints in an output dir, choosing the one to resume from, and retention.
 
 Resume = the newest checkpoint that verifies (``latest`` is never trusted over verification).
-Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one.
+Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one. It
+deletes only checkpoints of ours (a readable swiftslurm manifest): a ``checkpoint-N`` without one (an HF
+Trainer run's, a copy from another tool) or with one it cannot read is reported once and kept.
 Deleting renames first (``.deleting-checkpoint-N``), so a kill mid-delete never leaves a half
 checkpoint under a checkpoint name.
 """
@@ -13,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .manifest import ManifestError, read_manifest
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
 from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified, save as save_cache
 from .verify import verify, verify_cached
@@ -59,23 +62,47 @@ def _remove(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+_reported: set[str] = set()  # foreign checkpoints this process already said it keeps
+
+
+def _not_ours(ckpt: Path) -> str | None:
+    """Why retention must keep ``ckpt`` whatever its age (no manifest of ours, or one it cannot read), else None.
+    Always the manifest itself, never the verified cache (a file in the dir: anyone may have written it)."""
+    try:
+        read_manifest(ckpt)
+    except ManifestError as exc:
+        return str(exc)
+    except OSError as exc:  # the last line of defence: unreadable is never ours to delete
+        return str(exc)
+    return None
+
+
 def _staging_step(path: Path) -> int | None:
     return step_of(path.name[len(STAGING_PREFIX):]) if path.name.startswith(STAGING_PREFIX) else None
 
 
-def prune(output_dir: Path | str, keep: int) -> list[Path]:
+def prune(output_dir: Path | str, keep: int, log: Callable[[str], None] | None = print) -> list[Path]:
     """Apply retention; returns the paths removed.
 
-    Keeps the newest ``keep`` (at least 1) verified checkpoints. Removes: verified ones beyond those,
-    damaged ones older than the newest verified (newer damaged ones are left for inspection), staging
-    dirs of a step at or below the newest committed one (leftovers of killed saves), and ``.deleting-*``.
-    Call it only when no save is in progress (the trainer calls it right after ``commit``).
+    Only checkpoints of ours count (a readable swiftslurm manifest); every other ``checkpoint-N`` is kept
+    and said once (``log``). Of ours, keeps the newest ``keep`` (at least 1) verified ones. Removes:
+    verified ones beyond those, damaged ones older than the newest verified (newer damaged ones are left for
+    inspection), staging dirs of a step at or below the newest committed one of ours (leftovers of this
+    dir's killed saves), and ``.deleting-*``. Call it only on the rank that owns the dir when no save is in
+    progress (the trainer calls it right after ``commit``).
     """
     out = Path(output_dir)
     keep = max(int(keep), 1)
     removed: list[Path] = []
     kept_verified: list[Path] = []
-    checkpoints = list_checkpoints(out)
+    checkpoints = []
+    for ckpt in list_checkpoints(out):
+        why = _not_ours(ckpt)
+        if why is None:
+            checkpoints.append(ckpt)
+        elif str(ckpt) not in _reported and log is not None:
+            _reported.add(str(ckpt))
+            log(f"swiftslurm: keeping {ckpt.name}: not a checkpoint of ours ({why}); retention never deletes it")
     for ckpt in checkpoints:
         if len(kept_verified) >= keep:
             removed.append(ckpt)  # beyond retention: verified or not, no longer needed

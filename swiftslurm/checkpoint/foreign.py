@@ -13,10 +13,16 @@ exactly header + the data its header describes; an index's every shard exists; a
 (``.pt``/``.pth``/``.bin``) has its central directory (a truncated copy does not); DeepSpeed's optimizer
 shards cover ranks 0..N-1 and ``latest`` names a directory that exists. Facts (step, world size, ZeRO
 stage, dtype) come from file names and JSON, and from the small header of DeepSpeed's model states file.
+
+Everything here is data we did not write: files are read through ``fsutil`` (regular files only, capped,
+bounded JSON), DeepSpeed's state only with ``torch.load(weights_only=True)`` (no code runs; the ZeRO stage
+stays unknown when that fails), and every path the checkpoint names or links to (a symlink, ``latest``, an
+index's ``weight_map``) must stay inside it, else ``Outside`` names it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import stat
 import struct
@@ -26,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, file_kind, is_inside, loads_json, open_regular, read_json, read_text
-from .manifest import MANIFEST_NAME, walk_files
+from .manifest import MANIFEST_NAME
 
 KINDS = ("hf-trainer", "hf-model", "peft-adapter")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -63,6 +69,41 @@ class NotACheckpoint(ValueError):
     """The directory is none of the kinds we read; the message lists what it holds."""
 
 
+class Outside(Exception):
+    """A path the checkpoint holds or names leads outside it (a symlink, ``latest``, a ``weight_map`` entry),
+    or a symlinked directory is reached twice (a loop): the message names it. Never imported."""
+
+
+def source_files(root: Path | str) -> list[str]:
+    """Every file under ``root`` as a sorted POSIX relative path, following symlinks that stay inside ``root``
+    (a symlinked ``global_step*/`` is walked like a directory, so what is reported is what is copied).
+    Outside for a symlink that leaves ``root`` (or dangles), and for a directory reached twice (a loop)."""
+    root = Path(root)
+    real_root = root.resolve()
+    seen = {real_root}
+    out: list[str] = []
+    stack = [(root, "")]
+    while stack:
+        here, prefix = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                path = Path(entry.path)
+                if entry.is_symlink():
+                    target = os.readlink(path)
+                    if not path.exists() or not is_inside(real_root, path):
+                        raise Outside(f"{rel}: a symlink to {target}, outside the checkpoint")
+                if entry.is_dir():  # follows a symlink: checked above to stay inside
+                    real = path.resolve()
+                    if real in seen:
+                        raise Outside(f"{rel}: a directory reached twice through a symlink (a loop, or a second name for {real.name})")
+                    seen.add(real)
+                    stack.append((path, rel + "/"))
+                else:
+                    out.append(rel)
+    return sorted(out)
+
+
 def kind_of(names: set[str]) -> str | None:
     """The kind of a directory from its top-level names (pure); None when it is none we know."""
     if "trainer_state.json" in names:
@@ -85,7 +126,7 @@ def inspect_dir(path: Path | str) -> Facts:
         shown = ", ".join(sorted(names)[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "an empty directory"
         raise NotACheckpoint(f"none of {', '.join(KINDS)}: it holds {shown}")
     facts = Facts(kind=kind, path=str(path))
-    rels = walk_files(path)
+    rels = source_files(path)
     facts.files = len(rels)
     for rel in rels:
         _check_file(path, rel, facts)
@@ -114,7 +155,7 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
     except OSError as exc:
         facts.problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
         return
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block a reader, a device never ends
+    if not stat.S_ISREG(st.st_mode):
         facts.problems.append(f"{rel}: {file_kind(st.st_mode)}, not a regular file")
         return
     size = st.st_size
@@ -129,7 +170,7 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
         elif name.endswith(".json"):
             data = read_json(p, CONFIG_CAP, expect=None)
             if name.endswith(".index.json"):
-                _check_index(root, p, rel, data, facts)
+                _check_index(root, rel, data, facts)
         elif name.endswith((".pt", ".pth", ".bin")):
             with open_regular(p) as fh:  # never a FIFO or device under a torch file's name
                 whole = zipfile.is_zipfile(fh)
@@ -144,18 +185,17 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
         facts.problems.append(f"{rel}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
 
 
-def _check_index(root: Path, p: Path, rel: str, data: Any, facts: Facts) -> None:
-    """A sharded-weights index: a ``weight_map`` of names to shard files, each inside the checkpoint and there."""
+def _check_index(root: Path, rel: str, data: Any, facts: Facts) -> None:
+    """An index's ``weight_map`` (tensor name -> shard file): every shard inside the checkpoint and present."""
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
-        facts.problems.append(f"{rel}: not a weights index (no weight_map of tensor names to shard files)")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        facts.problems.append(f"{rel}: damaged: its weight_map is not an object of tensor name -> shard file")
         return
-    shards = sorted(set(weight_map.values()))
-    outside = [f for f in shards if not is_inside(root, p.parent / f)]
-    if outside:
-        facts.problems.append(f"{rel}: names shard(s) outside the checkpoint: {', '.join(outside[:3])}")
-        return
-    missing = [f for f in shards if not (p.parent / f).is_file()]
+    parent = (root / rel).parent
+    for shard in sorted(set(weight_map.values())):
+        if not shard or not is_inside(root, parent / shard):
+            raise Outside(f"{rel}: its weight_map names {shard!r}, outside the checkpoint")
+    missing = sorted(f for f in set(weight_map.values()) if not (parent / f).is_file())
     if missing:
         facts.problems.append(f"{rel}: names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
 
@@ -168,29 +208,45 @@ def _check_safetensors(p: Path, size: int) -> None:
 
 
 def _safetensors_header(p: Path) -> tuple[dict, int]:
-    """The header of a safetensors file, checked for shape: ``{name: {"dtype": str, "shape": [int], "data_offsets":
-    [begin, end]}}`` (and ``__metadata__``); ValueError naming what is off."""
+    """The header of a safetensors file, checked for shape; ValueError "damaged: why" otherwise."""
     with open_regular(p) as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError("not a safetensors file (shorter than its header length)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"not a safetensors file (header length {n})")
-        text = f.read(n)
-    if len(text) < n:
-        raise ValueError(f"not a safetensors file (header of {n} bytes, file ends after {len(text)})")
-    header = loads_json(text, source=p)
+        if n > CONFIG_CAP:
+            raise ValueError(f"damaged: a safetensors header length of {n} bytes (over {CONFIG_CAP >> 20} MiB)")
+        raw = f.read(n)
+    if len(raw) < n:
+        raise ValueError(f"damaged: the file ends inside its {n}-byte safetensors header")
+    try:
+        header = loads_json(raw)
+    except Unreadable as exc:
+        raise ValueError(f"damaged: its safetensors header is {exc.why}") from None
+    why = _header_shape_problem(header)
+    if why:
+        raise ValueError(f"damaged: {why}")
+    return header, 8 + n
+
+
+def _header_shape_problem(header: Any) -> str | None:
+    """What is wrong with the shape of a safetensors header (pure), or None."""
     if not isinstance(header, dict):
-        raise ValueError("not a safetensors file (header is not a JSON object)")
+        return "its safetensors header is not a JSON object"
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict):
+                return "its safetensors __metadata__ is not a JSON object"
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str) and isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
-            raise ValueError(f"not a safetensors file (tensor {name[:80]!r}: no dtype and [begin, end] data_offsets)")
-    return header, 8 + n
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+            return f"tensor {name[:80]!r} in its safetensors header has no dtype"
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            return f"tensor {name[:80]!r} in its safetensors header has no shape of whole numbers"
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name[:80]!r} in its safetensors header has no data_offsets [begin, end]"
+    return None
 
 
 def _weights_dtype(root: Path, names: set[str]) -> str | None:
@@ -208,7 +264,7 @@ def _weights_dtype(root: Path, names: set[str]) -> str | None:
 def _config_dtype(root: Path) -> str | None:
     try:
         config = read_json(root / "config.json", CONFIG_CAP)
-    except (OSError, ValueError):  # missing, or Unreadable
+    except (OSError, ValueError):
         return None
     dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
     return dtype if isinstance(dtype, str) else None
@@ -216,13 +272,13 @@ def _config_dtype(root: Path) -> str | None:
 
 def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     try:
-        step = read_json(root / "trainer_state.json", CONFIG_CAP).get("global_step")
+        step = read_json(root / "trainer_state.json", CONFIG_CAP)["global_step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"global_step is {step!r}, not a step number")
+            raise ValueError(f"{step!r} is not a step number")
         facts.step = step
     except Unreadable as exc:
-        facts.problems.append(f"trainer_state.json: {exc.why}")
-    except (OSError, ValueError) as exc:
+        facts.problems.append(f"trainer_state.json: no global_step ({exc.why})")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         facts.problems.append(f"trainer_state.json: no global_step ({type(exc).__name__}: {exc})")
     rng_ranks = sorted(int(m.group(1) or 0) for n in names if (m := _RNG_RE.match(n)))
     if rng_ranks:
@@ -237,12 +293,11 @@ def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     if "latest" in names:
         try:
             tag = read_text(root / "latest", TAG_CAP, errors="replace").strip()
-        except (OSError, ValueError) as exc:  # a FIFO or device here would block or never end
+        except (OSError, ValueError) as exc:
             facts.problems.append(f"latest: {exc.why if isinstance(exc, Unreadable) else exc}")
             return
         if not tag or not is_inside(root, root / tag) or (root / tag).resolve() == root.resolve():
-            facts.problems.append(f"latest: names {tag[:200]!r}, which is outside this checkpoint")
-            return
+            raise Outside(f"latest: names {tag[:200]!r}, outside the checkpoint's own directories")
         if not (root / tag).is_dir():
             facts.problems.append(f"latest: names {tag[:200]!r}, which is not a directory here")
             return
@@ -265,11 +320,11 @@ def _deepspeed_facts(root: Path, tag: str, facts: Facts) -> None:
     model_states = root / tag / ("mp_rank_00_model_states.pt" if not zero3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     ds_config = _ds_config(model_states)
     if ds_config:
-        stage = (ds_config.get("zero_optimization") or {}).get("stage")
-        facts.zero_stage = int(stage) if isinstance(stage, int) else facts.zero_stage
-        if (ds_config.get("bf16") or {}).get("enabled") is True:
+        stage = _section(ds_config, "zero_optimization").get("stage")
+        facts.zero_stage = stage if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3 else facts.zero_stage
+        if _section(ds_config, "bf16").get("enabled") is True:
             facts.dtype = "bfloat16"
-        elif (ds_config.get("fp16") or {}).get("enabled") is True:
+        elif _section(ds_config, "fp16").get("enabled") is True:
             facts.dtype = "float16"
     elif optim and facts.zero_stage is None:
         facts.notes.append("ZeRO stage 1 or 2 (the model states file did not say which)")
@@ -277,22 +332,30 @@ def _deepspeed_facts(root: Path, tag: str, facts: Facts) -> None:
         facts.dtype = facts.dtype or "bfloat16"
 
 
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _ds_config(model_states: Path) -> dict | None:
     """The ds_config DeepSpeed stored in its model states file (memory-mapped: no tensor data is read).
 
-    ``weights_only=True``: a file we did not write never runs code here. DeepSpeed's states hold classes
-    torch does not allow (the ds_config may still be read when they do not): None, the stage unknown."""
+    ``weights_only=True``: tensors and plain containers only, a class in the pickle is refused (it would run
+    code). A file that needs more, or whose pickle is over ``CONFIG_CAP``, leaves the stage unknown."""
     try:
-        with open_regular(model_states) as fh:
+        with open_regular(model_states) as fh:  # never a FIFO or device under the states' name
             if not zipfile.is_zipfile(fh):
                 return None
     except OSError:
         return None
     try:
+        with zipfile.ZipFile(model_states) as z:
+            if any(i.filename.endswith("data.pkl") and i.file_size > CONFIG_CAP for i in z.infolist()):
+                return None
         import torch
 
         state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # noqa: BLE001 -- classes it refuses, a torn or hostile file: the stage is unknown, not an error
+    except Exception:  # noqa: BLE001 -- foreign, hostile or torn: the stage is then unknown, not an error
         return None
     config = state.get("ds_config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else None

@@ -5,20 +5,29 @@ every file whole), refuses it with the damage named, or places its files under `
 (hard links where PATH is on the same filesystem, copies otherwise) and commits them like any
 checkpoint of ours: manifest last, rename into place. From then on it verifies like ours, and
 ``meta.source`` says where it came from. Importing the same PATH again reuses the committed copy.
+
+What PATH names stays inside PATH: a symlink out of it, ``latest`` or a ``weight_map`` entry leading out,
+or a directory reached twice refuses the import (exit 2) naming it; files are placed from their real path
+inside PATH, so no link is ever committed. The caller owns DIR: ``swiftslurm import`` holds its lock
+(``node.ownership.outside_writer``), a run's ``train.resume_from`` imports as the rank that owns it. An
+interrupted save or import left in DIR (``.staging-checkpoint-N``) is removed only by DIR's own job
+(``owned``); an outside import refuses it rather than delete what may be another job's.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
 from ..errors import CheckpointDamaged, SwiftSlurmError
+from ..fsutil import is_inside, open_regular
 from .commit import commit, prepare_staging
-from .foreign import Facts, NotACheckpoint, inspect_dir
-from .manifest import ManifestError, read_manifest, walk_files
-from .names import final_dir
+from .foreign import Facts, NotACheckpoint, Outside, inspect_dir, source_files
+from .manifest import ManifestError, read_manifest
+from .names import final_dir, staging_dir
 from .verify import verify
 
 class ImportRefused(SwiftSlurmError):
@@ -41,6 +50,8 @@ def inspect_or_refuse(src: Path | str) -> Facts:
         facts = inspect_dir(src)
     except NotACheckpoint as exc:
         raise ImportRefused("not a checkpoint swiftslurm can import", f"{src}: {exc}", f"give {KIND_HINT}") from None
+    except Outside as exc:
+        raise _outside(src, exc) from None
     except OSError as exc:
         raise ImportRefused("cannot read the checkpoint", f"{src}: {exc}", "check its permissions") from None
     if facts.problems:
@@ -50,24 +61,55 @@ def inspect_or_refuse(src: Path | str) -> Facts:
     return facts
 
 
-def import_dir(src: Path | str, into: Path | str, algo: str = "xxh3") -> tuple[Facts, Path]:
-    """Import ``src`` into ``into``; returns its facts and the committed, verified checkpoint dir."""
+def _outside(src: Path, exc: Outside) -> ImportRefused:
+    return ImportRefused("the checkpoint to import points outside itself", f"{src}: {exc}",
+                         "copy the files it points to into it (no links out), or import the directory they live in; nothing was imported")
+
+
+def check_import(src: Path | str, into: Path | str, owned: bool = False) -> tuple[Facts, bool]:
+    """Everything that refuses an import, read-only: ``src`` (``inspect_or_refuse``) and what ``into`` holds at
+    its step. ``(facts, True)`` when ``into`` already holds this very import, verified (nothing to do)."""
     src, into = Path(src).resolve(), Path(into)
     facts = inspect_or_refuse(src)
     final = final_dir(into, facts.step)
     if final.exists():
         if _same_import(final, src) and verify(final).ok:
-            return facts, final
+            return facts, True
         raise ImportRefused(f"{final} exists already", _describe(final),
                               "import into another directory, or move it aside")
+    leftover = staging_dir(into, facts.step)
+    if not owned and (leftover.exists() or leftover.is_symlink()):
+        raise ImportRefused(f"a save or import of step {facts.step} is unfinished in {into}", str(leftover),
+                            "if no job writes into that dir, remove it and import again (it may be another job's save in progress); nothing was imported")
+    return facts, False
+
+
+def import_dir(src: Path | str, into: Path | str, algo: str = "xxh3", owned: bool = False) -> tuple[Facts, Path]:
+    """Import ``src`` into ``into``; returns its facts and the committed, verified checkpoint dir.
+
+    ``owned``: the caller is the job that owns ``into`` (a rank), so a staging dir of the same step left
+    there is its own killed attempt and is replaced; otherwise such a dir refuses the import untouched."""
+    src, into = Path(src).resolve(), Path(into)
+    facts, done = check_import(src, into, owned)
+    final = final_dir(into, facts.step)
+    if done:
+        return facts, final
+    try:
+        rels = source_files(src)
+    except Outside as exc:
+        raise _outside(src, exc) from None
     into.mkdir(parents=True, exist_ok=True)
     staging = prepare_staging(into, facts.step)
-    for rel in walk_files(src):
-        _place(src / rel, staging / rel)
     meta = {"step": facts.step, "world_size": facts.world_size, "zero_stage": facts.zero_stage, "dtype": facts.dtype,
             "source": {"kind": facts.kind, "path": str(src), "deepspeed": facts.deepspeed, "weights": facts.weights,
                        "imported_at": time.time()}}
-    commit(staging, final, algo=algo, meta=meta)
+    try:
+        for rel in rels:
+            _place(src, rel, staging / rel)
+        commit(staging, final, algo=algo, meta=meta)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # the staging dir this import made, and nothing else
+        raise
     result = verify(final)
     if not result.ok:  # the source changed while it was placed
         raise CheckpointDamaged(f"the imported copy does not verify: {final}", result.summary(), "import it again")
@@ -89,10 +131,22 @@ def _describe(final: Path) -> str:
     return f"imported from {source['path']}" if source.get("path") else "a checkpoint of a swiftslurm run"
 
 
-def _place(src: Path, dst: Path) -> None:
-    """A hard link when the filesystem allows it (no copy of large shards), else a copy."""
+def _place(src: Path, rel: str, dst: Path) -> None:
+    """File ``rel`` of ``src`` at ``dst``, from its real path inside ``src`` (never a link, never a file outside):
+    a hard link when the filesystem allows it (no copy of large shards), else a copy of the regular file."""
+    real = (src / rel).resolve()
+    if not is_inside(src, real):  # changed since it was inspected
+        raise _outside(src, Outside(f"{rel}: now leads to {real}, outside the checkpoint"))
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+        if not stat.S_ISREG(os.stat(real).st_mode):
+            raise CheckpointDamaged(f"the checkpoint to import changed while it was imported: {src}", f"{rel}: not a regular file now",
+                                    "import it again once nothing writes to it")
+        try:
+            os.link(real, dst, follow_symlinks=False)
+        except OSError:
+            with open_regular(real) as fin, open(dst, "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+    except OSError as exc:
+        raise CheckpointDamaged(f"the checkpoint to import could not be read: {src}", f"{rel}: {exc}",
+                                "check its permissions, or copy it again from where it was written") from None

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..errors import SwiftSlurmError
 from .commit import commit, prepare_staging
 from .manifest import body_checksum, read_manifest
-from .names import final_dir
+from .names import STAGING_PREFIX, final_dir, step_of
 from .verify import verify
 
 UNIVERSAL_DIR = "universal"  # under the task's output dir
@@ -187,6 +187,8 @@ def convert(src: Path | str, output_dir: Path | str, plan: LoadPlan, *, algo: st
                           "convert_s": round(time.perf_counter() - started, 3)}}
     commit(staging, sibling, algo=algo, meta=meta)
     for other in sibling.parent.iterdir():  # only the newest conversion is ever loaded; a killed one left a staging dir
-        if other.is_dir() and other != sibling:
+        name = other.name[len(STAGING_PREFIX):] if other.name.startswith(STAGING_PREFIX) else other.name
+        ours = step_of(name) is not None  # checkpoint-N and its staging dirs: nothing else in universal/ is ours to delete
+        if ours and other.is_dir() and not other.is_symlink() and other != sibling:
             shutil.rmtree(other, ignore_errors=True)
     return sibling, time.perf_counter() - started

@@ -364,7 +364,8 @@ def import_(
     as_json: bool = typer.Option(False, "--json", help="Print what it holds as JSON."),
 ) -> int:
     """Check a checkpoint we did not write (indexes, file sizes, shards of every rank), commit it under DIR with our
-    manifest, and say what it holds (step, world size, ZeRO stage, dtype). Exit 5 if damaged, 2 if not a checkpoint."""
+    manifest, and say what it holds (step, world size, ZeRO stage, dtype). Exit 5 if damaged, 2 if not a checkpoint
+    (or it points outside itself), 3 if a live job owns DIR."""
     from .import_cmd import import_command
 
     return import_command(console, path, into, as_json)

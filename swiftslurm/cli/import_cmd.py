@@ -8,11 +8,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ..checkpoint.importer import import_dir
+from ..checkpoint.importer import check_import, import_dir
+from ..node.ownership import outside_writer, refuse_if_held
 
 
 def import_command(console: Console, path: Path, into: Path, as_json: bool, checksum: str = "xxh3") -> int:
-    facts, final = import_dir(path, into, checksum)
+    refuse_if_held(into, "import")  # exit 3 when a live job owns DIR (or a dir above it): reads only
+    check_import(path, into)  # then refusals about PATH and DIR's contents: DIR is not created or locked for nothing
+    with outside_writer(into, "import"):  # held while it writes: no rank starts in DIR meanwhile
+        facts, final = import_dir(path, into, checksum)
     if as_json:
         print(json.dumps({**facts.as_dict(), "checkpoint": str(final)}, indent=1))
         return 0

@@ -158,7 +158,13 @@ def status_command(console: Console, target: str, as_json: bool, follow_: bool =
 
 
 def cancel_command(console: Console, target: str) -> int:
+    from ..submission import CancelRefused
+
     sub = _target(target)
+    if sub.executor == "local" and Path(sub.output_dir).resolve() != Path(target).resolve():
+        # a record is data: one that claims another dir's job is not this dir's to stop
+        raise CancelRefused("cancel refused: the record here names another output dir", f"{target}/submission.json says {sub.output_dir}",
+                            f"cancel from that dir (swiftslurm cancel {sub.output_dir}); nothing was signalled")
     sub.cancel() if sub.output_dir else slurm.scancel(sub.slurm_job_ids)
     console.print(f"cancelled {sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)}", highlight=False, markup=False)
     return 0

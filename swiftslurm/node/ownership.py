@@ -9,6 +9,7 @@ written by rank 0). ``holder(dir)`` asks the same question without taking anythi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -18,7 +19,7 @@ import stat
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import RuntimeEnvError
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
@@ -99,3 +100,73 @@ def holder(out_dir: str | Path) -> dict[str, Any] | None:
     if l_type == fcntl.F_UNLCK:
         return None
     return _owner(out_dir) or {"pid": pid}
+
+
+# ---------------------------------------------------------------- writers that are not ranks of a job
+
+
+class DirInUse(RuntimeEnvError):
+    """A dir a live job owns (its lock, or the lock of a dir above it, is held): exit 3, nothing written."""
+
+    exit_code = 3
+
+
+def _lock_holder_pid(path: Path) -> int | None:
+    """The pid of another process holding any byte of the lock file ``path`` (F_GETLK: takes nothing), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    l_type, _, _, _, pid = struct.unpack("hhqqi", answer)
+    return None if l_type == fcntl.F_UNLCK else pid
+
+
+def _refuse(out_dir: Path, held: Path, pid: int | None, who: str) -> DirInUse:
+    where = f"{held}" if held == out_dir else f"{held}, a dir above {out_dir},"
+    return DirInUse(f"{who} refused: another job owns this output dir",
+                    f"{where} is held by {describe(_owner(held))}" + (f" (lock held by pid {pid})" if pid else ""),
+                    "wait for that job to end or stop it (`swiftslurm cancel DIR`), or choose another dir; nothing was written")
+
+
+def refuse_if_held(out_dir: str | Path, who: str) -> Path:
+    """DirInUse when a live process holds any byte of ``out_dir``'s lock, or rank 0's of a dir above it; reads
+    only (F_GETLK). Returns ``out_dir`` made absolute."""
+    out = Path(out_dir).absolute()
+    for above in out.parents:
+        if holder(above) is not None:
+            raise _refuse(out, above, _lock_holder_pid(above / LOCK_FILE), who)
+    pid = _lock_holder_pid(out / LOCK_FILE)
+    if pid is not None:
+        raise _refuse(out, out, pid, who)
+    return out
+
+
+@contextlib.contextmanager
+def outside_writer(out_dir: str | Path, who: str) -> Iterator[Path]:
+    """Hold ``out_dir`` for a writer that is not a rank of a job (``swiftslurm import``), for the ``with`` block.
+
+    Refuses (DirInUse, exit 3) before writing anything when a live process holds any byte of its lock (a rank
+    of another job) or rank 0's byte of a dir above it (a job whose output dir holds this one). Else it takes
+    every byte of the lock, so no rank of a job starts in the dir meanwhile (its claim fails and names the
+    dir's owner), and lets go when the block ends. Never call it in a process that claimed ``out_dir`` as a
+    rank: closing the lock file drops that claim too.
+    """
+    out = refuse_if_held(out_dir, who)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0, 0)  # length 0: every byte, every rank's included
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            raise _refuse(out, out, _lock_holder_pid(out / LOCK_FILE), who) from None
+        yield out
+    finally:
+        os.close(fd)

@@ -100,7 +100,8 @@ def prepare_source(src: str, output_dir: str, spec: Any) -> tuple[Path, bool]:
         if chosen is None:
             raise _damaged(path, [m.replace("swiftslurm: skipping damaged ", "") for m in skipped])
     else:
-        facts, chosen = import_dir(path, Path(output_dir) / IMPORT_DIR, spec.checkpoint.checksum)
+        # rank 0 of the job that owns output_dir (its lock): a killed earlier attempt's staging dir is its own
+        facts, chosen = import_dir(path, Path(output_dir) / IMPORT_DIR, spec.checkpoint.checksum, owned=True)
         log.warning("train.resume_from: imported %s (%s, step %d, world size %s, ZeRO stage %s, %s) into %s", path,
                     facts.kind, facts.step, facts.world_size or "?", facts.zero_stage if facts.zero_stage is not None else "-",
                     facts.dtype or "dtype ?", chosen)
