@@ -1,4 +1,4 @@
-"""Does the NVML sampler (swiftslurm/train/gpuutil.py) read what the GPU does? Three timed phases on one GPU:
+"""Does the NVML sampler (swiftslurm/train/health/gpuutil.py) read what the GPU does? Three timed phases on one GPU:
 
     python benchmarks/gpu_util.py                  # one GPU: needs torch with CUDA and nvidia-ml-py (pip install nvidia-ml-py)
     .venv/bin/python benchmarks/gpu_util.py        # CPU: says the sampler is off (no GPU), exits 0
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from swiftslurm.train.gpuutil import GpuSampler
+    from swiftslurm.train.health.gpuutil import GpuSampler
 
     sampler = GpuSampler.for_this_rank(interval_s=0.2)
     if sampler is None:

@@ -60,7 +60,7 @@ def build(shape: str, vocab: int, max_length: int, attn: str, dtype, device, see
 def run_arm(model, batches, device, warmup: int, liger: bool = False) -> dict:
     import torch
 
-    from swiftslurm.train.metrics import STATS_PREFIX
+    from swiftslurm.train.health.metrics import STATS_PREFIX
 
     if liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -114,8 +114,9 @@ def main() -> None:
 
     import torch
 
-    from swiftslurm.train import kernels, packing
-    from swiftslurm.train.data import Collator, SFTDataset
+    from swiftslurm.train.kernels import choose as kernels
+    from swiftslurm.train.data import packing
+    from swiftslurm.train.data.tokens import Collator, SFTDataset
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -51,7 +51,7 @@ def in_process(spec: Path, base: Path) -> float:
     import os
 
     from swiftslurm.cli.app import load_plan
-    from swiftslurm.submit import submit_plan
+    from swiftslurm.jobs.send import submit_plan
 
     cwd = os.getcwd()
     os.chdir(base)

@@ -76,8 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    from swiftslurm.train import data
-    from swiftslurm.train.datacache import CHUNK
+    from swiftslurm.train.data import tokens as data
+    from swiftslurm.train.data.cache import CHUNK
 
     recs = records(args.records)
     tok = bpe_tokenizer(recs, args.vocab)

@@ -27,8 +27,8 @@ from .errors import Problem, SpecError
 from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
 from .sizing.check import Sizing, size_task
+from .taskdir import PLAN_FILE
 
-PLAN_FILE = "swiftslurm-plan.json"
 
 
 @dataclass(frozen=True)

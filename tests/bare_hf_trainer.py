@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bare_trainer import StepLog  # noqa: E402  (the benchmark's per-step loss log)
 from transformers import Trainer, TrainingArguments, set_seed  # noqa: E402
 
-from swiftslurm.train.data import Collator, load_dataset  # noqa: E402
+from swiftslurm.train.data.tokens import Collator, load_dataset  # noqa: E402
 from swiftslurm.train.tinymodel import build_model, build_tokenizer  # noqa: E402
 
 

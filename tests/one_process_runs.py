@@ -105,7 +105,7 @@ def main(out_root: str, presets: list[str]) -> int:
     from swiftslurm.errors import SwiftSlurmError
     from swiftslurm.slurm.distenv import DistEnv, free_port
     from swiftslurm.spec import parse_spec
-    from swiftslurm.train.sft import train
+    from swiftslurm.train.tasks.sft import train
 
     from deepspeed.ops.op_builder import AsyncIOBuilder
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import fake_container
-from swiftslurm.submit import Submission
+from swiftslurm.jobs.send import Submission
 from test_submit_groups import cli, spec_text
 
 WAIT_S = 180

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm.errors import SwiftSlurmError
-from swiftslurm.train.data import IGNORE_INDEX, Collator, DataError, encode, load_dataset
+from swiftslurm.train.data.tokens import IGNORE_INDEX, Collator, DataError, encode, load_dataset
 from swiftslurm.train.tinymodel import build_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from swiftslurm.train import datacache
-from swiftslurm.train.data import DataError, load_dataset
+from swiftslurm.train.data import cache as datacache
+from swiftslurm.train.data.tokens import DataError, load_dataset
 from swiftslurm.train.tinymodel import build_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -37,7 +37,7 @@ def test_cache_holds_what_the_reader_encodes_and_is_read_back_without_tokenizing
 def test_one_tokenizer_call_per_chunk_encodes_each_record_as_one_call_per_record_does(tok):
     """The cache tokenizes a chunk of records in one call per kind (alpaca: the tokenizer's special tokens; chat:
     the template's): kinds interleaved and records that truncation drops must come back in place, unchanged."""
-    from swiftslurm.train import data
+    from swiftslurm.train.data import tokens as data
 
     records = [rec for path in FILES for _, rec in data.read_records(path)]
     kinds = [data.check_record(Path(FILES[0]), 1, r) for r in records]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm.slurm.commands import parse_end_time
-from swiftslurm.train import deadline
+from swiftslurm.train.health import deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 

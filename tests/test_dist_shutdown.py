@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = """
 import datetime, sys
 import torch, torch.distributed as dist
-from swiftslurm.train.shutdown import shut_down_distributed
+from swiftslurm.train.health.shutdown import shut_down_distributed
 dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
 def barrier(group=dist.GroupMember.WORLD, async_op=False):
     return dist.barrier(group=group, async_op=async_op)

@@ -26,7 +26,7 @@ from swiftslurm.doctor.hang import culprits, stack_dumps
 from swiftslurm.doctor.target import runs_of
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.submit import submit_plan
+from swiftslurm.jobs.send import submit_plan
 from tests.test_resume import explain
 
 HEALTHY_RUN = Path(__file__).parent / "data" / "watch_run"  # the quickstart model, 12 steps, 2 ranks (local)
@@ -519,7 +519,7 @@ def _fr_dump(rank: int, enqueued: int, completed: int, node: str = "", pg: str =
 
 
 def test_flight_records_name_the_rank_missing_from_the_collective_the_others_wait_in(tmp_path):
-    from swiftslurm.train import frtrace
+    from swiftslurm.train.health import frtrace
 
     # 4 ranks: 0, 1 and 3 entered collective #7 (an all_reduce) and wait; rank 2 finished #6 and never entered #7
     records = {r: _fr_dump(r, 6 if r == 2 else 7, 6, f"node{r + 1}") for r in range(4)}
@@ -544,7 +544,7 @@ def test_flight_records_name_the_rank_missing_from_the_collective_the_others_wai
 def test_flight_record_files_are_read_whatever_wrote_them_and_hostile_pickles_are_refused(tmp_path):
     import pickle
 
-    from swiftslurm.train import frtrace
+    from swiftslurm.train.health import frtrace
 
     prefix = tmp_path / "logs" / "nccl_trace_rank_"
     prefix.parent.mkdir()
@@ -564,7 +564,7 @@ def test_flight_record_files_are_read_whatever_wrote_them_and_hostile_pickles_ar
 
 
 def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout():
-    from swiftslurm.train.watchdog import limit_s
+    from swiftslurm.train.health.watchdog import limit_s
 
     assert limit_s([1.0, 1.0], 1800) is None  # warming up
     assert limit_s([0.5, 9.0, 1.0, 1.0, 1.2], 1800) == 60.0  # 10 x 1.0 s is under the 60 s floor
@@ -577,7 +577,7 @@ def test_the_watchdog_limit_follows_the_median_step_and_stays_under_the_timeout(
 # holds the GIL in C code instead (libc's sleep through ctypes.PyDLL), where only faulthandler's C thread can dump.
 FIRING = textwrap.dedent(r"""
     import ctypes, sys, threading, time
-    from swiftslurm.train.watchdog import ProgressWatchdog
+    from swiftslurm.train.health.watchdog import ProgressWatchdog
     mode, log = sys.argv[1], open(sys.argv[2], "w")
     def deep(n):
         return [str(i) for i in range(20)] if n == 0 else deep(n - 1)

@@ -97,8 +97,8 @@ def test_parquet_preference_rows_are_read_and_named_by_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from swiftslurm.train import preference
-    from swiftslurm.train.data import DataError
+    from swiftslurm.train.data import preference
+    from swiftslurm.train.data.tokens import DataError
 
     good = tmp_path / "good.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "chosen": ["x", "y"], "rejected": ["z", "w"]}), good)

@@ -83,7 +83,7 @@ SUBMITIT_TRACEBACK = [
     "[rank0]: Traceback (most recent call last):",
     '[rank0]:   File "/x/submitit/core/submission.py", line 55, in process_job',
     "[rank0]:     result = delayed.result()",
-    '[rank0]:   File "/x/swiftslurm/submit.py", line 42, in run_rank',
+    '[rank0]:   File "/x/swiftslurm/node/entry.py", line 42, in run_rank',
     "[rank0]:     raise TaskFailed(...)",
 ]
 
@@ -92,17 +92,17 @@ def test_last_words_skip_the_banner_the_runtime_info_lines_and_the_launchers():
     head = ["2026-12-03 06:47:23,965 [rank 0 localhost] INFO rank 0/2 (local 0/2, node 0/1 localhost)"]
     banner = rendered(*banner_and_report()[:1])
     # the stderr: the banner, then submitit's traceback around TaskFailed (no reason in it then)
-    before = head + banner + SUBMITIT_TRACEBACK + ["[rank0]: swiftslurm.submit.TaskFailed: task 0 (train) exited with code 4 on this rank"]
+    before = head + banner + SUBMITIT_TRACEBACK + ["[rank0]: swiftslurm.node.entry.TaskFailed: task 0 (train) exited with code 4 on this rank"]
     assert last_words(before) == "task 0 (train) exited with code 4 on this rank"
     # now: the runtime says why as its last log line, and TaskFailed carries it
     reason = f"preflight: ports localhost: 'nc' not found on PATH. HINT: {NC_HINT}"
     now = head + banner + [f"2026-12-03 06:52:19,035 [rank 0 localhost] ERROR not training: {reason}"] + SUBMITIT_TRACEBACK
-    assert last_words(now + ["[rank0]: swiftslurm.submit.TaskFailed: task 0 (train) exited with code 4 on this rank"]) == \
+    assert last_words(now + ["[rank0]: swiftslurm.node.entry.TaskFailed: task 0 (train) exited with code 4 on this rank"]) == \
         f"not training: {reason} (task 0 (train) exited with code 4 on this rank)"
-    assert last_words(now + [f"[rank0]: swiftslurm.submit.TaskFailed: task 0 (train) exited with code 4 on this rank: {reason}"]) == \
+    assert last_words(now + [f"[rank0]: swiftslurm.node.entry.TaskFailed: task 0 (train) exited with code 4 on this rank: {reason}"]) == \
         f"task 0 (train) exited with code 4 on this rank: {reason}"
     # a train.command's own last words before the wrapper; an exception in colour followed by a progress bar
-    command = ["boom: disk full", *SUBMITIT_TRACEBACK, "swiftslurm.submit.TaskFailed: task 0 (train) exited with code 1 on this rank"]
+    command = ["boom: disk full", *SUBMITIT_TRACEBACK, "swiftslurm.node.entry.TaskFailed: task 0 (train) exited with code 1 on this rank"]
     assert last_words(command) == "boom: disk full (task 0 (train) exited with code 1 on this rank)"
     assert last_words(["\x1b[31mRuntimeError: CUDA error: an illegal memory access\x1b[0m", *progress_bars(), ""]) == \
         "RuntimeError: CUDA error: an illegal memory access"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from swiftslurm.doctor import diagnose_task
 from swiftslurm.doctor.evidence import read_task
-from swiftslurm.train.gpuutil import UNKNOWN, GpuSampler, gpu_fields, nvml_key, rank_slots
+from swiftslurm.train.health.gpuutil import UNKNOWN, GpuSampler, gpu_fields, nvml_key, rank_slots
 
 FIXTURES = Path(__file__).parent / "data" / "gpu_metrics"
 

@@ -363,7 +363,7 @@ def test_hostile_foreign_checkpoints_are_refused_with_the_file_named(tmp_path, p
 
 @pytest.mark.parametrize("suffix,content", [(".jsonl", '{"text": "a"}\n' + DEEP + "\n"), (".json", "[" + DEEP + "]")])
 def test_a_deep_dataset_record_is_a_data_error(tmp_path, suffix, content):
-    from swiftslurm.train.records import DataError, read_records
+    from swiftslurm.train.data.records import DataError, read_records
 
     path = tmp_path / f"d{suffix}"
     path.write_text(content)
@@ -375,7 +375,7 @@ def test_a_deep_dataset_record_is_a_data_error(tmp_path, suffix, content):
 @pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
 def test_a_fifo_dataset_is_a_data_error(tmp_path, name):
     os.mkfifo(tmp_path / name)
-    code = ("import sys; from swiftslurm.train.records import DataError, read_records\n"
+    code = ("import sys; from swiftslurm.train.data.records import DataError, read_records\n"
             "try:\n    list(read_records(sys.argv[1]))\nexcept DataError as exc:\n    print(exc)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, text=True, timeout=RETURN_S,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # in a subprocess: a reader that blocks fails the test, not the suite

@@ -21,7 +21,7 @@ import torch
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.node import ownership
-from swiftslurm.submission import process_start
+from swiftslurm.jobs.record import process_start
 
 from test_checkpoint import make_checkpoint
 from test_import import hf_trainer_ckpt
@@ -260,7 +260,7 @@ class Payload:
 
 
 def test_a_parent_record_blocks_a_submit_only_while_a_lock_is_held_there(tmp_path):
-    from swiftslurm.submission import load_submission
+    from swiftslurm.jobs.record import load_submission
 
     parent = tmp_path / "parent"
     sleeper = subprocess.Popen(["sleep", "120"], cwd=tmp_path)

@@ -130,7 +130,7 @@ def test_cli_says_what_it_imported_and_refuses_with_one_message(tmp_path):
 
 def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path):
     from swiftslurm.train.tinymodel import build_model, build_tokenizer
-    from swiftslurm.train.weights import load_full
+    from swiftslurm.train.resume.weights import load_full
 
     vocab = len(build_tokenizer())
     trained = build_model(vocab, 128, seed=1)
@@ -184,7 +184,7 @@ GOLDEN = Path(__file__).resolve().parent / "data" / "checkpoints" / "v2" / "chec
 
 def start_of(tmp_path: Path, resume_from: Path, weights_only: bool = False):
     from swiftslurm.spec import parse_spec
-    from swiftslurm.train.resume_from import resolve_start
+    from swiftslurm.train.resume.source import resolve_start
 
     data = Path(__file__).resolve().parents[1] / "examples" / "data" / "alpaca_demo.jsonl"
     extra = f'resume_from = "{resume_from}"' + ("\nresume_weights_only = true" if weights_only else "")
@@ -252,7 +252,7 @@ def test_an_adapter_loads_into_a_fresh_lora_model_and_a_misfit_is_one_error(tmp_
     from peft import LoraConfig, get_peft_model
 
     from swiftslurm.train.tinymodel import build_model, build_tokenizer
-    from swiftslurm.train.weights import load_adapter, load_full
+    from swiftslurm.train.resume.weights import load_adapter, load_full
 
     vocab = len(build_tokenizer())
 

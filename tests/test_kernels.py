@@ -7,7 +7,7 @@ import pytest
 
 from swiftslurm.errors import SwiftSlurmError
 from swiftslurm.spec import validate_spec
-from swiftslurm.train.kernels import FLEX_MIN_ROW, KernelError, NodeFacts, fit_to_model, liger_names, resolve_attention, resolve_liger
+from swiftslurm.train.kernels.choose import FLEX_MIN_ROW, KernelError, NodeFacts, fit_to_model, liger_names, resolve_attention, resolve_liger
 
 CPU, GPU = NodeFacts(cuda=False), NodeFacts(cuda=True)
 GPU_ALL = NodeFacts(cuda=True, flash_attn=True, liger=True)

@@ -53,7 +53,7 @@ def test_bad_node_ttl_h_decides_how_long_a_failure_excludes_its_node(tmp_path):
 @pytest.mark.slurm
 def test_deadline_save_reads_the_jobs_end_time_from_slurm_only_when_on(tmp_path):
     from swiftslurm.slurm.distenv import DistEnv
-    from swiftslurm.train.deadline import watch_for
+    from swiftslurm.train.health.deadline import watch_for
 
     job = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-t", "5", "-o", "/dev/null", "--wrap", "sleep 120"],
                          capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
@@ -137,7 +137,7 @@ def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path
     from transformers import TrainerControl, TrainerState
 
     from swiftslurm.train.trainer import ScheduleCallback
-    from swiftslurm.train.watchdog import FLOOR_ENV, ProgressWatchdog
+    from swiftslurm.train.health.watchdog import FLOOR_ENV, ProgressWatchdog
 
     class Meter:  # the step meter is not what is tested here
         def end_step(self):

@@ -1,6 +1,6 @@
 """The package's folders follow the data: imports point down the layers, never up, never sideways.
 
-Read from the tree: cli -> doctor -> watch -> submit -> submission -> node, prepare -> preflight / train -> checkpoint / slurm -> plan -> spec -> base.
+Read from the tree: cli -> doctor -> watch -> jobs (prepare, send, record, target) -> node -> preflight / train -> checkpoint / slurm -> plan -> spec -> base.
 Every import inside swiftslurm (top-level and inside functions) is checked, so a lazy import cannot
 sneak a cycle back in.
 """
@@ -16,15 +16,14 @@ PKG = Path(swiftslurm.__file__).parent
 
 # unit -> layer; a unit may import its own modules and units of a strictly lower layer.
 LAYERS = {
-    "__init__": 0, "errors": 0, "fsutil": 0, "quoting": 0, "resources": 0,
+    "__init__": 0, "errors": 0, "fsutil": 0, "taskdir": 0, "quoting": 0, "resources": 0,
     "dsconfig": 1, "sizing": 1,
     "spec": 2,
     "plan": 3,
     "slurm": 4, "checkpoint": 4, "ledger": 4,
     "preflight": 5, "train": 5,
-    "node": 6, "prepare": 6,
-    "submission": 7,
-    "submit": 8,
+    "node": 6,
+    "jobs": 7,
     "watch": 9,
     "doctor": 10,
     "cli": 11,

@@ -18,7 +18,7 @@ import pytest
 
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.submit import submit_plan
+from swiftslurm.jobs.send import submit_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.toml"))

@@ -20,7 +20,7 @@ from swiftslurm.train.launch import free_port  # noqa: E402
 
 CHILD = r'''
 import json, sys, torch, deepspeed
-from swiftslurm.train.overflow import kept_reason, skip_nonfinite_on_device
+from swiftslurm.train.kernels.overflow import kept_reason, skip_nonfinite_on_device
 
 class Wrapper:  # what Accelerate hands the Trainer's callbacks: DeepSpeed's optimizer as .optimizer
     def __init__(self, optimizer):

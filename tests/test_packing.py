@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftslurm.train import packing
-from swiftslurm.train.data import IGNORE_INDEX, Collator, SFTDataset, load_dataset
-from swiftslurm.train.metrics import STATS_PREFIX, StepMeter
+from swiftslurm.train.data import packing
+from swiftslurm.train.data.tokens import IGNORE_INDEX, Collator, SFTDataset, load_dataset
+from swiftslurm.train.health.metrics import STATS_PREFIX, StepMeter
 from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

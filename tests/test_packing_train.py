@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_train import losses, quickstart_spec, run
 
-from swiftslurm.train.sft import CACHE_DIR, SUMMARY_FILE
+from swiftslurm.train.tasks.sft import CACHE_DIR, SUMMARY_FILE
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

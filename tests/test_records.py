@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from swiftslurm.checkpoint.fingerprint import dataset_identity
-from swiftslurm.train import datacache
-from swiftslurm.train.data import DataError, load_dataset
-from swiftslurm.train.records import read_records
+from swiftslurm.train.data import cache as datacache
+from swiftslurm.train.data.tokens import DataError, load_dataset
+from swiftslurm.train.data.records import read_records
 from swiftslurm.train.tinymodel import build_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -10,7 +10,7 @@ from swiftslurm.errors import SpecError
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm.render import render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.submit import slurm_parameters
+from swiftslurm.jobs.send import slurm_parameters
 
 BASE = """
 [job]

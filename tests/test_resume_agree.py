@@ -25,7 +25,7 @@ AGREE = """
 import datetime, json, sys
 import torch.distributed as tdist
 from swiftslurm.errors import SwiftSlurmError
-from swiftslurm.train import resume
+from swiftslurm.train.resume import agree as resume
 out, rank = sys.argv[1], int(sys.argv[2])
 tdist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 try:

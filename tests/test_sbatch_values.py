@@ -31,7 +31,7 @@ def odd_plan(tmp_path: Path):
 def submitit_script(plan, folder: Path) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from swiftslurm.submit import slurm_parameters
+    from swiftslurm.jobs.send import slurm_parameters
 
     params = slurm_parameters(plan)
     return _make_sbatch_string(command="true", folder=str(folder), **params)

@@ -25,7 +25,7 @@ from swiftslurm.node.banner import container_row
 from swiftslurm.plan import ArrayLimits, split_tasks
 from swiftslurm.slurm.render import render_all, render_sbatch, script_names
 from swiftslurm.spec import check_files, parse_toml, validate_spec
-from swiftslurm.submit import Submission, array_limits, load_submission, python_command, slurm_parameters
+from swiftslurm.jobs.send import Submission, array_limits, load_submission, python_command, slurm_parameters
 from test_submit_groups import cli, plan_from, spec_text as groups_spec_text  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,7 +260,7 @@ def test_container_submitit_parameters(tmp_path):
 
 
 def test_pyxis_refused_by_the_local_executor(tmp_path):
-    from swiftslurm.submit import submit_plan
+    from swiftslurm.jobs.send import submit_plan
 
     plan = plan_from(spec_text(str(tmp_path / "out"), ["true"], tail=PYXIS), tmp_path)
     with pytest.raises(SubmissionError, match="pyxis"):

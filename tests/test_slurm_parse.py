@@ -76,7 +76,7 @@ def test_refusal_keeps_slurms_reason():
 
 def test_a_reused_job_id_is_not_our_job(tmp_path):
     """After a cluster reset job ids restart at 1: a record under our id with another name is not ours."""
-    from swiftslurm.submit import Submission
+    from swiftslurm.jobs.send import Submission
 
     sub = Submission("slurm", ["145"], str(tmp_path), [str(tmp_path)], "", job_name="mine", submitted_at=0.0)
     recs = slurm.parse_sacct(read("sacct_mixed_done.txt"))

@@ -15,7 +15,7 @@ from swiftslurm.errors import SpecError, SubmissionError
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.submit import Submission, load_submission, resolve_executor, submit_plan
+from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 
 WAIT_S = 180
 

@@ -19,7 +19,7 @@ from swiftslurm.node import ownership
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.submit import Submission, load_records, load_submission, process_start, submit_plan
+from swiftslurm.jobs.send import Submission, load_records, load_submission, process_start, submit_plan
 
 WAIT_S = 180
 
@@ -235,7 +235,7 @@ def _sleeper_pid() -> subprocess.Popen:
 def test_local_cancel_never_signals_a_reused_pid(tmp_path):
     """A recorded controller pid now held by another process (here: a sleep we start) is left alone: a reused
     pid (another start time) is a job that ended; a record that cannot prove the process is its own is refused."""
-    from swiftslurm.submission import CancelRefused
+    from swiftslurm.jobs.record import CancelRefused
 
     other = _sleeper_pid()
     try:

@@ -121,7 +121,7 @@ def test_demo_loss_halves_and_checkpoints_verify(demo):
     stdout = results[0]["stdout"]
     assert "training finished at step 50" in stdout and f"tensorboard --logdir {out}/runs" in stdout
     assert "tokens/s" in stdout
-    from swiftslurm.train.sft import read_summary
+    from swiftslurm.train.tasks.sft import read_summary
 
     assert read_summary(str(out)) in stdout and "loss: first" in read_summary(str(out))
 
@@ -142,7 +142,7 @@ def test_demo_tensorboard_has_every_metric_with_plausible_values(demo):
     assert len(s["checkpoint_save_s"]) == 2 and all(0 < v < 60 for v in s["checkpoint_save_s"])
     # tokens/s and samples/s are counted separately from the fetched batches: their ratio must be a
     # tokens-per-example figure of the shipped data (between its shortest and longest example)
-    from swiftslurm.train.data import load_dataset
+    from swiftslurm.train.data.tokens import load_dataset
     from swiftslurm.train.tinymodel import build_tokenizer
 
     ds = load_dataset([str(ROOT / "examples/data/alpaca_demo.jsonl")], build_tokenizer(), 128)
@@ -256,7 +256,7 @@ def test_zero2_offload_lora_saves_an_adapter(tmp_path):
 def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
     from swiftslurm.errors import SwiftSlurmError
     from swiftslurm.spec import validate_spec
-    from swiftslurm.train.sft import load_model_and_tokenizer
+    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = validate_spec({"train": {"model": "no-such-org/no-such-model", "dataset": ["d.jsonl"]}})

@@ -25,7 +25,7 @@ def spec_of(extra: str = ""):
 
 @pytest.mark.parametrize("extra,clip,timeout", [("", 1.0, 1800), ("max_grad_norm = 0.5\nddp_timeout = 90", 0.5, 90)])
 def test_clipping_and_timeout_reach_deepspeed_and_the_trainer(tmp_path, extra, clip, timeout):
-    from swiftslurm.train.sft import training_arguments
+    from swiftslurm.train.tasks.sft import training_arguments
 
     args = training_arguments(spec_of(extra), str(tmp_path), load_preset("zero2"), cuda=False)
     assert args.max_grad_norm == clip and args.ddp_timeout == timeout

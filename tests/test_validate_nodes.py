@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from swiftslurm.cli.app import app
-from swiftslurm.prepare import prepare
+from swiftslurm.jobs.prepare import prepare
 from swiftslurm.spec import parse_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def test_sequence_parallel_with_packing_on_a_cpu_job_is_refused(tmp_cwd):
 def test_the_node_and_validate_share_the_packing_rule():
     """The node refuses what validate predicts for a CPU rank: "auto" resolves to sdpa there, which the rule refuses."""
     from swiftslurm.sizing.layout import keeps_packed_apart
-    from swiftslurm.train.kernels import NodeFacts, resolve_attention
+    from swiftslurm.train.kernels.choose import NodeFacts, resolve_attention
 
     attn, _ = resolve_attention("auto", True, NodeFacts(cuda=False), 2048)
     assert not keeps_packed_apart(attn)

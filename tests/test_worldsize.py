@@ -72,7 +72,7 @@ def test_a_step_counter_shared_by_sub_groups_is_untied_before_training():
     advances it once per sub-group per step (bias correction off). ``untie_step_counters`` gives each its own."""
     import torch
 
-    from swiftslurm.train.worldsize import untie_step_counters
+    from swiftslurm.train.resume.worldsize import untie_step_counters
 
     def adam_after_load():
         params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]

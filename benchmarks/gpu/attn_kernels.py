@@ -33,7 +33,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from swiftslurm.train import varlen
+    from swiftslurm.train.kernels import varlen
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4)

@@ -5,7 +5,7 @@ torchrun --nproc_per_node=N bare_trainer.py --model DIR --data JSONL --ds DS.jso
 Writes OUT/steps.jsonl (one row per step: step, time, loss, useful = this rank's non-padding tokens of
 the step) and OUT/summary.json (peak memory). ``--hf-collator``: HF's own dynamic padding
 (``DataCollatorForSeq2Seq``, pad to the longest sample of each micro-batch) instead of swiftslurm's.
-Data encoding reuses swiftslurm.train.data (the encoded token ids are then identical); everything
+Data encoding reuses swiftslurm.train.data.tokens (the encoded token ids are then identical); everything
 that is timed is plain transformers + DeepSpeed.
 """
 
@@ -18,7 +18,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
                           TrainingArguments)
 
-from swiftslurm.train.data import Collator, load_dataset
+from swiftslurm.train.data.tokens import Collator, load_dataset  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -37,7 +37,7 @@ def main() -> None:
 
     from attn_kernels import packed_positions  # this script's directory
 
-    from swiftslurm.train import varlen
+    from swiftslurm.train.kernels import varlen
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4)
@@ -98,7 +98,7 @@ def main() -> None:
         if name == "varlen_liger":
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-            from swiftslurm.train.kernels import LIGER_FAST
+            from swiftslurm.train.kernels.choose import LIGER_FAST
 
             _apply_liger_kernel_to_instance(model=model, **LIGER_FAST)
         model.set_attn_implementation(impl)

@@ -127,7 +127,7 @@ def main() -> None:
     if not data.exists():
         alpaca_like(data, a.samples)
 
-    from swiftslurm.train.data import load_dataset
+    from swiftslurm.train.data.tokens import load_dataset
     from transformers import AutoTokenizer
 
     lengths = load_dataset([str(data)], AutoTokenizer.from_pretrained(assets["model_dir"]), 2048).lengths()

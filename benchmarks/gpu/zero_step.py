@@ -1,5 +1,5 @@
 """DeepSpeed's ZeRO-2 bf16 optimizer step alone (issue 19): what its inf/NaN check costs, and what
-swiftslurm's device-side skip (swiftslurm/train/overflow.py) leaves of it.
+swiftslurm's device-side skip (swiftslurm/train/kernels/overflow.py) leaves of it.
 
     source benchmarks/gpu/setup.sh && python3 benchmarks/gpu/zero_step.py
 
@@ -31,7 +31,7 @@ def one(variant: str, steps: int, warmup: int, small: bool) -> dict:
     import deepspeed
     import torch
 
-    from swiftslurm.train.overflow import skip_nonfinite_on_device
+    from swiftslurm.train.kernels.overflow import skip_nonfinite_on_device
 
     cuda = torch.cuda.is_available()
     hidden, ffn, layers, vocab = (896, 4864, 24, 151936) if cuda and not small else (64, 128, 4, 1000)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from ..taskdir import LATEST_NAME  # noqa: F401 -- re-exported: the name of the pointer file
 
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-LATEST_NAME = "latest"
 
 
 def staging_dir(output_dir: Path | str, step: int) -> Path:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..taskdir import SAVE_FILE
 
-SAVE_FILE = "checkpoint-save.json"
 PHASES = ("write", "fsync", "hash", "commit", "prune")  # keys ``<phase>_s`` in the record
 HEADROOM = 1.25  # the suggested grace period covers one step + one save with 25% to spare
 

@@ -111,7 +111,7 @@ def guarded(fn):
 
 def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | None = None, limits=None):
     """The plan of a spec file after every check (``prepare.prepare``); the dataset scan's notes go to ``data_notes``."""
-    from ..prepare import prepare
+    from ..jobs.prepare import prepare
 
     prepared = prepare(spec_path, training=training, limits=limits)
     if data_notes is not None:
@@ -124,7 +124,7 @@ def load_plan(spec_path: Path, training: bool = False, data_notes: list[str] | N
 def validate(specs: list[Path] = typer.Argument(..., help="One or more job spec TOML files.")) -> int:
     """Parse and check job specs (every check `plan` runs); print every problem. Exit 0 valid, 2 invalid."""
     from ..errors import SpecError
-    from ..train.records import DataError
+    from ..train.data.records import DataError
 
     worst = 0
     for spec_path in specs:
@@ -156,9 +156,9 @@ def plan(
     max_array_size: Optional[int] = MaxArraySize,
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
-    from ..prepare import prepare
+    from ..jobs.prepare import prepare
     from ..slurm.render import render_all
-    from ..submit import avoid_bad_nodes
+    from ..jobs.send import avoid_bad_nodes
 
     limits = _limits(max_array_size)
     prepared = prepare(spec_path, limits=limits)
@@ -190,7 +190,7 @@ def render(
     without -o such a spec is refused (one stdout cannot hold several scripts). With --max-array-size
     a sweep too big for one array is split too (job.part0.sh, job.part1.sh, ...).
     """
-    from ..prepare import prepare
+    from ..jobs.prepare import prepare
     from ..slurm.render import render_sbatch, script_names
 
     limits = _limits(max_array_size)

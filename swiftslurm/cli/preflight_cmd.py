@@ -44,7 +44,7 @@ def summary(reports: list[dict[str, Any] | None], states: dict[str, str], job_id
 def preflight_command(console: Console, plan: Plan, executor: str, json_file: Path | None, timeout_s: float | None = None) -> int:
     """``timeout_s``: how long to wait for the job (default: its time limit plus QUEUE_GRACE_S)."""
     from .. import slurm
-    from ..submit import refuse_if_owned, submit_plan
+    from ..jobs.send import refuse_if_owned, submit_plan
     from .submit_cmd import status_table
 
     t0 = time.monotonic()

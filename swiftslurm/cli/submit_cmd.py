@@ -1,4 +1,4 @@
-"""`swiftslurm submit`, `status`, `cancel`: rich output around submit.py (the CLI's thin layer)."""
+"""`swiftslurm submit`, `status`, `cancel`: rich output around jobs/send.py (the CLI's thin layer)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from rich.text import Text
 
 from .. import slurm
 from ..plan import Plan
-from ..errors import SwiftSlurmError
-from ..submission import Submission, TaskStatus, load_submission
-from ..submit import resolve_executor, submit_plan
+from ..jobs.record import Submission, TaskStatus
+from ..jobs.send import resolve_executor, submit_plan
+from ..jobs.target import submission_of
 from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
 
@@ -79,7 +79,7 @@ def status_table(rows: list[TaskStatus], title: str = "") -> Table:
 
 def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
     """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
-    from ..train.sft import read_summary
+    from ..train.tasks.sft import read_summary
 
     for index, task_dir in enumerate(sub.task_dirs[:limit]):
         text = read_summary(task_dir) if task_dir else None
@@ -123,44 +123,20 @@ def submit_command(console: Console, plan: Plan, executor: str, wait: bool, as_j
     return follow(console, sub)
 
 
-def _target(target: str) -> Submission:
-    """An output dir -> its latest recorded submission; a Slurm job id -> its tasks (no output dirs)."""
-    if Path(target).is_dir():
-        return load_submission(target)
-    return _submission_for_job(target)
-
-
-def _submission_for_job(job_id: str) -> Submission:
-    """A bare Slurm job id (``123`` or ``123_4``) as a Submission with no output dirs."""
-    base = job_id.split("_")[0]
-    if not base.isdigit():
-        raise SwiftSlurmError("not a job id nor an output dir", job_id, "pass a Slurm job id such as 123, or the job.output_dir of a submitted spec")
-    records = slurm.job_records([base])
-    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
-    if not ids:
-        raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
-    return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
-
-
-def _job_sort_key(job_id: str) -> tuple[int, int]:
-    base, _, idx = job_id.partition("_")
-    return (int(base) if base.isdigit() else 0, int(idx) if idx.isdigit() else -1)
-
-
 def status_command(console: Console, target: str, as_json: bool, follow_: bool = False, interval_s: float | None = None) -> int:
     """One look (a table with progress, or JSON); with ``follow_`` the live view until the job ends (exit 1 if a task failed)."""
     from .watch_cmd import status_view
 
-    sub = _target(target)
+    sub = submission_of(target)
     if follow_:
         return follow(console, sub, interval_s=interval_s)
     return status_view(console, sub, as_json)
 
 
 def cancel_command(console: Console, target: str) -> int:
-    from ..submission import CancelRefused
+    from ..jobs.record import CancelRefused
 
-    sub = _target(target)
+    sub = submission_of(target)
     if sub.executor == "local" and Path(sub.output_dir).resolve() != Path(target).resolve():
         # a record is data: one that claims another dir's job is not this dir's to stop
         raise CancelRefused("cancel refused: the record here names another output dir", f"{target}/submission.json says {sub.output_dir}",

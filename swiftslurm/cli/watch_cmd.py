@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
-from ..submission import Submission
+from ..jobs.record import Submission
 from ..watch.progress import Progress, Total, Watcher, override_text, rank_sweep, total_of
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
@@ -303,9 +303,9 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
 def logs_command(console: Console, target: str, rank: int | None, node: str | None, task: int | None,
                  follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0) -> int:
     from ..watch import logs as L
-    from ..watch.target import resolve
+    from ..jobs.target import resolve
 
-    sub, refs = resolve(target)
+    sub, refs = resolve(target, dirs_only=True)
     if task is not None:
         refs = [r for r in refs if r.task == task]
         if not refs:
@@ -373,9 +373,9 @@ def _print_errors(console: Console, reports, many: bool, files: int, records: li
 def plot_command(console: Console, target: str, out: Path | None) -> int:
     from ..watch.plot import Series, figure
     from ..watch.progress import TaskFiles, plan_tasks
-    from ..watch.target import resolve
+    from ..jobs.target import resolve
 
-    sub, refs = resolve(target)
+    sub, refs = resolve(target, dirs_only=True)
     planned = plan_tasks(sub.output_dir) if sub is not None else {}
     series = []
     for ref in refs:

@@ -15,10 +15,10 @@ from typing import Any
 from .. import fsutil
 from ..checkpoint.savetime import read_save
 from ..node.requeue import read_requeues
-from ..submit import TASK_SPEC_FILE
+from ..jobs.send import TASK_SPEC_FILE
 from ..slurm.distenv import FR_DUMP_NAME
-from ..train import frtrace
-from ..train.sft import SUMMARY_FILE
+from ..train.health import frtrace
+from ..train.tasks.sft import SUMMARY_FILE
 from ..watch import logs as L
 from ..watch.progress import METRICS_FILE
 

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..train import frtrace
+from ..train.health import frtrace
 from .evidence import Line, TaskRun
 from .findings import Evidence, Finding
 from .logrules import COMM_PEER, COMM_TIMEOUT, bare, evidence_of

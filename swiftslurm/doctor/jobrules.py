@@ -7,8 +7,8 @@ from ..preflight.results import CheckResult, blamed_nodes
 from .evidence import TaskRun
 from .findings import Evidence, Finding
 from .logrules import evidence_of, killed_ranks
+from ..taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
 
-PREFLIGHT_FILE = "preflight/report.json"
 WALLTIME_STOPS = 2  # this many walltime stops in a row without a new step is a loop
 
 

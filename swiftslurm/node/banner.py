@@ -15,13 +15,14 @@ from typing import Mapping
 import hostlist
 
 from ..slurm.distenv import DistEnv
+from ..taskdir import TaskPaths
 
 LOGGER = "swiftslurm.runtime"
 TRAIN_LOGGER = "swiftslurm.train"
 
 
 def rank_log_path(output_dir: str, rank: int) -> Path:
-    return Path(output_dir) / "logs" / f"rank-{rank}.log"
+    return TaskPaths(output_dir).rank_log(rank)
 
 
 def _drop_own_handlers(log: logging.Logger) -> None:

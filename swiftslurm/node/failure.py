@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import Unreadable, atomic_write_text, read_json
+from ..taskdir import TaskPaths, failure_name
 
-FAILURE_GLOB = "failure-rank-*.json"
 FAILURE_NAME = re.compile(r"^failure-rank-(\d{1,9})\.json$")
 KINDS = ("preflight", "exception")
 WHAT_CHARS = 1000  # one exception message can be pages long (a CUDA OOM, a config dump)
@@ -48,7 +48,7 @@ class Failure:
 
 
 def failure_path(task_dir: str | Path, rank: int) -> Path:
-    return Path(task_dir) / "logs" / f"failure-rank-{rank}.json"
+    return TaskPaths(task_dir).failure(rank)
 
 
 def one_line(text: str, limit: int) -> str:
@@ -113,7 +113,7 @@ def read_failures(task_dir: str | Path, since: float = 0.0, limit: int = 64) -> 
         return []
     found = []
     for rank in ranks[:limit]:
-        name = f"failure-rank-{rank}.json"
+        name = failure_name(rank)
         try:
             record = _from_json(read_json(logs / name, 64 * 1024), rank)
         except (OSError, Unreadable):

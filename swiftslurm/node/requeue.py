@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..taskdir import REQUEUES_FILE
+from ..taskdir import STOPS_DIR
 
-REQUEUES_FILE = "requeues.json"
 # EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
 NOT_REQUEUED_EXIT = 75
 # outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
 REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
 POLL_S = 0.2
-STOPS_DIR = ".swiftslurm-stops"
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
 
 
 def _train(dist, spec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
-    from ..train import sft  # our own: a broken import fails the rank with its traceback
+    from ..train.tasks import sft  # our own: a broken import fails the rank with its traceback
 
     # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training
     missing = [name for name in TRAINER_PACKAGES if importlib.util.find_spec(name) is None]

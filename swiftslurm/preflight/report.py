@@ -13,8 +13,8 @@ from typing import Any
 
 from .results import CheckResult, Decision
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..taskdir import PREFLIGHT_DIR as REPORT_DIR
 
-REPORT_DIR = "preflight"
 REPORT_JSON = "report.json"
 BUSBW_PNG = "busbw.png"
 

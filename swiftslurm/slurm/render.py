@@ -1,7 +1,7 @@
 """The sbatch script of a plan: ``render_sbatch(plan) -> str``, pure (no cluster, no disk writes).
 
 ``sbatch_directives(plan, group)`` is the one list of ``#SBATCH`` options; the submitit path
-(``submit.py``) sends the same list, so a hand-submitted ``sbatch FILE`` and ``swiftslurm submit``
+(``jobs/send.py``) sends the same list, so a hand-submitted ``sbatch FILE`` and ``swiftslurm submit``
 ask Slurm for the same thing. Every user value reaches the script through ``quoting.shell_quote``.
 
 A plan whose sweep spans several allocations (``plan.groups``) has one script per group; its

@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 from ..errors import SwiftSlurmError
-from .varlen import NAME as VARLEN
-from .varlen import register as register_varlen
+from .kernels.varlen import NAME as VARLEN
+from .kernels.varlen import register as register_varlen
 
 
 class ModelUnavailable(SwiftSlurmError):

@@ -84,7 +84,7 @@ def _write_plan(spec_path: str, out: str) -> Path:
 def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | None) -> int:
     from ..plan import read_plan_task
     from ..slurm import distenv
-    from .sft import train
+    from .tasks.sft import train
 
     def should_stop() -> bool:
         calls["n"] += 1

@@ -21,11 +21,11 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
-from .gpuutil import gpu_fields, rank_slots
-from .metrics import MetricsFile, StepMeter
+from .health.gpuutil import gpu_fields, rank_slots
+from .health.metrics import MetricsFile, StepMeter
+from ..taskdir import SAVE_LINK_DIR
 
 log = logging.getLogger("swiftslurm.train")
-SAVE_LINK_DIR = ".swiftslurm-save"
 
 
 def _barrier() -> None:
@@ -210,8 +210,8 @@ class ScheduleCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
-        from .overflow import kept_reason, skip_nonfinite_on_device
-        from .worldsize import untie_step_counters
+        from .kernels.overflow import kept_reason, skip_nonfinite_on_device
+        from .resume.worldsize import untie_step_counters
 
         # after any checkpoint load, before the first step: a ZeRO-3 universal load shares one step counter
         untied = untie_step_counters(kwargs.get("optimizer"))

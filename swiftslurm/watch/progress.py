@@ -27,9 +27,9 @@ from .. import fsutil
 from .. import slurm
 from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
-from ..train.sft import SUMMARY_FILE
+from ..train.tasks.sft import SUMMARY_FILE
+from ..taskdir import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 # Slurm's final states (slurm.FINAL_STATES, the one list) but COMPLETED; UNKNOWN: Slurm lost the job
 FAILED_STATES = (slurm.FINAL_STATES - {"COMPLETED"}) | {"UNKNOWN"}
 RATE_WINDOW = 20  # logging rows of the current segment that the pace (steps per second) is measured over

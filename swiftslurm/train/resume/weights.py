@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import RuntimeEnvError
-from ..fsutil import CONFIG_CAP, is_inside, read_json
+from ...errors import RuntimeEnvError
+from ...fsutil import CONFIG_CAP, is_inside, read_json
 
 FULL = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")

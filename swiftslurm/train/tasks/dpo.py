@@ -19,15 +19,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
 
 log = logging.getLogger("swiftslurm.train")
-CACHE_DIR = ".swiftslurm-cache/preference"  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
 
 
 def dpo_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None):
     from trl import DPOConfig
 
-    from .build import training_kwargs
+    from ..build import training_kwargs
 
     t = spec.train
     return DPOConfig(
@@ -45,8 +45,8 @@ def trainer_class():
     our ``log``/``_save_checkpoint``/``get_batch_samples`` wrap TRL's, which wrap ``transformers.Trainer``'s."""
     from trl import DPOTrainer
 
-    from .metrics import flops_per_token
-    from .trainer import SFTTrainer
+    from ..health.metrics import flops_per_token
+    from ..trainer import SFTTrainer
 
     class SwiftDPOTrainer(SFTTrainer, DPOTrainer):
         def __init__(self, *args, max_prompt_length: int | None = None, **kwargs):
@@ -80,8 +80,8 @@ class DPOTask:
         return model  # LoRA: TRL wraps it from peft_config, and then disables the adapter for the reference
 
     def data(self, spec, args, tok, model, attn: str, output_dir: str):
-        from . import preference
-        from .data import ensure_chat_template
+        from ..data import preference
+        from ..data.tokens import ensure_chat_template
 
         ensure_chat_template(tok)
         with args.main_process_first(local=False, desc="reading the preference data"):
@@ -92,7 +92,7 @@ class DPOTask:
         return f"off (DPO: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
 
     def trainer(self, spec, cuda: bool, attn: str, **kwargs):
-        from .build import load_model_and_tokenizer, lora_config
+        from ..build import load_model_and_tokenizer, lora_config
 
         t = spec.train
         ref_model, peft_config = None, None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from .data import ROLES, DataError, read_records
+from .tokens import ROLES, DataError, read_records
 
 FIELDS = ("prompt", "chosen", "rejected")
 FORMAT_HINT = ('each record is {"prompt": str, "chosen": str, "rejected": str}, or the same keys holding '
@@ -97,7 +97,7 @@ def load(paths: list[str], cache_dir: str | Path):
     log-probs are cached next to it, keyed by its fingerprint, so a requeue reuses them)."""
     from datasets import Dataset
 
-    from .datacache import _file_digest
+    from .cache import _file_digest
 
     check_files(paths)
     digests = [_file_digest(p) for p in paths]

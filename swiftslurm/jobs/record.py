@@ -18,11 +18,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from . import slurm
-from .errors import SwiftSlurmError
-from .fsutil import RECORD_CAP, RESULT_CAP, Unreadable, atomic_write_text, read_json, read_plain_pickle
+from .. import slurm
+from ..errors import SwiftSlurmError
+from ..fsutil import RECORD_CAP, RESULT_CAP, Unreadable, atomic_write_text, read_json, read_plain_pickle
+from ..taskdir import SUBMISSION_FILE
 
-SUBMISSION_FILE = "submission.json"
 POLL_S = 2.0
 # sacct may not know a job for a moment after sbatch returned: PENDING until then, UNKNOWN after this.
 UNSEEN_GRACE_S = 120.0
@@ -43,7 +43,7 @@ class TaskStatus:
 
 def _last_save(task_dir: str) -> dict[str, Any] | None:
     """The trainer's record of its last checkpoint save (timings, and advice when it outgrew signal_grace_s)."""
-    from .checkpoint.savetime import read_save
+    from ..checkpoint.savetime import read_save
 
     return read_save(task_dir) if task_dir else None
 
@@ -51,7 +51,7 @@ def _last_save(task_dir: str) -> dict[str, Any] | None:
 def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
     """This job's walltime requeues as the runtime recorded them (``requeues.json``: the count where sacct
     has none), and why its last walltime stop was not requeued (None when it was, or none happened)."""
-    from .node.requeue import read_requeues, stop_reason, walltime_requeues
+    from ..node.requeue import read_requeues, stop_reason, walltime_requeues
 
     records = read_requeues(task_dir) if task_dir else []
     return walltime_requeues(records, job_id), stop_reason(records, job_id)

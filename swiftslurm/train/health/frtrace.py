@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import DUMP_CAP, Unreadable, atomic_write_text, loads_json, plain_unpickle, read_bytes
+from ...fsutil import DUMP_CAP, Unreadable, atomic_write_text, loads_json, plain_unpickle, read_bytes
 
 PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 

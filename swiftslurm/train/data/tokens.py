@@ -133,7 +133,7 @@ class SFTDataset:
 def ensure_chat_template(tokenizer) -> None:
     """Tokenizers without a chat template (base models, the tiny one) get the tiny model's plain one."""
     if tokenizer.chat_template is None:
-        from .tinymodel import CHAT_TEMPLATE
+        from ..tinymodel import CHAT_TEMPLATE
 
         tokenizer.chat_template = CHAT_TEMPLATE
 

@@ -83,6 +83,12 @@ class ProgressWatchdog:
         if self.stall and self.stall[0] == self.rank and self.stall[1] == step:
             time.sleep(self.stall[2])  # the test hook: this rank stops making progress here
 
+    @property
+    def armed_s(self) -> float | None:
+        """The limit the watchdog is armed with now; None while paused (a save) or before the first limit."""
+        timer = self._timer
+        return timer.interval if timer is not None and timer.is_alive() else None
+
     def _arm(self, limit: float) -> None:
         import faulthandler
 

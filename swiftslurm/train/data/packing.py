@@ -36,8 +36,8 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from .metrics import STATS_PREFIX
-from .varlen import boundaries as varlen_boundaries
+from ..health.metrics import STATS_PREFIX
+from ..kernels.varlen import boundaries as varlen_boundaries
 
 IGNORE_INDEX = -100
 REAL_TOKENS = STATS_PREFIX + "real_tokens"

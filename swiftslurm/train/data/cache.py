@@ -36,8 +36,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..fsutil import RECORD_CAP, open_regular, read_json
-from . import data
+from ...fsutil import RECORD_CAP, open_regular, read_json
+from . import tokens as data
 from .records import content_files, not_found
 
 FORMAT = 2

@@ -4,7 +4,7 @@
 job owns, writes the plan and each task's resolved spec, submits each group of ``plan.groups``
 through submitit (one sbatch call each), and records the submission in
 ``plan.output_dir/submission.json`` (every array's job id and the global tasks it covers) so
-``status``/``cancel`` work from the output dir alone (the record and the tasks' state: ``submission``).
+``status``/``cancel`` work from the output dir alone (the record and the tasks' state: ``record``).
 """
 
 from __future__ import annotations
@@ -18,30 +18,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import slurm
-from .errors import SubmissionError, SwiftSlurmError, ToolMissing
-from .plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
-from .quoting import sbatch_escape, shell_quote
+from .. import slurm
+from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
+from ..node.entry import TaskFailed, run_rank  # noqa: F401 -- TaskFailed re-exported
+from ..plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
+from ..quoting import sbatch_escape, shell_quote
 # the record of what was sent, and its tasks' state (re-exported: callers import them from here too)
-from .submission import SUBMISSION_FILE, Submission, TaskStatus, load_records, load_submission, process_start, records_path, update_record  # noqa: F401
+from .record import SUBMISSION_FILE, Submission, TaskStatus, load_records, load_submission, process_start, records_path, update_record  # noqa: F401
+from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
 
-TASK_SPEC_FILE = "spec.json"
 EXECUTORS = ("auto", "slurm", "local")
-
-
-class TaskFailed(RuntimeError):
-    """Raised on a node so the Slurm step (and submitit's result) records the failure."""
-
-
-def run_rank(plan_path: str, task_index: int, mode: str = "train") -> int:
-    """The submitit callable: ``runtime.run_task`` on one rank; a non-zero exit fails the step, with the reason
-    this rank recorded (a failed preflight's check and fix) in the message: the last line of the rank's log."""
-    from .node.runtime import run_task_outcome
-
-    code, why = run_task_outcome(plan_path, task_index, mode)
-    if code != 0:
-        raise TaskFailed(f"task {task_index} ({mode}) exited with code {code} on this rank" + (f": {why.line()}" if why else ""))
-    return code
 
 
 def resolve_executor(executor: str) -> str:
@@ -69,8 +55,8 @@ def _write_task_specs(plan: Plan) -> None:
 
 def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
     """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan, group)``."""
-    from .slurm.launch import launch_for, setup_lines
-    from .slurm.render import one_group, sbatch_directives
+    from ..slurm.launch import launch_for, setup_lines
+    from ..slurm.render import one_group, sbatch_directives
 
     group = one_group(plan, group)
     s = group.slurm
@@ -107,7 +93,7 @@ def python_command(plan: Plan, group: Group, local: bool = False) -> str:
     Locally there is no batch script to hold ``slurm.setup`` (and container env) lines: they run in a
     ``bash -c`` in front of each rank ([env] reaches the ranks through ``_local_env``).
     """
-    from .slurm.launch import launch_for, passthrough_lines
+    from ..slurm.launch import launch_for, passthrough_lines
 
     command = launch_for(plan, group).command()
     lines = [*group.slurm.setup, *passthrough_lines(plan)]
@@ -216,7 +202,7 @@ def parent_holder(output_dir: str) -> tuple[str, dict[str, Any]] | None:
 
     Shared parents (``/scratch``) hold records anyone may have written: only a lock really held counts, and
     nothing a record names is read or trusted (no folder, no job id, no pickle)."""
-    from .node.ownership import holder
+    from ..node.ownership import holder
 
     for above in Path(output_dir).absolute().parents:
         owner = holder(above)
@@ -227,8 +213,8 @@ def parent_holder(output_dir: str) -> tuple[str, dict[str, Any]] | None:
 
 def refuse_if_inside_a_live_job(plan: Plan) -> None:
     """SubmissionError (exit 3) when a live job's lock is held in a dir above the plan's output dir (reads only)."""
-    from .node.ownership import describe
-    from .quoting import shell_quote
+    from ..node.ownership import describe
+    from ..quoting import shell_quote
 
     above = parent_holder(plan.output_dir)
     if above is not None:
@@ -244,8 +230,8 @@ def refuse_if_owned(plan: Plan) -> None:
 
     Checked before anything is written; a finished or cancelled job's dir may be reused.
     """
-    from .node.ownership import describe, holder
-    from .quoting import shell_quote
+    from ..node.ownership import describe, holder
+    from ..quoting import shell_quote
 
     refuse_if_inside_a_live_job(plan)
     sub = active_owner(plan)
@@ -273,7 +259,7 @@ def _submitting(output_dir: str):
     import fcntl
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(output_dir) / ".swiftslurm-submit.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(Path(output_dir) / SUBMIT_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
@@ -349,7 +335,7 @@ def _parts(plan: Plan, limits: ArrayLimits) -> list[ArrayPart]:
 
 def avoid_bad_nodes(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
     """The plan with the ledger's recently failed nodes excluded (slurm.avoid_bad_nodes), and what was decided."""
-    from . import ledger
+    from .. import ledger
 
     if not any(g.slurm.avoid_bad_nodes for g in plan.groups):
         return plan, []
@@ -371,7 +357,7 @@ def avoid_bad_nodes(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
 def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Submission:
     """Refuse a dir an active job owns; exclude the ledger's bad nodes (Slurm, training); write the plan and each
     task's spec; send one array per group (several where the site caps arrays); record it."""
-    from .slurm.render import render_all
+    from ..slurm.render import render_all
 
     kind = resolve_executor(executor)
     avoided: list[dict[str, Any]] = []

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                    allow_low_rank_optimizer_state, check_offload, check_optimizer, load_model_and_tokenizer, training_arguments)
+from ..build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
+                     allow_low_rank_optimizer_state, check_offload, check_optimizer, load_model_and_tokenizer, training_arguments)
 
-from ..errors import SwiftSlurmError
+from ...errors import SwiftSlurmError
+from ...taskdir import METRICS_FILE, SUMMARY_FILE
+from ...taskdir import TOKEN_CACHE_DIR as CACHE_DIR  # under output_dir: a requeue finds the tokens there
 
 log = logging.getLogger("swiftslurm.train")
-SUMMARY_FILE = "train-summary.json"
-CACHE_DIR = ".swiftslurm-cache/tokenized"  # under output_dir: a requeue finds the tokens there
 
 
 @dataclass
@@ -76,7 +76,7 @@ class SFTTask:
                 if spec.train.packing else "off (each micro-batch padded to its longest sample)")
 
     def trainer(self, spec, cuda: bool, attn: str, **kwargs):
-        from .trainer import SFTTrainer
+        from ..trainer import SFTTrainer
 
         return SFTTrainer(**kwargs)
 
@@ -101,8 +101,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     progress watchdog) is owned by one ExitStack: whichever phase fails, each is undone.
     """
     started = time.perf_counter()
-    from ..checkpoint.fingerprint import training_fingerprint
-    from .shutdown import shut_down_distributed
+    from ...checkpoint.fingerprint import training_fingerprint
+    from ..health.shutdown import shut_down_distributed
 
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = _prepare_device_env()
@@ -118,14 +118,14 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
         planned_ds_config = ds_config
         ds_config = _isolate_nvme_swap(ds_config, dist, output_dir, stack)
         # before the model: ZeRO-3 init needs it
-        from . import parallel
+        from .. import parallel
 
         args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
         start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
         model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
         dataset, collator = task.data(spec, args, tok, model, kern.attn, output_dir)
         if dist.rank == 0:
-            from . import kernels
+            from ..kernels import choose as kernels
 
             log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", kern.attn, kern.attn_why,
                         kernels.liger_names(kern.liger), kern.liger_why, task.describe_data(spec, dataset))
@@ -136,7 +136,7 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
                "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config)
         trainer.train(resume_from_checkpoint=resume_from)
-    from . import kernels
+    from ..kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
     result = _result(trainer, tools.schedule, output_dir, tools.metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
@@ -175,7 +175,7 @@ class _Instruments:
 
 
 def _choose_kernels(spec, ds_config: dict[str, Any], cuda: bool, task) -> _Kernels:
-    from . import kernels
+    from ..kernels import choose as kernels
 
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and spec.train.task == "sft"
@@ -189,7 +189,7 @@ def _choose_kernels(spec, ds_config: dict[str, Any], cuda: bool, task) -> _Kerne
 
 def _isolate_nvme_swap(ds_config: dict[str, Any], dist, output_dir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
     """This rank's ds config with per-job/task NVMe swap folders; removing this rank's swap files is on the stack."""
-    from . import nvme_swap
+    from .. import nvme_swap
 
     ds_config, swap_folders = nvme_swap.isolate(ds_config, dist, output_dir)
     stack.callback(nvme_swap.cleanup, swap_folders, dist.rank)
@@ -199,10 +199,11 @@ def _isolate_nvme_swap(ds_config: dict[str, Any], dist, output_dir: str, stack: 
 def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, args, planned_ds_config: dict[str, Any]):
     """(start, the checkpoint the Trainer resumes): the process group exists now, so all ranks agree on the own
     newest verified checkpoint, else ``train.resume_from`` (resume_from.py); another DP size is converted."""
-    from ..checkpoint.fingerprint import check_parallel_degrees, check_spec_drift
-    from . import parallel, worldsize
-    from . import resume_from as resume_from_mod
-    from .shutdown import shut_down_distributed
+    from ...checkpoint.fingerprint import check_parallel_degrees, check_spec_drift
+    from .. import parallel
+    from ..resume import worldsize
+    from ..resume import source as resume_from_mod
+    from ..health.shutdown import shut_down_distributed
 
     try:
         start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
@@ -222,8 +223,9 @@ def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, ar
 def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
-    from . import kernels, parallel
-    from . import resume_from as resume_from_mod
+    from ..kernels import choose as kernels
+    from .. import parallel
+    from ..resume import source as resume_from_mod
 
     model, tok = load_model_and_tokenizer(spec, cuda, kern.attn)
     if kern.attn == kernels.VARLEN:  # the flash kernel's head dimensions: known once the model's config is
@@ -252,11 +254,11 @@ def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
 def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], stack: contextlib.ExitStack) -> _Instruments:
     """The comm timer (patches ``deepspeed.comm``), the GPU sampler (a thread), the watchdog, the deadline watch and
     the callbacks; every one that starts something is undone by ``stack``."""
-    from . import deadline
-    from .gpuutil import GpuSampler
-    from .metrics import CommTimer, StepMeter
-    from .trainer import MetricsFileCallback, ScheduleCallback
-    from .watchdog import ProgressWatchdog
+    from ..health import deadline
+    from ..health.gpuutil import GpuSampler
+    from ..health.metrics import CommTimer, StepMeter
+    from ..trainer import MetricsFileCallback, ScheduleCallback
+    from ..health.watchdog import ProgressWatchdog
 
     comm = CommTimer().install()
     stack.callback(comm.uninstall)
@@ -270,7 +272,7 @@ def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], s
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
     callbacks = [schedule]
-    metrics_path = Path(output_dir) / "metrics.jsonl"
+    metrics_path = Path(output_dir) / METRICS_FILE
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))
     return _Instruments(meter, watchdog, watch, schedule, callbacks, metrics_path)
@@ -278,7 +280,7 @@ def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], s
 
 def _build_trainer(spec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
                    job: dict[str, Any], params: tuple[int, int], ds_config: dict[str, Any]):
-    from .metrics import flops_per_token
+    from ..health.metrics import flops_per_token
 
     trainer = task.trainer(
         spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
@@ -298,8 +300,8 @@ def _zero_stage(ds_config: dict[str, Any]) -> int:
 def _data(spec, args, tok, model, attn: str, output_dir: str):
     """(train dataset, collator): tokenized once into the cache (rank 0 first, the others read it), then
     packed rows (``train.packing``) or single samples padded per micro-batch."""
-    from .data import Collator
-    from .datacache import cached_dataset
+    from ..data.tokens import Collator
+    from ..data.cache import cached_dataset
 
     t = spec.train
     with args.main_process_first(local=False, desc="tokenizing the dataset"):
@@ -312,7 +314,8 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
                         samples.dropped, t.max_length)
     if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
         return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
-    from . import kernels, packing
+    from ..kernels import choose as kernels
+    from ..data import packing
 
     packing.prepare_model(model)
     rows = packing.PackedDataset(samples, t.max_length, t.seed)
@@ -355,7 +358,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         import json
 
         body = {**dataclasses.asdict(result), "first_loss": losses[0] if losses else None, "text": text}
-        from ..fsutil import atomic_write_text
+        from ...fsutil import atomic_write_text
 
         atomic_write_text(Path(output_dir) / SUMMARY_FILE, json.dumps(body, indent=2))
     return result
@@ -363,7 +366,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
 
 def read_summary(output_dir: str) -> str | None:
     """The end-of-training summary rank 0 wrote (for `submit --wait` to print), or None."""
-    from ..fsutil import RECORD_CAP, read_json
+    from ...fsutil import RECORD_CAP, read_json
 
     try:
         text = read_json(Path(output_dir) / SUMMARY_FILE, RECORD_CAP).get("text")

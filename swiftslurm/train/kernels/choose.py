@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from ..errors import SwiftSlurmError
+from ...errors import SwiftSlurmError
 from .varlen import NAME as VARLEN
 from .varlen import available as varlen_available
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
-from ..checkpoint.importer import import_dir
-from ..errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
-from . import resume
+from ... import checkpoint as ck
+from ...checkpoint.importer import import_dir
+from ...errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
+from . import agree as resume
+from ...taskdir import RESUME_SOURCE_DIR as IMPORT_DIR  # under output_dir: not a checkpoint-N of the run, so never its own resume point
 
 log = logging.getLogger("swiftslurm.train")
-IMPORT_DIR = "resume-source"  # under output_dir: not a checkpoint-N of the run, so never its own resume point
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ def scan_data(plan: Plan) -> list[str]:
     """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
     SFT records, or prompt/chosen/rejected pairs for ``task = "dpo"``; a malformed record is a DataError
     naming its file and line. One note per scan, for ``validate``."""
-    from ..train import preference
-    from ..train.data import scan
+    from ..train.data import preference
+    from ..train.data.tokens import scan
 
     notes, seen = [], set()
     for task in plan.tasks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import checkpoint as ck
+from ... import checkpoint as ck
 
 
 class ProcessGroupExchange:

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..checkpoint import savetime
+from ...checkpoint import savetime
 
 log = logging.getLogger("swiftslurm.train")
 RESERVE_S = 5.0  # after the save: stop the ranks, record and call `scontrol requeue`
@@ -95,8 +95,8 @@ def watch_for(spec, dist, output_dir: str, last_step_s: Callable[[], float | Non
     """The watch of this start: rank 0 of a Slurm job with ``checkpoint.deadline_save`` reads the end time once."""
     end_time = None
     if spec.checkpoint.deadline_save and dist.rank == 0 and dist.executor == "slurm":
-        from ..errors import SwiftSlurmError
-        from ..slurm import commands
+        from ...errors import SwiftSlurmError
+        from ...slurm import commands
 
         try:
             end_time = commands.job_end_time(dist.requeue_id or dist.job_id)

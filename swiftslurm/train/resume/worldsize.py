@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
-from ..checkpoint import universal as ucp
-from .resume import ProcessGroupExchange
+from ... import checkpoint as ck
+from ...checkpoint import universal as ucp
+from .agree import ProcessGroupExchange
 
 log = logging.getLogger("swiftslurm.train")
 WAIT_MARGIN_S = 60.0  # the other ranks wait this much longer than rank 0's conversion may take

@@ -36,8 +36,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import SwiftSlurmError
-from ..fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
+from ...errors import SwiftSlurmError
+from ...fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
 
 JSON_LINES = (".jsonl", ".ndjson")
 FORMATS = "JSONL (.jsonl), JSON (.json), parquet (.parquet), arrow (.arrow) or a datasets.save_to_disk directory"

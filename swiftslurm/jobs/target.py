@@ -1,0 +1,101 @@
+"""What a TARGET names, for every command that takes one (`status`, `cancel`, `logs`, `plot`, `doctor`).
+
+- an output dir: its latest recorded submission and all its tasks;
+- one task dir of a sweep: found through the parent's record, that task alone;
+- a dir some run wrote without a record (a hand-submitted script): that dir as task 0, no submission;
+- a Slurm job id (``123``, ``123_4``): ``through_record`` finds the output dir through the paths Slurm recorded
+  for the job (its logs, its working dir) and that record's tasks of the job (doctor); otherwise the job as Slurm
+  knows it, with no dirs (``status``, ``cancel``: they act on exactly the ids named).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import slurm
+from ..errors import SwiftSlurmError
+from .record import SUBMISSION_FILE, Submission, load_submission
+
+
+@dataclass(frozen=True)
+class TaskRef:
+    task: int
+    task_dir: str
+    job_id: str = ""  # submitit's id of the task: its log files are <folder>/<job_id>_<rank>_log.*
+    folder: str = ""  # the submission's submitit folder
+
+
+def refs(sub: Submission, only: str | None = None) -> list[TaskRef]:
+    out = []
+    for index, (job_id, task_dir) in enumerate(zip(sub.job_ids, sub.task_dirs)):
+        if only is None or (task_dir and Path(task_dir).resolve() == Path(only).resolve()):
+            out.append(TaskRef(index, task_dir, job_id, sub.folder))
+    return out
+
+
+def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False) -> tuple[Submission | None, list[TaskRef]]:
+    """The submission (None when no record covers a dir) and the tasks ``target`` names (see the module's list).
+    ``dirs_only``: only a dir will do (`logs`, `plot` read files)."""
+    path = Path(target)
+    if not path.is_dir() and dirs_only:
+        raise SwiftSlurmError("logs and plots are read from an output dir", f"{target} is not a directory",
+                              "pass the job.output_dir of a submitted spec (or one task dir of a sweep)")
+    if not path.is_dir():
+        job_id = _job_id(target)
+        if through_record:
+            return _by_job_id(job_id)
+        sub = bare_job(job_id)
+        return sub, refs(sub)
+    if (path / SUBMISSION_FILE).is_file():
+        sub = load_submission(str(path))
+        return sub, refs(sub)
+    for parent in path.resolve().parents:
+        if (parent / SUBMISSION_FILE).is_file():
+            sub = load_submission(str(parent))
+            found = refs(sub, only=str(path))
+            if found:
+                return sub, found
+    return None, [TaskRef(0, str(path))]
+
+
+def submission_of(target: str) -> Submission:
+    """The submission ``status`` and ``cancel`` act on: an output dir's latest record, or a job id as Slurm knows it."""
+    if Path(target).is_dir():
+        return load_submission(target)
+    return bare_job(_job_id(target))
+
+
+def _job_id(target: str) -> str:
+    base = target.split("_")[0]
+    if not (base.isascii() and base.isdigit()):
+        raise SwiftSlurmError("not a job id nor an output dir", target,
+                              "pass a Slurm job id such as 123 (or 123_4), or the job.output_dir of a submitted spec")
+    return target
+
+
+def bare_job(job_id: str) -> Submission:
+    """A Slurm job id (``123`` or ``123_4``) as a Submission with no output dirs: its array tasks as sacct/squeue list them."""
+    records = slurm.job_records([job_id.split("_")[0]])
+    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
+    if not ids:
+        raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
+    return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
+
+
+def _job_sort_key(job_id: str) -> tuple[int, int]:
+    base, _, idx = job_id.partition("_")
+    return (int(base) if base.isdigit() else 0, int(idx) if idx.isdigit() else -1)
+
+
+def _by_job_id(job_id: str) -> tuple[Submission, list[TaskRef]]:
+    """A job id -> the record of the output dir Slurm's recorded paths lie in, and its tasks of that job."""
+    for path in slurm.job_paths(job_id):
+        for parent in [Path(path), *Path(path).parents]:
+            if (parent / SUBMISSION_FILE).is_file():
+                sub = load_submission(str(parent))
+                tasks = [t for t in refs(sub) if t.job_id == job_id or (t.job_id.split("_")[0] == job_id)]
+                if tasks:
+                    return sub, tasks
+    raise SwiftSlurmError(f"cannot find where job {job_id} wrote", "Slurm records no path of it under a swiftslurm output dir",
+                          "pass the job's output dir (job.output_dir) instead")

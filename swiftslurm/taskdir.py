@@ -1,0 +1,129 @@
+"""One name for every file a job leaves in its output dirs (in the spirit of submitit's ``JobPaths``).
+
+Writers and readers both take their names from here, so a rename is one line and no reader guesses.
+``TaskPaths(task_dir)`` gives the paths of one task dir; the constants are the names relative to it.
+Pure: nothing here touches the filesystem.
+
+The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
+
+    <job.output_dir>/swiftslurm-plan.json      the plan every node reads
+    <job.output_dir>/submission.json           what was sent: job ids, arrays, executor, time
+    <job.output_dir>/.swiftslurm-submit.lock   held while a submit writes the records
+    <task dir>/spec.json                       the task's resolved spec
+    <task dir>/.swiftslurm.lock                each rank locks its byte while it runs
+    <task dir>/.swiftslurm-owner.json          which job holds the lock
+    <task dir>/logs/rank-<r>.log               rank r > 0 (rank 0 writes to the job's stdout)
+    <task dir>/logs/submitit/<stamp>/          submitit's own files (logs, result pickles)
+    <task dir>/preflight/report.json           the preflight report (busbw.png beside it)
+    <task dir>/runs/                           TensorBoard event files
+    <task dir>/metrics.jsonl                   one JSON object per logging step
+    <task dir>/train-summary.json              the end-of-training summary
+    <task dir>/logs/failure-rank-<r>.json      why rank r gave up (a failed preflight, an exception)
+    <task dir>/requeues.json                   one record per walltime stop
+    <task dir>/.swiftslurm-stops/              per-job stop markers
+    <task dir>/checkpoint-save.json            how long saves took (the deadline save)
+    <task dir>/.swiftslurm-verified.json       what this job verified (retention)
+    <task dir>/checkpoint-<step>/              verified checkpoints; latest names the newest
+    <task dir>/.staging-checkpoint-<step>/     being written; never read as a checkpoint
+    <task dir>/resume-source/checkpoint-<N>/   train.resume_from imported on the fly
+    <task dir>/universal/                      universal-checkpoint conversions
+    <task dir>/.swiftslurm-cache/              tokenized data, preference data
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PLAN_FILE = "swiftslurm-plan.json"
+SUBMISSION_FILE = "submission.json"
+SUBMIT_LOCK_FILE = ".swiftslurm-submit.lock"
+TASK_SPEC_FILE = "spec.json"
+LOCK_FILE = ".swiftslurm.lock"
+OWNER_FILE = ".swiftslurm-owner.json"
+LOGS_DIR = "logs"
+SUBMITIT_DIR = "logs/submitit"
+PREFLIGHT_DIR = "preflight"
+PREFLIGHT_REPORT = "preflight/report.json"
+RUNS_DIR = "runs"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "train-summary.json"
+FAILURE_GLOB = "failure-rank-*.json"  # under LOGS_DIR
+REQUEUES_FILE = "requeues.json"
+STOPS_DIR = ".swiftslurm-stops"
+SAVE_FILE = "checkpoint-save.json"
+VERIFIED_CACHE_FILE = ".swiftslurm-verified.json"
+LATEST_NAME = "latest"
+RESUME_SOURCE_DIR = "resume-source"
+UNIVERSAL_DIR = "universal"
+SAVE_LINK_DIR = ".swiftslurm-save"
+TOKEN_CACHE_DIR = ".swiftslurm-cache/tokenized"
+PREFERENCE_CACHE_DIR = ".swiftslurm-cache/preference"
+
+
+def rank_log_name(rank: int) -> str:
+    return f"{LOGS_DIR}/rank-{rank}.log"
+
+
+def failure_name(rank: int) -> str:
+    return f"failure-rank-{rank}.json"  # under LOGS_DIR
+
+
+@dataclass(frozen=True)
+class TaskPaths:
+    """The paths of one task dir (``root``); every property is a name above joined to it."""
+
+    root: Path
+
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    def rank_log(self, rank: int) -> Path:
+        return self.root / rank_log_name(rank)
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS_DIR
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / SUBMITIT_DIR
+
+    @property
+    def spec(self) -> Path:
+        return self.root / TASK_SPEC_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+    @property
+    def owner(self) -> Path:
+        return self.root / OWNER_FILE
+
+    @property
+    def preflight_report(self) -> Path:
+        return self.root / PREFLIGHT_REPORT
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    def failure(self, rank: int) -> Path:
+        return self.root / LOGS_DIR / failure_name(rank)
+
+    @property
+    def requeues(self) -> Path:
+        return self.root / REQUEUES_FILE
+
+    @property
+    def latest(self) -> Path:
+        return self.root / LATEST_NAME
+
+    @property
+    def resume_source(self) -> Path:
+        return self.root / RESUME_SOURCE_DIR

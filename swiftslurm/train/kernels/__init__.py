@@ -1,0 +1,1 @@
+"""Kernels the trainer picks: attention and Liger (choose), packed varlen attention, the device-side overflow skip."""

@@ -1,0 +1,1 @@
+"""Where a run starts: the resume agreement, train.resume_from, weights-only loads, another world size."""

@@ -1,0 +1,1 @@
+"""The training tasks behind the trainer's one seam: sft (HF Trainer + DeepSpeed + peft) and dpo (TRL)."""
