@@ -180,6 +180,17 @@ def test_a_fifo_ledger_is_one_message(tmp_path):
     assert "a FIFO, not a regular file" in text
 
 
+@pytest.mark.parametrize("command", ["validate", "plan", "render"])
+def test_a_fifo_or_a_device_as_the_spec_is_one_message(tmp_path, command):
+    os.mkfifo(tmp_path / "job.toml")
+    os.symlink("/dev/zero", tmp_path / "zero.toml")
+    for spec, kind in (("job.toml", "a FIFO"), ("zero.toml", "a character device")):
+        proc, took = cli(command, str(tmp_path / spec))
+        text = proc.stdout + proc.stderr
+        assert took < RETURN_S and proc.returncode == 2 and "Traceback" not in text, text
+        assert f"{kind}, not a regular file" in text
+
+
 def test_fifos_in_a_foreign_checkpoint_are_problems_not_hangs(tmp_path):
     src = foreign_checkpoint(tmp_path)
     (src / "latest").unlink()

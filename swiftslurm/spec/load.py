@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, SpecError, did_you_mean
+from ..fsutil import Unreadable, read_bytes
 from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
     CHECKS,
     MAX_SPEC_BYTES,
@@ -254,17 +255,16 @@ def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a spec file. A missing or unreadable file is a SpecError too."""
     p = Path(path)
     source = str(path)
-    try:
-        size = p.stat().st_size
-        if size > MAX_SPEC_BYTES:
-            raise SpecError(source, [Problem("", "the spec file is too large", f"{size} bytes", "a job spec is a few KB of TOML; check you passed the right file")])
-        raw = p.read_bytes()
+    if p.is_dir():
+        raise SpecError(source, [Problem("", "the spec path is a directory", source, "pass the .toml file itself")])
+    try:  # a regular file under the cap: a FIFO or a device in the spec's place never blocks validate
+        raw = read_bytes(p, MAX_SPEC_BYTES)
     except FileNotFoundError:
         raise SpecError(source, [Problem("", "no such spec file", source, "check the path; examples/quickstart.toml is a starting point")]) from None
-    except IsADirectoryError:
-        raise SpecError(source, [Problem("", "the spec path is a directory", source, "pass the .toml file itself")]) from None
-    except OSError as exc:
-        raise SpecError(source, [Problem("", "cannot read the spec file", str(exc.strerror), "check its permissions")]) from None
+    except Unreadable as exc:
+        what = "the spec file is too large" if "cap for this kind of file" in exc.why else "cannot read the spec file"
+        raise SpecError(source, [Problem("", what, exc.why,
+                                         "pass a TOML file of a few KB (a job spec); check the path and its permissions")]) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -275,7 +275,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 def load_raw(path: str | Path) -> dict[str, Any]:
     """The raw dict of a spec file (for planning sweeps). Call after load_spec succeeded."""
-    return parse_toml(Path(path).read_text("utf-8"), str(path))
+    return parse_toml(read_bytes(path, MAX_SPEC_BYTES).decode("utf-8"), str(path))
 
 
 NO_TRAIN_NOTE = "no [train] table: a spec for `swiftslurm preflight` only; submit and render need [train] (model and dataset, or command)"
