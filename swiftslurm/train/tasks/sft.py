@@ -97,8 +97,8 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     (``resume.resolve``), else ``train.resume_from`` (``resume_from.resolve_start``); a path = that checkpoint
     (checked by every rank); None = a fresh start.
 
-    Everything this starts (NVMe swap folders, the ``deepspeed.comm`` timer patch, the GPU sampler thread, the
-    progress watchdog) is owned by one ExitStack: whichever phase fails, each is undone.
+    Everything this starts (the weights-only ``torch.load``, NVMe swap folders, the ``deepspeed.comm`` timer patch,
+    the GPU sampler thread, the progress watchdog) is owned by one ExitStack: whichever phase fails, each is undone.
     """
     started = time.perf_counter()
     from ...checkpoint.fingerprint import training_fingerprint
@@ -115,6 +115,9 @@ def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: s
     task = _task(spec)
     kern = _choose_kernels(spec, ds_config, cuda, task)
     with contextlib.ExitStack() as stack:
+        from ..resume.safeload import weights_only_loads
+
+        stack.enter_context(weights_only_loads())  # no checkpoint file runs code in this rank (DeepSpeed's loads too)
         planned_ds_config = ds_config
         ds_config = _isolate_nvme_swap(ds_config, dist, output_dir, stack)
         # before the model: ZeRO-3 init needs it
