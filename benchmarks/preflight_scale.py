@@ -50,11 +50,10 @@ MASTER_ADDR = "127.0.0.1"
 
 def _child(rank_env_: dict[str, str], spec_path: str, out: str, go_fd: int, result_fd: int) -> None:
     """One forked rank: its SLURM_* environment, wait for go, the real gate; its seconds on ``result_fd``."""
+    from swiftslurm.preflight import coord as coord_module
     from swiftslurm.preflight.gate import gate
     from swiftslurm.slurm import distenv
     from swiftslurm.spec import load_spec
-
-    from swiftslurm.preflight import coord as coord_module
 
     real_connect = coord_module.Coordinator.connect.__func__
     connect_s = [0.0]
@@ -147,8 +146,9 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
 
 
 def main() -> int:
-    import torch.distributed  # noqa: F401 - imported once, before the ranks fork: start-up is not measured here
     import rich.console  # noqa: F401
+    import torch.distributed  # noqa: F401 - imported once, before the ranks fork: start-up is not measured here
+
     import swiftslurm.preflight.gate  # noqa: F401
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

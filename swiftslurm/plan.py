@@ -24,11 +24,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import Problem, SpecError
+from .sizing.check import Sizing, size_task
 from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
-from .sizing.check import Sizing, size_task
 from .taskdir import PLAN_FILE
-
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from conftest import exit_threads_env, threads_at_exit
+
 from swiftslurm.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swiftslurm.errors import RuntimeEnvError
 from swiftslurm.slurm import distenv
 from swiftslurm.slurm.distenv import check_allocation, child_env, derive, expand_nodelist, expand_tasks_per_node, port_for_job
-from swiftslurm.errors import RuntimeEnvError
 from swiftslurm.spec import parse_spec
 
 DATA = Path(__file__).parent / "data" / "hostlists"

@@ -12,8 +12,7 @@ import pytest
 
 from swiftslurm.errors import SpecError
 from swiftslurm.spec import parse_spec
-from swiftslurm.spec.sbatch_options import (NONE, OPT, OWNED_SBATCH_OPTIONS, REQ, SBATCH_ALIASES, SBATCH_OPTIONS, SHORT_OPTIONS,
-                                            parse_extra, resolve_long)
+from swiftslurm.spec.sbatch_options import NONE, OPT, OWNED_SBATCH_OPTIONS, REQ, SBATCH_ALIASES, SBATCH_OPTIONS, SHORT_OPTIONS, parse_extra, resolve_long
 
 BASE = '[train]\ncommand = ["true"]\n'
 

@@ -129,8 +129,8 @@ def test_cli_says_what_it_imported_and_refuses_with_one_message(tmp_path):
 
 
 def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path):
-    from swiftslurm.train.tinymodel import build_model, build_tokenizer
     from swiftslurm.train.resume.weights import load_full
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     vocab = len(build_tokenizer())
     trained = build_model(vocab, 128, seed=1)
@@ -251,8 +251,8 @@ def test_an_imported_checkpoint_resumes_with_a_warning_naming_its_origin(tmp_pat
 def test_an_adapter_loads_into_a_fresh_lora_model_and_a_misfit_is_one_error(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from swiftslurm.train.tinymodel import build_model, build_tokenizer
     from swiftslurm.train.resume.weights import load_adapter, load_full
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     vocab = len(build_tokenizer())
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from swiftslurm.errors import OneScriptTooFew
+from swiftslurm.jobs.send import Submission, slurm_parameters
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm.render import array_spec, index_ranges, render_all, render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, slurm_parameters
 
 BASE = """
 [job]

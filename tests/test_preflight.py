@@ -342,8 +342,8 @@ def test_report_json_png_table(tmp_path):
 
 @pytest.mark.parametrize("on_failure, proceed, action", [("abort", False, "abort"), ("warn", True, "warn"), ("exclude", False, "abort")])
 def test_gate_on_failure(tmp_path, on_failure, proceed, action, capsys):
-    from swiftslurm.slurm.distenv import derive
     from swiftslurm.preflight import gate
+    from swiftslurm.slurm.distenv import derive
     from swiftslurm.spec import parse_spec
 
     spec = parse_spec(

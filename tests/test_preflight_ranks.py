@@ -6,11 +6,11 @@ variables one srun task would see. The same entry under real srun is in test_pre
 from __future__ import annotations
 
 import json
-import zlib
 import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest

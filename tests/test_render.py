@@ -1,16 +1,16 @@
 """render_sbatch: the standalone script (pure parts here; `sbatch` of it runs in test_submit.py)."""
 
 import os
-import sys
 import subprocess
+import sys
 
 import pytest
 
 from swiftslurm.errors import SpecError
+from swiftslurm.jobs.send import slurm_parameters
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm.render import render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import slurm_parameters
 
 BASE = """
 [job]

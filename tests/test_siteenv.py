@@ -16,17 +16,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fake_container
+import pytest
+from test_submit_groups import cli, plan_from  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
+from test_submit_groups import spec_text as groups_spec_text
+
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.jobs.send import Submission, array_limits, load_submission, python_command, slurm_parameters
 from swiftslurm.node.banner import container_row
 from swiftslurm.plan import ArrayLimits, split_tasks
 from swiftslurm.slurm.render import render_all, render_sbatch, script_names
 from swiftslurm.spec import check_files, parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, array_limits, load_submission, python_command, slurm_parameters
-from test_submit_groups import cli, plan_from, spec_text as groups_spec_text  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "render"

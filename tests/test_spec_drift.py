@@ -8,15 +8,14 @@ own resume step.
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from swiftslurm import checkpoint as ck
-from swiftslurm.checkpoint.fingerprint import META_KEY, fingerprint_changes, training_fingerprint
+from swiftslurm.checkpoint.fingerprint import META_KEY, check_spec_drift, fingerprint_changes, training_fingerprint
 from swiftslurm.errors import RuntimeEnvError
-from swiftslurm.checkpoint.fingerprint import check_spec_drift
 from swiftslurm.plan import make_plan, read_plan_task, write_plan
 from swiftslurm.spec import parse_spec
 

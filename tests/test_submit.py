@@ -12,10 +12,10 @@ import pytest
 
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 
 WAIT_S = 180
 

@@ -15,11 +15,11 @@ from rich.console import Console
 
 from swiftslurm import slurm
 from swiftslurm.errors import PreflightFailed, SubmissionError
+from swiftslurm.jobs.send import Submission, load_records, load_submission, process_start, submit_plan
 from swiftslurm.node import ownership
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, load_records, load_submission, process_start, submit_plan
 
 WAIT_S = 180
 

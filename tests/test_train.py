@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from conftest import exit_threads_env, threads_at_exit
+
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import launch
 
@@ -206,11 +206,10 @@ def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
 def test_zero3_full_saves_consolidated_weights_that_load_with_same_logits(tmp_path):
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from swiftslurm.train.tinymodel import build_model
-
-    from safetensors import safe_open
 
     spec, out = quickstart_spec(tmp_path, "z3", deepspeed="zero3", bf16=True, max_steps=2, save_steps=2, logging_steps=1)
     run(spec, out)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torch
 
-from swiftslurm.train.kernels import varlen  # noqa: E402
 from swiftslurm.train.data.packing import STATS_PREFIX, PackingCollator  # noqa: E402
+from swiftslurm.train.kernels import varlen  # noqa: E402
 
 
 def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):

@@ -22,9 +22,9 @@ from rich.console import Console
 
 from swiftslurm import slurm
 from swiftslurm.cli.watch_cmd import PlainFollower, plain_line, progress_table
+from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import submit_plan
 from swiftslurm.watch import logs as L
 from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments, total_of
 

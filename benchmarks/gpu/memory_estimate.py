@@ -36,7 +36,8 @@ SHAPES = {  # transformers config values
 
 def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool, liger: bool = False) -> dict:
     from swiftslurm.sizing.layout import Layout
-    from swiftslurm.sizing.memory import GIB, Settings, estimate as est
+    from swiftslurm.sizing.memory import GIB, Settings
+    from swiftslurm.sizing.memory import estimate as est
     from swiftslurm.sizing.shape import shape_from_config
 
     shape = shape_from_config(SHAPES[shape_name], shape_name)

@@ -33,9 +33,8 @@ def block_causal(position_ids):
 
 def main() -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from attn_kernels import packed_positions  # this script's directory
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from swiftslurm.train.kernels import varlen
 

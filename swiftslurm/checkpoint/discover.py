@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified
+from .cache import save as save_cache
 from .manifest import ManifestError, read_manifest
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
-from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified, save as save_cache
 from .verify import verify, verify_cached
-
 
 # Test hook: ranks ("1" or "1,3", matched against $RANK) whose listing misses the newest checkpoint, as a
 # stale directory cache of a shared filesystem does. Never set it in production.

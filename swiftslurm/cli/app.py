@@ -157,8 +157,8 @@ def plan(
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
     from ..jobs.prepare import prepare
-    from ..slurm.render import render_all
     from ..jobs.send import avoid_bad_nodes
+    from ..slurm.render import render_all
 
     limits = _limits(max_array_size)
     prepared = prepare(spec_path, limits=limits)

@@ -11,12 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
-from ..plan import Plan
 from ..jobs.record import Submission, TaskStatus
 from ..jobs.send import resolve_executor, submit_plan
 from ..jobs.target import submission_of
+from ..plan import Plan
 from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
+
 
 def _says_auto(console: Console, requested: str, kind: str) -> None:
     if requested == "auto":

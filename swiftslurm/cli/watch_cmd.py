@@ -302,8 +302,8 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
 
 def logs_command(console: Console, target: str, rank: int | None, node: str | None, task: int | None,
                  follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0) -> int:
-    from ..watch import logs as L
     from ..jobs.target import resolve
+    from ..watch import logs as L
 
     sub, refs = resolve(target, dirs_only=True)
     if task is not None:
@@ -371,9 +371,9 @@ def _print_errors(console: Console, reports, many: bool, files: int, records: li
 
 
 def plot_command(console: Console, target: str, out: Path | None) -> int:
+    from ..jobs.target import resolve
     from ..watch.plot import Series, figure
     from ..watch.progress import TaskFiles, plan_tasks
-    from ..jobs.target import resolve
 
     sub, refs = resolve(target, dirs_only=True)
     planned = plan_tasks(sub.output_dir) if sub is not None else {}

@@ -14,8 +14,8 @@ from typing import Any
 
 from .. import fsutil
 from ..checkpoint.savetime import read_save
-from ..node.requeue import read_requeues
 from ..jobs.send import TASK_SPEC_FILE
+from ..node.requeue import read_requeues
 from ..slurm.distenv import FR_DUMP_NAME
 from ..train.health import frtrace
 from ..train.tasks.sft import SUMMARY_FILE

@@ -23,9 +23,10 @@ from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
 from ..node.entry import TaskFailed, run_rank  # noqa: F401 -- TaskFailed re-exported
 from ..plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
 from ..quoting import sbatch_escape, shell_quote
+from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
+
 # the record of what was sent, and its tasks' state (re-exported: callers import them from here too)
 from .record import SUBMISSION_FILE, Submission, TaskStatus, load_records, load_submission, process_start, records_path, update_record  # noqa: F401
-from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
 
 EXECUTORS = ("auto", "slurm", "local")
 

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
-from ..taskdir import REQUEUES_FILE
-from ..taskdir import STOPS_DIR
+from ..taskdir import REQUEUES_FILE, STOPS_DIR
 
 # EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
 NOT_REQUEUED_EXIT = 75

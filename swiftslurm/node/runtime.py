@@ -16,10 +16,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..errors import PreflightFailed, RuntimeEnvError
+from ..slurm import distenv
 from . import banner, failure, ownership, signals
 from .requeue import walltime_exit
-from ..slurm import distenv
-from ..errors import PreflightFailed, RuntimeEnvError
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0  # a command asked to stop (TERM) gets this long before KILL

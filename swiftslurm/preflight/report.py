@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .results import CheckResult, Decision
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import PREFLIGHT_DIR as REPORT_DIR
+from .results import CheckResult, Decision
 
 REPORT_JSON = "report.json"
 BUSBW_PNG = "busbw.png"

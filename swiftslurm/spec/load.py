@@ -24,11 +24,11 @@ from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is th
     CheckpointTable,
     FieldProblem,
     JobSpec,
-    is_local_image,
     JobTable,
     PreflightTable,
     SlurmTable,
     TrainTable,
+    is_local_image,
     time_limit_s,
 )
 

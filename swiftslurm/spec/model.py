@@ -6,15 +6,16 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 
 from __future__ import annotations
 
+import re
+from typing import Any, Literal, Union, get_args
+
+from pydantic import Field, field_validator, model_serializer, model_validator
+
 from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
 from .parallel import ModelShapeTable, ParallelTable, Table
 from .sbatch_options import MEM_CONFLICTS, parse_extra
 from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
-import re
-from typing import Any, Literal, Union, get_args
-
-from pydantic import Field, field_validator, model_serializer, model_validator
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)

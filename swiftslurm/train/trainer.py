@@ -21,9 +21,9 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
+from ..taskdir import SAVE_LINK_DIR
 from .health.gpuutil import gpu_fields, rank_slots
 from .health.metrics import MetricsFile, StepMeter
-from ..taskdir import SAVE_LINK_DIR
 
 log = logging.getLogger("swiftslurm.train")
 

@@ -27,8 +27,8 @@ from typing import Any
 from ... import checkpoint as ck
 from ...checkpoint.importer import import_dir
 from ...errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
-from . import agree as resume
 from ...taskdir import RESUME_SOURCE_DIR as IMPORT_DIR  # under output_dir: not a checkpoint-N of the run, so never its own resume point
+from . import agree as resume
 
 log = logging.getLogger("swiftslurm.train")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+
 from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
 
 log = logging.getLogger("swiftslurm.train")

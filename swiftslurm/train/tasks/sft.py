@@ -18,12 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                     allow_low_rank_optimizer_state, check_offload, check_optimizer, load_model_and_tokenizer, training_arguments)
-
 from ...errors import SwiftSlurmError
 from ...taskdir import METRICS_FILE, SUMMARY_FILE
 from ...taskdir import TOKEN_CACHE_DIR as CACHE_DIR  # under output_dir: a requeue finds the tokens there
+from ..build import (  # noqa: F401 (re-exported)
+    ModelUnavailable,
+    _apply_lora,
+    _offloads_optimizer,
+    _prepare_device_env,
+    allow_low_rank_optimizer_state,
+    check_offload,
+    check_optimizer,
+    load_model_and_tokenizer,
+    training_arguments,
+)
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -201,9 +209,9 @@ def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, ar
     newest verified checkpoint, else ``train.resume_from`` (resume_from.py); another DP size is converted."""
     from ...checkpoint.fingerprint import check_parallel_degrees, check_spec_drift
     from .. import parallel
-    from ..resume import worldsize
-    from ..resume import source as resume_from_mod
     from ..health.shutdown import shut_down_distributed
+    from ..resume import source as resume_from_mod
+    from ..resume import worldsize
 
     try:
         start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
@@ -223,8 +231,8 @@ def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, ar
 def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
-    from ..kernels import choose as kernels
     from .. import parallel
+    from ..kernels import choose as kernels
     from ..resume import source as resume_from_mod
 
     model, tok = load_model_and_tokenizer(spec, cuda, kern.attn)
@@ -257,8 +265,8 @@ def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], s
     from ..health import deadline
     from ..health.gpuutil import GpuSampler
     from ..health.metrics import CommTimer, StepMeter
-    from ..trainer import MetricsFileCallback, ScheduleCallback
     from ..health.watchdog import ProgressWatchdog
+    from ..trainer import MetricsFileCallback, ScheduleCallback
 
     comm = CommTimer().install()
     stack.callback(comm.uninstall)
@@ -300,8 +308,8 @@ def _zero_stage(ds_config: dict[str, Any]) -> int:
 def _data(spec, args, tok, model, attn: str, output_dir: str):
     """(train dataset, collator): tokenized once into the cache (rank 0 first, the others read it), then
     packed rows (``train.packing``) or single samples padded per micro-batch."""
-    from ..data.tokens import Collator
     from ..data.cache import cached_dataset
+    from ..data.tokens import Collator
 
     t = spec.train
     with args.main_process_first(local=False, desc="tokenizing the dataset"):
@@ -314,8 +322,8 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
                         samples.dropped, t.max_length)
     if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
         return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
-    from ..kernels import choose as kernels
     from ..data import packing
+    from ..kernels import choose as kernels
 
     packing.prepare_model(model)
     rows = packing.PackedDataset(samples, t.max_length, t.seed)
