@@ -139,7 +139,8 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
         failed = [r for r in report["results"] if not r["ok"]]
         return {"ranks": ranks, "nodes": ranks // per_node, "startup_s": round(startup, 2), "coordination_s": round(coordination, 2),
                 "slowest_rank_s": round(max(rank_s), 2),
-                "store_connect_max_s": round(max(store_s), 2), "store_connect_median_s": round(sorted(store_s)[len(store_s) // 2], 3), "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
+                "store_connect_max_s": round(max(store_s), 2), "store_connect_median_s": round(sorted(store_s)[len(store_s) // 2], 3),
+                "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
                 "failed": [f"{r['check']}@{r['node']}: {r['observed']}" for r in failed][:5]}
     finally:
         shutil.rmtree(base, ignore_errors=True)

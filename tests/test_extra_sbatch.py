@@ -32,7 +32,8 @@ def refusal(extra: list[str], slurm: str = "") -> str:
 
 @pytest.mark.parametrize("opt,key", [
     ("--no-req", "max_requeues"), ("--no-requeue", "max_requeues"), ("--requ", "requeue is always on"),
-    ("--arr=0-3", "[sweep]"), ("--tasks-per-node=8", "slurm.tasks_per_node"), ("--tas=8", "slurm.tasks_per_node"), ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
+    ("--arr=0-3", "[sweep]"), ("--tasks-per-node=8", "slurm.tasks_per_node"), ("--tas=8", "slurm.tasks_per_node"),
+    ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
     ("--nodes=2", "slurm.nodes"), ("--node=2", "slurm.nodes"), ("--ntasks=4", "slurm.nodes and slurm.tasks_per_node"),
     ("--ntasks-per-n=2", "slurm.tasks_per_node"), ("--export=NONE", "[env]"), ("--exp=ALL", "[env]"),
     ("--gpus=8", "slurm.gpus_per_node"), ("--gpus-per-task=1", "slurm.gpus_per_node"), ("--gpus-per-n=4", "slurm.gpus_per_node"),

@@ -82,7 +82,8 @@ def _truncate(p: Path) -> None:
 
 @pytest.mark.parametrize("damage,named", [
     (lambda c: _truncate(c / "model.safetensors"), "model.safetensors: "),
-    (lambda c: _truncate(c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: not a whole torch file"),
+    (lambda c: _truncate(c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+     "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: not a whole torch file"),
     (lambda c: (c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(), "optimizer shards of ranks [0, 2]"),
     (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_<rank>.pth: ranks [0, 2]"),
     (lambda c: (c / "latest").write_text("global_step9"), "latest: names 'global_step9'"),

@@ -128,7 +128,8 @@ def test_record_maps_every_array_and_ranks(tmp_path):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 def test_cli_plan_shows_groups_and_render_writes_one_script_each(tmp_path):

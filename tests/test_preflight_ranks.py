@@ -97,7 +97,8 @@ def test_faults_named_by_node_with_hints(tmp_path):
     no_fio = path_without(tmp_path, "fio")
     codes, report, logs, _ = launch(
         tmp_path, iperf=100_000, iops=10**9,
-        env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2"} for r in range(4)} | {3: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2", "PATH": no_fio}},
+        env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2"} for r in range(4)}
+        | {3: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2", "PATH": no_fio}},
     )
     assert codes == [4, 4, 4, 4]
     bad = failures(report)

@@ -350,7 +350,8 @@ def test_requeues_are_counted_per_job_not_per_directory():
     records = [
         {"job_id": "7", "restart_count": 0, "requeued": True},  # last week's job 7: requeued 3 times, then done
         {"job_id": "7", "restart_count": 1, "requeued": True, "outcome": "requeued"},
-        {"job_id": "7", "restart_count": 2, "requeued": False, "outcome": "max_requeues", "message": "stopped at walltime after 2 requeue(s): max_requeues reached"},
+        {"job_id": "7", "restart_count": 2, "requeued": False, "outcome": "max_requeues",
+         "message": "stopped at walltime after 2 requeue(s): max_requeues reached"},
         {"job_id": "40_3", "restart_count": 0, "requeued": True, "outcome": "requeued"},  # another submission
         {"job_id": "41", "restart_count": 0, "requeued": True, "outcome": "requeueing"},  # killed by its own requeue
     ]

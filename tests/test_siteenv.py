@@ -255,7 +255,8 @@ def test_container_submitit_parameters(tmp_path):
     app = plan_from(spec_text("/scratch/me/out", ["true"], 'python = "/opt/conda/bin/python"', tail=APPTAINER), "/work/jobs")
     # the output dir lies under a same-path mount: not bound twice; no GPUs: no --nv
     assert python_command(app, app.groups[0]) == (
-        "apptainer exec --bind /lustre/data:/data:ro --bind /scratch:/scratch --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif /opt/conda/bin/python")
+        "apptainer exec --bind /lustre/data:/data:ro --bind /scratch:/scratch --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif "
+        "/opt/conda/bin/python")
     assert slurm_parameters(app)["srun_args"] == ["--cpus-per-task=1"]  # apptainer wraps the command, not srun
     assert slurm_parameters(app)["setup"][-1] == 'if [ -n "${HF_TOKEN+x}" ]; then export APPTAINERENV_HF_TOKEN="$HF_TOKEN"; fi'
 
@@ -354,7 +355,8 @@ def test_apptainer_path_runs_on_the_cluster_through_a_fake_apptainer(tmp_path):
     # the rendered script, under plain sbatch, goes the same way
     state.unlink()
     assert cli("render", "s.toml", "-o", "job.sh", cwd=tmp_path, env=env).returncode == 0
-    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sh")], capture_output=True, text=True, env={**os.environ, **env}, check=True).stdout.strip()
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sh")], capture_output=True, text=True, env={**os.environ, **env},
+                         check=True).stdout.strip()
     sub = Submission("slurm", [job], out, [out], "")
     assert sub.wait(timeout_s=WAIT_S, poll_s=0.5) == {"0": "COMPLETED"}
     got = calls(state)
@@ -410,7 +412,9 @@ RECONFIGURE_ENV = "SWIFTSLURM_TEST_RECONFIGURE"
 
 @pytest.mark.slurm
 # CI's cluster is its own (make test starts it): there it always runs; on a shared cluster only when asked
-@pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get(RECONFIGURE_ENV) != "1", reason=f"sets MaxArraySize=10 in the shared cluster's slurm.conf and reconfigures it; run with {RECONFIGURE_ENV}=1 when no one else uses the cluster (CI=true always runs it)")
+@pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get(RECONFIGURE_ENV) != "1",
+                    reason=f"sets MaxArraySize=10 in the shared cluster's slurm.conf and reconfigures it; run with {RECONFIGURE_ENV}=1 when no one "
+                           "else uses the cluster (CI=true always runs it)")
 def test_real_max_array_size_from_scontrol(tmp_path):
     """MaxArraySize=10 in slurm.conf (restored after): submit reads it from `scontrol show config` and splits."""
     conf = Path("/etc/slurm/slurm.conf")

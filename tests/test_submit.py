@@ -67,7 +67,8 @@ def ranks(d: Path, restarts: int = 0) -> list[dict]:
 
 
 def cli(*args, cwd=None, timeout=WAIT_S + 30):
-    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 # ---------------------------------------------------------------- no cluster needed

@@ -27,7 +27,8 @@ WAIT_S = 180
 RECORD = (
     "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
     "keys = ['RANK', 'WORLD_SIZE', 'SLURM_JOB_NUM_NODES', 'SLURM_JOB_NODELIST', 'SLURM_ARRAY_JOB_ID', 'SLURM_ARRAY_TASK_ID', 'SLURM_JOB_ID']; "
-    "open(os.path.join(d, os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID'] + '-' + os.environ['RANK'] + '.json'), 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
+    "open(os.path.join(d, os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID'] + '-' + os.environ['RANK'] + '.json'), "
+    "'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
 )
 
 

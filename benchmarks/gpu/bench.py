@@ -220,7 +220,8 @@ def repeat(work: Path, out: Path, name: str, reps: int = 2, steps: int = 30) -> 
                 medians[key].append(st["step_ms_median"])
                 spreads[key].append(st["spread_ms"])
     record(out, {"what": "repeat", "run": name, "step_ms_median": medians, "spread_ms": spreads,
-                 "ratio_vs_bare": {k: round(statistics.median(medians["bare"]) / statistics.median(v), 3) for k, v in medians.items() if v and medians["bare"]}})
+                 "ratio_vs_bare": {k: round(statistics.median(medians["bare"]) / statistics.median(v), 3)
+                                   for k, v in medians.items() if v and medians["bare"]}})
 
 
 def _rank_pids() -> list[int]:

@@ -119,8 +119,8 @@ def main() -> int:
     for stage in map(int, a.stages.split(",")):
         for length in map(int, a.lengths.split(",")):
             est = estimate(a.shape, stage, length, a.micro, ckpt, a.liger)
-            cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps),
-                   "--one", f"{stage},{length}"] + (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
+            cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps), "--one", f"{stage},{length}"]
+            cmd += (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
             run = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
             if run.returncode or not lines:

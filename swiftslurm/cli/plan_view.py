@@ -127,7 +127,8 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     several = len(plan.groups) > 1
     if several:
         console.print(groups_table(plan))
-    table = Table(title=f"{len(plan.tasks)} task(s)" + ((" in " + str(len(plan.groups)) + " sbatch arrays" if several else " (one sbatch array)") if plan.is_array else ""))
+    arrays = (" in " + str(len(plan.groups)) + " sbatch arrays" if several else " (one sbatch array)") if plan.is_array else ""
+    table = Table(title=f"{len(plan.tasks)} task(s)" + arrays)
     table.add_column("task", justify="right")
     table.add_column("overrides")
     table.add_column("output dir", overflow="fold")

@@ -116,7 +116,8 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
     if sweep:
         rows = rank_sweep(rows)
     cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "tokens/s", "eta", "elapsed", "restarts", "checkpoint"]
-    drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()), *(() if with_checkpoint else ("checkpoint",))}
+    drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()),
+            *(() if with_checkpoint else ("checkpoint",))}
     cols = [c for c in cols if c not in drop]
     table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     for col in cols:
@@ -252,7 +253,8 @@ def follow_progress(console: Console, sub: Submission, interval_s: float | None 
 
     if console.is_terminal:
         with Live(Text("waiting for the job ..."), console=console, refresh_per_second=2, transient=False) as live:
-            states = sub.wait(timeout_s=timeout_s, on_update=lambda st: live.update(progress_table(rows_of(st), title, bool(sub.output_dir), console.width < 120)))
+            states = sub.wait(timeout_s=timeout_s,
+                              on_update=lambda st: live.update(progress_table(rows_of(st), title, bool(sub.output_dir), console.width < 120)))
         return states
     plain = PlainFollower(console, PLAIN_INTERVAL_S if interval_s is None else interval_s)
     console.print(f"following {title} (plain lines every {plain.interval_s:g} s at most)", highlight=False, markup=False)

@@ -61,7 +61,8 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
 
     group = one_group(plan, group)
     s = group.slurm
-    native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account", "nodelist": "nodelist"}
+    native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account",
+              "nodelist": "nodelist"}
     counts = {"nodes": "nodes", "ntasks-per-node": "ntasks_per_node", "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node"}
     params: dict[str, Any] = {
         "time": max(1, math.ceil(s.time_limit_s / 60)),  # submitit's own timeout bookkeeping (minutes)
@@ -114,7 +115,8 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
         return ex
     if s.nodes > 1:
         raise SubmissionError(
-            "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
+            "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})",
+            "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
         )
     if plan.container is not None and plan.container.runtime == "pyxis":
         raise SubmissionError(
@@ -322,7 +324,8 @@ def array_limits(kind: str, environ: dict[str, str] | None = None) -> ArrayLimit
     raw = env.get(MAX_ARRAY_SIZE_ENV, "").strip()
     if raw:
         if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
-            raise SubmissionError(f"${MAX_ARRAY_SIZE_ENV} is not a positive whole number", repr(raw), f"unset it, or set it to the site's MaxArraySize (e.g. {MAX_ARRAY_SIZE_ENV}=1001)")
+            raise SubmissionError(f"${MAX_ARRAY_SIZE_ENV} is not a positive whole number", repr(raw),
+                                  f"unset it, or set it to the site's MaxArraySize (e.g. {MAX_ARRAY_SIZE_ENV}=1001)")
         limits = ArrayLimits(int(raw), limits.max_array_tasks)
     return limits
 
@@ -331,7 +334,8 @@ def _parts(plan: Plan, limits: ArrayLimits) -> list[ArrayPart]:
     try:
         return plan.arrays(limits)
     except ValueError as exc:
-        raise SubmissionError("this site does not run job arrays", str(exc), "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
+        raise SubmissionError("this site does not run job arrays", str(exc),
+                              "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
 
 
 def avoid_bad_nodes(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:

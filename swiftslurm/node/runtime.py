@@ -200,7 +200,8 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
         except OSError as exc:
-            raise RuntimeEnvError(f"cannot start train.command ({exc.strerror})", " ".join(argv), "check the program name and that it is on PATH on every node") from None
+            raise RuntimeEnvError(f"cannot start train.command ({exc.strerror})", " ".join(argv),
+                                  "check the program name and that it is on PATH on every node") from None
         log.info("started train.command pid %d: %s", proc.pid, " ".join(argv))
         while True:
             try:

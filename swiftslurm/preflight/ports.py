@@ -56,7 +56,8 @@ def open_listener(node: str, port: int) -> tuple[Listener | None, CheckResult | 
     """Bind this node's test listener; a failure is a result naming the node, not an exception."""
     addr, err = resolve(node)
     if addr is None:
-        return None, CheckResult("ports", node, False, f"node name '{node}' does not resolve: {err}", "a resolvable node name", "fix /etc/hosts or DNS on this node")
+        return None, CheckResult("ports", node, False, f"node name '{node}' does not resolve: {err}", "a resolvable node name",
+                                 "fix /etc/hosts or DNS on this node")
     try:
         return Listener(addr, port), None
     except OSError as exc:

@@ -96,7 +96,8 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
     try:
         coord = Coordinator.connect(dist.master_addr, port["coord"], rank, world, timeout_s, prefix=f"preflight-{dist.job_id}")
     except CoordinationError as exc:
-        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join", "is MASTER_ADDR reachable from this node? is the port free?")], meta)
+        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join",
+                                          "is MASTER_ADDR reachable from this node? is the port free?")], meta)
     coord.put(f"rank-node/{rank}", node)
 
     sharedfs_file = Path(output_dir) / "preflight" / f".sharedfs-{dist.job_id}"

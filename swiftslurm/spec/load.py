@@ -257,7 +257,8 @@ def load_spec(path: str | Path) -> JobSpec:
     try:
         size = p.stat().st_size
         if size > MAX_SPEC_BYTES:
-            raise SpecError(source, [Problem("", "the spec file is too large", f"{size} bytes", "a job spec is a few KB of TOML; check you passed the right file")])
+            raise SpecError(source, [Problem("", "the spec file is too large", f"{size} bytes",
+                                             "a job spec is a few KB of TOML; check you passed the right file")])
         raw = p.read_bytes()
     except FileNotFoundError:
         raise SpecError(source, [Problem("", "no such spec file", source, "check the path; examples/quickstart.toml is a starting point")]) from None
@@ -305,7 +306,8 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
     if model and model not in TINY_MODELS and (model.startswith((".", "/")) or Path(model).exists()):
         p = Path(model) if Path(model).is_absolute() else base / model
         if not p.is_dir():
-            problems.append(Problem("train.model", "local model directory not found", str(p), "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
+            problems.append(Problem("train.model", "local model directory not found", str(p),
+                                    "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
     if spec.train.resume_from is not None:
         p = Path(spec.train.resume_from) if Path(spec.train.resume_from).is_absolute() else base / spec.train.resume_from
         if not p.is_dir():

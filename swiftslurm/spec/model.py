@@ -452,7 +452,8 @@ class ContainerTable(_Table):
     @classmethod
     def _image(cls, v: str) -> str:
         if not v.strip() or v != v.strip() or any(c in v for c in "\n\r\x00,"):
-            raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, without commas")
+            raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, "
+                             "without commas")
         return v
 
     @field_validator("mounts")

@@ -9,7 +9,8 @@ It goes through the production wiring: the spec is planned (``make_plan``, the p
 ``submit`` writes it), each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and, as ``swiftslurm run`` does,
 reads its task from the plan file, derives its rank environment (``distenv.derive``), checks the allocation
-and exports ``distenv.child_env`` before training. Each writes ``DIR/result-rank<r>.json``. ``--stop-at-step N`` makes rank 0 alone report a walltime stop at step N
+and exports ``distenv.child_env`` before training. Each writes ``DIR/result-rank<r>.json``. ``--stop-at-step N`` makes
+rank 0 alone report a walltime stop at step N
 (the other ranks learn it through the all-reduce), for testing the requeue path.
 """
 
