@@ -194,7 +194,7 @@ class Plan:
         scripts = [sbatch] if isinstance(sbatch, str) else sbatch
         arrays = [p.to_json() for p in parts]
         if scripts is not None:
-            for entry, script in zip(arrays, scripts):
+            for entry, script in zip(arrays, scripts, strict=True):
                 entry["sbatch"] = script
             for entry in groups:
                 mine = [a for a in arrays if a["group"] == entry["index"]]

@@ -56,7 +56,7 @@ def run_ranks(tmp: Path, script: str, world: int = 2, timeout_s: float = 60) -> 
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs, strict=True)]
 
 
 def test_no_process_group_thread_outlives_shut_down_distributed(tmp_path):

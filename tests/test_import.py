@@ -138,7 +138,7 @@ def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path
     trained.save_pretrained(tmp_path / "model")
     fresh = build_model(vocab, 128, seed=2)
     load_full(fresh, tmp_path / "model", "full")
-    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items()):
+    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     other = build_model(vocab, 128, seed=2, hidden_size=32)
     with pytest.raises(RuntimeEnvError, match="do not fit train.model"):

@@ -395,7 +395,7 @@ def test_split_sweep_cancel_and_rendered_parts(tmp_path):
     (tmp_path / "r.toml").write_text(spec_text("rout", ["true"], tail="[sweep]\nseed = [1, 2, 3, 4, 5]"))
     assert cli("render", "r.toml", "--max-array-size", "2", "-o", "job.sh", cwd=tmp_path).returncode == 0
     job_ids = []
-    for part, tasks in zip(range(3), ([0, 1], [2, 3], [4])):
+    for part, tasks in zip(range(3), ([0, 1], [2, 3], [4]), strict=True):
         job = slurm.sbatch(str(tmp_path / f"job.part{part}.sh"))
         job_ids += [f"{job}_{i}" for i in range(len(tasks))]
     sub = Submission("slurm", job_ids, str(tmp_path / "rout"), [str(tmp_path / "rout" / str(i)) for i in range(5)], "")

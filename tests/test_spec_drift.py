@@ -97,7 +97,7 @@ def test_edited_sweep_list_renumbers_tasks_and_is_refused(tmp_path):
         save_checkpoint(spec, ds, out)
     after = tasks(tmp_path, sweep="[sweep]\nlearning_rate = [5e-5, 1e-4, 2e-4]")
     assert [o for _, _, o in after[:2]] == [o for _, _, o in before]  # same dirs, other combinations
-    for (spec, ds, out), (old, new) in zip(after[:2], [("0.0001", "5e-05"), ("0.0002", "0.0001")]):
+    for (spec, ds, out), (old, new) in zip(after[:2], [("0.0001", "5e-05"), ("0.0002", "0.0001")], strict=True):
         with pytest.raises(RuntimeEnvError, match="was trained with another spec") as err:
             _resume_point(out, LOG, spec, ds)
         assert f"train.learning_rate: {old} -> {new}" in err.value.found

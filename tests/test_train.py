@@ -147,7 +147,7 @@ def test_demo_tensorboard_has_every_metric_with_plausible_values(demo):
 
     ds = load_dataset([str(ROOT / "examples/data/alpaca_demo.jsonl")], build_tokenizer(), 128)
     lengths = [len(ex["input_ids"]) for ex in ds.examples]
-    ratio = [t / n for t, n in zip(s["tokens_per_s"], s["samples_per_s"])]
+    ratio = [t / n for t, n in zip(s["tokens_per_s"], s["samples_per_s"], strict=True)]
     assert all(min(lengths) <= r <= max(lengths) for r in ratio), (ratio, min(lengths), max(lengths))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum("tokens_per_s" in r for r in rows) == 50 and rows[0]["step"] == 1

@@ -109,7 +109,7 @@ def step_stats(rows: list[dict], first: int = 6, last: int = 30) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
 # ---------------------------------------------------------------- parts

@@ -122,7 +122,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps), "--one", f"{stage},{length}"]
             cmd += (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
             run = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+            lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
             if run.returncode or not lines:
                 tail = (run.stderr.strip().splitlines() or ["?"])[-1]
                 row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, "measured_gib": None,

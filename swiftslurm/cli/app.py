@@ -214,10 +214,10 @@ def render(
     scripts = prepared.scripts
     paths = [out.with_name(n) for n in script_names(out.name, parts)]
     write_plan(the_plan, scripts, limits)
-    for path, script in zip(paths, scripts):
+    for path, script in zip(paths, scripts, strict=True):
         path.write_text(script)
     if len(paths) > 1:
-        each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts))
+        each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts, strict=True))
         err_console.print(f"the sweep needs {len(paths)} sbatch arrays: wrote one script each: {each}; submit each with sbatch FILE; they read the "
                           f"plan written to {the_plan.plan_path}", highlight=False, markup=False)
     else:

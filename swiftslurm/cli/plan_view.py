@@ -159,7 +159,7 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     for line in avoided_lines(avoided or [], plan):  # what submit would exclude now, from the ledger
         console.print(line, highlight=False, soft_wrap=True)
     parts = plan.arrays(limits)
-    for part, script in zip(parts, scripts):
+    for part, script in zip(parts, scripts, strict=True):
         group = part.group
         tasks = f"tasks {', '.join(map(str, part.tasks[:16]))}{' ...' if len(part.tasks) > 16 else ''}"
         which = (f" of group {group.index}" if several else "") + (f" part {part.part} ({tasks})" if part.parts > 1 else (f" ({tasks})" if several else ""))

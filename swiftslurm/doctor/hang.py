@@ -254,7 +254,7 @@ def stall(run: TaskRun) -> tuple[float, float, int, dict] | None:
     timed = [(n, r) for n, r in run.metrics if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step"), int) and "loss" in r]
     if len(timed) < 2:
         return None
-    gaps = [b[1]["time"] - a[1]["time"] for a, b in zip(timed, timed[1:]) if b[1]["step"] > a[1]["step"] and b[1]["time"] > a[1]["time"]]
+    gaps = [b[1]["time"] - a[1]["time"] for a, b in zip(timed, timed[1:], strict=False) if b[1]["step"] > a[1]["step"] and b[1]["time"] > a[1]["time"]]
     if not gaps:
         return None
     usual = statistics.median(gaps)

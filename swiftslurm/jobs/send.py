@@ -385,8 +385,8 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
                 _stop_sent(kind, sent)
                 raise
         job_ids = [""] * len(plan.tasks)
-        for part, jobs in zip(parts, sent):
-            for index, job in zip(part.tasks, jobs):
+        for part, jobs in zip(parts, sent, strict=True):
+            for index, job in zip(part.tasks, jobs, strict=True):
                 job_ids[index] = str(job.job_id)
         jobs_flat = [j for jobs in sent for j in jobs]
         sub = Submission(
@@ -402,7 +402,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
             arrays=[
                 {"job_id": str(jobs[0].job_id).split("_")[0] if kind == "slurm" else "", "tasks": list(part.tasks),
                  "ranks_per_task": part.group.world_size, "group": part.group.index}
-                for part, jobs in zip(parts, sent)
+                for part, jobs in zip(parts, sent, strict=True)
             ],
             avoided=avoided,
             pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},

@@ -107,7 +107,7 @@ class Coordinator:
         if not keys:
             return {}
         values = self._call("multi_get", list(keys.values()))
-        return {i: json.loads(v) for i, v in zip(keys, values)}
+        return {i: json.loads(v) for i, v in zip(keys, values, strict=True)}
 
     def barrier(self, name: str, deadline: float) -> list[int]:
         """Wait until every rank arrived at ``name``; returns the ranks still missing at the deadline.

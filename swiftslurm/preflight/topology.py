@@ -52,7 +52,7 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
                 break
             continue
         row = cells[0]
-        for col, cell in zip(gpu_cols, cells[1:1 + len(gpu_cols)]):
+        for col, cell in zip(gpu_cols, cells[1:1 + len(gpu_cols)], strict=False):
             if col != row and int(col[3:]) > int(row[3:]):
                 links.append(cell)
     nvlinks = [int(c[2:]) for c in links if re.fullmatch(r"NV\d+", c)]
@@ -85,7 +85,7 @@ def read_ib_ports(root: str | Path = SYSFS_IB) -> list[dict[str, str]]:
         except OSError:
             continue
         for port in ports:
-            def read(name: str) -> str:
+            def read(name: str, port: Path = port) -> str:
                 try:
                     return (port / name).read_text().strip()
                 except OSError:

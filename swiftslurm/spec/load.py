@@ -166,7 +166,7 @@ def _sweep_overrides(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
     import itertools
 
     keys = list(sweep)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
 def sweep_key_path(key: str) -> tuple[str, str]:

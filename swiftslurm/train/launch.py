@@ -51,7 +51,7 @@ def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None,
         procs.append(subprocess.Popen(argv, env=env, stdout=outs[-1], stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout_s
     results = []
-    for p, f in zip(procs, outs):
+    for p, f in zip(procs, outs, strict=True):
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

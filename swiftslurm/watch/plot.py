@@ -50,7 +50,7 @@ def figure(series: list[Series], title: str = ""):
     for s in series:
         xs, ys = _points(s.rows, "loss")
         (line,) = loss_ax.plot(xs, ys, label=s.label)
-        points = list(zip(xs, ys))
+        points = list(zip(xs, ys, strict=True))
         marks = [max((pt for pt in points if pt[0] <= step), default=None) for step in restart_steps(s.rows, s.requeues)]
         marks = [m for m in marks if m is not None][:50]  # each requeue on the last logged loss before it
         if marks:

@@ -202,7 +202,7 @@ def _json_array(p: Path) -> Iterator[tuple[str, Any]]:
     if skip() != "]":
         while True:
             try:
-                record, pos = _record(p, f"line {line}", text, lambda t: decoder.raw_decode(t, pos))
+                record, pos = _record(p, f"line {line}", text, lambda t, pos=pos: decoder.raw_decode(t, pos))
             except json.JSONDecodeError as exc:
                 raise bad_json(p, f"line {exc.lineno}", exc.msg, text[exc.pos:exc.pos + 60].split("\n")[0]) from None
             yield f"line {line}", record
