@@ -16,11 +16,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import allreduce, bounded, iperf, local, ports, topology
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
+
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
+    from ..spec.model import JobSpec
 
 FAULT_ENV = "SWIFTSLURM_PREFLIGHT_FAULT"
 FAULT_KINDS = ("no-listener", "kill-allreduce", "hang-allreduce")
@@ -57,7 +61,7 @@ def node_checks_budget(pf: Any, checks: list[str]) -> float:
     return node_checks_s(float(pf.timeout_s)) + (pf.iperf3_duration_s + iperf.CLIENT_GRACE_S if "iperf3" in checks else 0)
 
 
-def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str, ds_config: dict | None,
+def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: JobSpec, output_dir: str, ds_config: dict | None,
                         env: Any) -> None:
     pf = spec.preflight
     tool_s = float(pf.timeout_s)
@@ -73,7 +77,7 @@ def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec
         calls.start("topology", node, lambda: [topology.read_node(node, spec.slurm.gpus_per_node, tool_s)])
 
 
-def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
+def run_checks(dist: DistEnv, spec: JobSpec, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
                ds_config: dict | None = None) -> Outcome:
     env = os.environ if env is None else env
     faults = parse_faults(env.get(FAULT_ENV, ""))

@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint as ck
 from ...checkpoint.importer import import_dir
 from ...errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
 from ...taskdir import RESUME_SOURCE_DIR as IMPORT_DIR  # under output_dir: not a checkpoint-N of the run, so never its own resume point
 from . import agree as resume
+
+if TYPE_CHECKING:
+    from ...spec.model import JobSpec
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -45,7 +48,7 @@ class Start:
         return None if self.weights_only else self.path
 
 
-def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, rank: int, node: str) -> Start:
+def resolve_start(resume_arg: str | bool | None, spec: JobSpec, output_dir: str, rank: int, node: str) -> Start:
     """Where this run starts, the same on every rank (see the module docstring)."""
     if resume_arg is not True:  # an explicit path from the local launcher, or None: as before
         found = resume.resolve(resume_arg, output_dir, rank, node)
@@ -67,7 +70,7 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     return Start(str(chosen), bool(prepared["weights_only"]), "resume_from")
 
 
-def _prepare_on_rank_0(spec: Any, output_dir: str) -> dict[str, Any]:
+def _prepare_on_rank_0(spec: JobSpec, output_dir: str) -> dict[str, Any]:
     """``prepare_source`` as a broadcastable verdict: the path, or the error every rank must raise alike."""
     try:
         path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec)
@@ -82,7 +85,7 @@ def _prepare_on_rank_0(spec: Any, output_dir: str) -> dict[str, Any]:
                           "run `swiftslurm import PATH --into DIR` on it to see what it holds; report this with `--debug`"]}
 
 
-def prepare_source(src: str, output_dir: str, spec: Any) -> tuple[Path, bool]:
+def prepare_source(src: str, output_dir: str, spec: JobSpec) -> tuple[Path, bool]:
     """(a verified checkpoint of ours to start from, weights only?) for ``train.resume_from = src`` (rank 0)."""
     path = Path(src)
     if not path.is_dir():
