@@ -223,8 +223,8 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     micro = spec_train.per_device_train_batch_size
     accum = spec_train.gradient_accumulation_steps
     if tensor_parallel > 1:  # AutoTP training: DeepSpeed splits the Linear layers across the TP group
-        merged["tensor_parallel"] = deep_merge(merged.get("tensor_parallel") if isinstance(merged.get("tensor_parallel"), dict) else {},
-                                               {"autotp_size": tensor_parallel})
+        tp = merged.get("tensor_parallel")
+        merged["tensor_parallel"] = deep_merge(tp if isinstance(tp, dict) else {}, {"autotp_size": tensor_parallel})
         merged.setdefault("zero_optimization", {})["gather_16bit_weights_on_model_save"] = True  # a whole HF model on save
     if sequence_parallel > 1:
         merged["sequence_parallel_size"] = sequence_parallel

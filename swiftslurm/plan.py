@@ -324,7 +324,8 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             except SpecError as exc:
                 problems += exc.problems
         task_spec = _resolve_paths(task_spec, base_dir)
-        ds, warns = None, []
+        ds: dict[str, Any] | None = None
+        warns: list[str] = []
         if task_spec.has_training and not task_spec.train.command:  # no [train]: no DeepSpeed either
             try:
                 ds, warns = dsconfig.build_for_spec(task_spec)

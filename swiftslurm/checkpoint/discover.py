@@ -31,7 +31,8 @@ def list_checkpoints(output_dir: Path | str) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = sorted((p for p in out.iterdir() if step_of(p) is not None and p.is_dir()), key=lambda p: step_of(p), reverse=True)
+    steps = {p: step for p in out.iterdir() if (step := step_of(p)) is not None and p.is_dir()}
+    found = sorted(steps, key=lambda p: steps[p], reverse=True)
     stale = os.environ.get(STALE_LISTING_ENV, "")
     if stale and os.environ.get("RANK", "0") in stale.split(","):
         return found[1:]

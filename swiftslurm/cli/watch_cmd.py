@@ -12,7 +12,7 @@ import time
 from pathlib import Path, PurePosixPath
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -126,7 +126,7 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
     shown = rows if len(rows) <= MAX_ROWS else ([r for r in rows if r.state != "COMPLETED"] if not sweep else rows)[:MAX_ROWS]
     for r in shown:
         style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
-        cells = {
+        cells: dict[str, RenderableType] = {
             "task": f"{r.task}" + (" best" if r.best else ""), "overrides": override_text(r.overrides), "job": r.job_id,
             "state": f"[{style}]{r.state}[/]" if style else r.state, "node(s)": r.nodes or "-",
             "step": _progress_cell(r.step, r.max_steps, r.state), "loss": num(r.loss), "final loss": num(r.final_loss),

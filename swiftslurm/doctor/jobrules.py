@@ -48,7 +48,7 @@ def preflight_failures(run: TaskRun) -> list[Finding]:
     if not bad:
         return []
     blamed = blamed_nodes(bad)
-    decision = report.get("decision") if isinstance(report.get("decision"), dict) else {}
+    decision = found if isinstance(found := report.get("decision"), dict) else {}
     ev = tuple(Evidence(PREFLIGHT_FILE, None, None, r.node, None, f"{r.check} {r.node}: {r.observed}"
                         + (f" (expected {r.expected})" if r.expected else "") + (f"; HINT: {r.hint}" if r.hint else "")) for r in bad[:4])
     action = str(decision.get("action") or "")

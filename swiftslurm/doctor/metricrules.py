@@ -180,7 +180,7 @@ def speed(run: TaskRun) -> list[Finding]:
     comm = _median(rows, ("comm_wait_ratio",))
     data = _median(rows, ("data_wait_ratio",))
     idle = util is not None and util[0] < GPU_UTIL_MIN
-    if idle:
+    if idle and util is not None:
         why = []
         if comm and comm[0] > COMM_RATIO_MAX:
             why.append("collectives (comm_bound below)")

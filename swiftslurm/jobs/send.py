@@ -78,6 +78,7 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
         if key in native:
             params[native[key]] = value
         elif key in counts:
+            assert value is not None, key  # a count always carries its number (render.sbatch_directives)
             params[counts[key]] = int(value)
         elif key == "signal":
             continue
@@ -123,7 +124,7 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
             "a pyxis container starts through srun, which the local executor does not use", f"container.runtime = 'pyxis' ({plan.container.image})",
             "use --executor slurm on a cluster with pyxis, or runtime = \"apptainer\" to run the image here",
         )
-    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group, local=True))
+    local = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group, local=True))
     # No `setup` lines here: with them submitit starts the controller through `sh -c`, and the pid it
     # reports is the shell's, which a cancel cannot stop. [env] goes in through _local_env instead.
     params: dict[str, Any] = {
@@ -133,8 +134,8 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
-    ex.update_parameters(**params)
-    return ex
+    local.update_parameters(**params)
+    return local
 
 
 @contextlib.contextmanager

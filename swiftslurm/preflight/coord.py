@@ -57,7 +57,7 @@ class Coordinator:
         import torch.distributed as tdist
 
         try:
-            store = tdist.TCPStore(
+            store: tdist.Store = tdist.TCPStore(
                 host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s), wait_for_workers=False
             )
         except Exception as exc:  # RuntimeError/DistNetworkError: name the address

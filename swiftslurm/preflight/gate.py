@@ -33,7 +33,7 @@ EXCLUDE_WAIT_S = 120  # rank 0's scontrol calls (each bounded by SLURM_TIMEOUT_S
 
 def checks_for(spec: JobSpec, mode: str) -> list[str]:
     """The checks to run: the spec's list; a preflight-only run with an empty list runs them all (pure)."""
-    checks = list(spec.preflight.checks)
+    checks: list[str] = list(spec.preflight.checks)
     if not checks and mode == "preflight":
         checks = list(CHECKS)
     return checks

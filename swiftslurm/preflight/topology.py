@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, MutableMapping
 
 from ..fsutil import MIB, open_regular
 from .results import CheckResult
@@ -191,7 +191,7 @@ def read_node(node: str, gpus_per_node: int, timeout_s: float, sysfs: str | Path
     return judge_transport(node, read_ib_ports(sysfs), None, False, topo)
 
 
-def capture_nccl(env: dict[str, str], job_id: str, rank: int, multi_node: bool, tmpdir: str,
+def capture_nccl(env: MutableMapping[str, str], job_id: str, rank: int, multi_node: bool, tmpdir: str,
                  sysfs: str | Path = SYSFS_IB) -> Path | None:
     """Before the NCCL all-reduce: where NCCL's INFO lines will go, when it is worth asking (several nodes, an
     ACTIVE IB/RoCE port here, and NCCL_DEBUG not set by the user); sets NCCL_DEBUG=INFO,

@@ -70,7 +70,8 @@ def shape_of(spec: Any, read_disk: bool) -> tuple[ModelShape | None, list[Proble
 
 
 def _zero(ds: dict[str, Any]) -> tuple[int, bool, bool]:
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    found = ds.get("zero_optimization")
+    zero: dict[str, Any] = found if isinstance(found, dict) else {}
     dev = lambda key: isinstance(zero.get(key), dict) and zero[key].get("device") in ("cpu", "nvme")  # noqa: E731
     stage = zero.get("stage", 0)
     return (stage if isinstance(stage, int) else 0), dev("offload_optimizer"), dev("offload_param")

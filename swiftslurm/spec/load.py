@@ -8,6 +8,7 @@ path, what was found and what to do.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -250,7 +251,7 @@ def parse_spec(text: str, source: str = "spec") -> JobSpec:
     return validate_spec(data, source)
 
 
-def load_spec(path: str | Path) -> JobSpec:
+def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     """Read and validate a spec file. A missing or unreadable file is a SpecError too."""
     p = Path(path)
     source = str(path)
@@ -274,7 +275,7 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(text, source)
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
+def load_raw(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The raw dict of a spec file (for planning sweeps). Call after load_spec succeeded."""
     return parse_toml(Path(path).read_text("utf-8"), str(path))
 

@@ -49,6 +49,8 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if train.model is None:  # validate_spec requires it for the built-in trainer
+        raise ModelUnavailable("cannot load a model: train.model is not set", "", "set train.model (a hub id or a local directory)")
     last: Exception | None = None
     for local_only in (True, False) if not offline else (True,):
         try:

@@ -89,12 +89,15 @@ def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | No
 
     def should_stop() -> bool:
         calls["n"] += 1
-        return bool(stop_at_step) and dist.rank == 0 and calls["n"] >= stop_at_step
+        return bool(stop_at_step and dist.rank == 0 and calls["n"] >= stop_at_step)
 
     calls = {"n": 0}
     try:  # the runtime's steps (node/runtime.py), without its preflight, signals and requeue
         _data, task, ds = read_plan_task(plan_file, 0)
         spec = task.spec
+        if ds is None:  # the plan has none for a spec without training or with train.command: not this launcher's
+            raise SwiftSlurmError("the test launcher runs the built-in trainer", "the plan holds no DeepSpeed config for task 0",
+                                  "give the spec a [train] model and dataset, without train.command")
         distenv.check_spec_env(spec.env)
         dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
         distenv.check_allocation(dist, spec)

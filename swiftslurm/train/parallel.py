@@ -85,7 +85,7 @@ def check_model(spec: JobSpec, model) -> None:
         return
     config = getattr(model, "config", None)
     try:
-        shape = shape_from_config(config.to_dict(), f"{spec.train.model} config")
+        shape = shape_from_config(config.to_dict(), f"{spec.train.model} config")  # type: ignore[union-attr]  # no config: the AttributeError below
     except (ShapeError, AttributeError) as exc:
         raise ParallelError("cannot read the attention heads of the model for the parallel degrees", str(exc),
                             "use a decoder model with a transformers config (num_attention_heads, ...)") from None

@@ -190,7 +190,7 @@ class Collator:
         import torch
 
         width = self.fixed_width or max(len(ex["input_ids"]) for ex in batch)
-        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "attention_mask": []}
         if self.fixed_width:
             out["position_ids"] = [list(range(width)) for _ in batch]
         for ex in batch:

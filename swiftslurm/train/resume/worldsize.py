@@ -107,7 +107,7 @@ def untie_step_counters(optimizer: Any) -> int:
 
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wrapper holds the torch optimizer
     state = getattr(inner, "state", None)
-    if not isinstance(state, dict) and not hasattr(state, "values"):
+    if state is None or not hasattr(state, "values"):  # a dict, or a torch optimizer's state (a defaultdict)
         return 0
     seen: set[int] = set()
     untied = 0

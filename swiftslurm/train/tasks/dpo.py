@@ -57,6 +57,7 @@ def trainer_class():
             self.max_prompt_length = max_prompt_length  # read by _prepare_dataset, inside TRL's __init__
             super().__init__(*args, **kwargs)
             # TRL applied LoRA (peft_config) inside __init__: count what it made trainable
+            assert self.model is not None  # TRL's __init__ set it
             total = sum(p.numel() for p in self.model.parameters())
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             self.flops_per_token = flops_per_token(total, trainable)

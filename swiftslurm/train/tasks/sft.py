@@ -283,7 +283,7 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
     stack.callback(watchdog.stop)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
-    callbacks = [schedule]
+    callbacks: list[Any] = [schedule]
     metrics_path = Path(output_dir) / METRICS_FILE
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))
