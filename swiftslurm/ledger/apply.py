@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..spec.model import JobSpec
 
 
-def _with_exclude(spec: JobSpec, exclude: str | None):
+def _with_exclude(spec: JobSpec, exclude: str | None) -> JobSpec:
     return spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"exclude": exclude})})
 
 
