@@ -60,7 +60,9 @@ def _memory() -> dict[str, float]:
 def _imports():
     import numpy  # noqa: F401
 
-    from swiftslurm.train.data import tokens as data, cache as datacache, packing
+    from swiftslurm.train.data import cache as datacache
+    from swiftslurm.train.data import packing
+    from swiftslurm.train.data import tokens as data
     from swiftslurm.train.tinymodel import build_tokenizer
 
     return data, datacache, packing, build_tokenizer

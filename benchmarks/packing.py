@@ -114,9 +114,9 @@ def main() -> None:
 
     import torch
 
-    from swiftslurm.train.kernels import choose as kernels
     from swiftslurm.train.data import packing
     from swiftslurm.train.data.tokens import Collator, SFTDataset
+    from swiftslurm.train.kernels import choose as kernels
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

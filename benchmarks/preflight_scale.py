@@ -50,11 +50,10 @@ MASTER_ADDR = "127.0.0.1"
 
 def _child(rank_env_: dict[str, str], spec_path: str, out: str, go_fd: int, result_fd: int) -> None:
     """One forked rank: its SLURM_* environment, wait for go, the real gate; its seconds on ``result_fd``."""
+    from swiftslurm.preflight import coord as coord_module
     from swiftslurm.preflight.gate import gate
     from swiftslurm.slurm import distenv
     from swiftslurm.spec import load_spec
-
-    from swiftslurm.preflight import coord as coord_module
 
     real_connect = coord_module.Coordinator.connect.__func__
     connect_s = [0.0]
@@ -140,15 +139,17 @@ def run_once(ranks: int, per_node: int, checks: list[str], timeout_s: int, workd
         failed = [r for r in report["results"] if not r["ok"]]
         return {"ranks": ranks, "nodes": ranks // per_node, "startup_s": round(startup, 2), "coordination_s": round(coordination, 2),
                 "slowest_rank_s": round(max(rank_s), 2),
-                "store_connect_max_s": round(max(store_s), 2), "store_connect_median_s": round(sorted(store_s)[len(store_s) // 2], 3), "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
+                "store_connect_max_s": round(max(store_s), 2), "store_connect_median_s": round(sorted(store_s)[len(store_s) // 2], 3),
+                "phase_s": report.get("phase_s", {}), "wall_s_rank0": report.get("wall_s"),
                 "failed": [f"{r['check']}@{r['node']}: {r['observed']}" for r in failed][:5]}
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 def main() -> int:
-    import torch.distributed  # noqa: F401 - imported once, before the ranks fork: start-up is not measured here
     import rich.console  # noqa: F401
+    import torch.distributed  # noqa: F401 - imported once, before the ranks fork: start-up is not measured here
+
     import swiftslurm.preflight.gate  # noqa: F401
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

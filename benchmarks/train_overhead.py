@@ -43,14 +43,13 @@ def make_spec(args, out: str):
 
 def bare_run(spec, ds: dict, out: str) -> tuple[float, int]:
     """The reference: a plain HF Trainer + DeepSpeed, nothing of swiftslurm but the shared data/model code."""
+    import torch
+    import torch.distributed as tdist
     from transformers import Trainer, set_seed
 
     from swiftslurm.train.data.tokens import Collator, load_dataset
     from swiftslurm.train.tasks.sft import training_arguments
     from swiftslurm.train.tinymodel import build_model, build_tokenizer
-
-    import torch
-    import torch.distributed as tdist
 
     set_seed(spec.train.seed)
     args = training_arguments(spec, out, ds, cuda=False)
@@ -85,8 +84,8 @@ def swiftslurm_run(spec, ds: dict, out: str, dist) -> float:
 def worker(args) -> None:
     import torch.distributed as tdist
 
-    from swiftslurm.slurm.distenv import DistEnv
     from swiftslurm.dsconfig import build_for_spec
+    from swiftslurm.slurm.distenv import DistEnv
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

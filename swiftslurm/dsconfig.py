@@ -21,11 +21,44 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from .errors import Problem, SpecError
 from .fsutil import CONFIG_CAP, Unreadable, read_text
 from .resources import resource_dir
+
+
+# What the DeepSpeed config reads of the job spec, as read-only protocols (``spec.model.JobSpec`` satisfies
+# ``SpecView``): this module sits below ``spec`` and imports none of it; the type checker holds the two together.
+class TrainView(Protocol):
+    @property
+    def deepspeed(self) -> str: ...
+    @property
+    def bf16(self) -> bool: ...
+    @property
+    def fp16(self) -> bool: ...
+    @property
+    def per_device_train_batch_size(self) -> int: ...
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+
+
+class ParallelView(Protocol):
+    @property
+    def sequence_parallel(self) -> int: ...
+    @property
+    def tensor_parallel(self) -> int: ...
+
+
+class SpecView(Protocol):
+    @property
+    def train(self) -> TrainView: ...
+    @property
+    def deepspeed(self) -> Mapping[str, Any]: ...
+    @property
+    def parallel(self) -> ParallelView: ...
+    @property
+    def world_size(self) -> int: ...
 
 ALLOW_BOTH_OFFLOADS = "swiftslurm_allow_both_offloads"
 OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -193,7 +226,7 @@ def isolate_nvme_swap(config: dict[str, Any], name: str) -> tuple[dict[str, Any]
     return out, folders
 
 
-def _precision(spec_train) -> dict[str, Any]:
+def _precision(spec_train: TrainView) -> dict[str, Any]:
     fp16: dict[str, Any] = {"enabled": bool(spec_train.fp16)}
     if spec_train.fp16:
         fp16.update({"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
@@ -201,7 +234,7 @@ def _precision(spec_train) -> dict[str, Any]:
     return {"bf16": {"enabled": bool(spec_train.bf16)}, "fp16": fp16}
 
 
-def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_size: int,
+def build(base: dict[str, Any], overrides: dict[str, Any], spec_train: TrainView, world_size: int,
           source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
     """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings).
 
@@ -223,8 +256,8 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
     micro = spec_train.per_device_train_batch_size
     accum = spec_train.gradient_accumulation_steps
     if tensor_parallel > 1:  # AutoTP training: DeepSpeed splits the Linear layers across the TP group
-        merged["tensor_parallel"] = deep_merge(merged.get("tensor_parallel") if isinstance(merged.get("tensor_parallel"), dict) else {},
-                                               {"autotp_size": tensor_parallel})
+        tp = merged.get("tensor_parallel")
+        merged["tensor_parallel"] = deep_merge(tp if isinstance(tp, dict) else {}, {"autotp_size": tensor_parallel})
         merged.setdefault("zero_optimization", {})["gather_16bit_weights_on_model_save"] = True  # a whole HF model on save
     if sequence_parallel > 1:
         merged["sequence_parallel_size"] = sequence_parallel
@@ -243,7 +276,7 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train, world_siz
 NO_DEEPSPEED = "none"  # train.deepspeed = "none": plain data parallel (torch DDP); the dict is empty
 
 
-def build_for_spec(spec) -> tuple[dict[str, Any], list[str]]:
+def build_for_spec(spec: SpecView) -> tuple[dict[str, Any], list[str]]:
     """The final DeepSpeed dict of a JobSpec (world size = ``spec.world_size``) and its warnings.
     ``train.deepspeed = "none"``: {} (no DeepSpeed engine), and a [deepspeed] table is refused."""
     name = spec.train.deepspeed

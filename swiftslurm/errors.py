@@ -26,6 +26,7 @@ class SwiftSlurmError(Exception):
     """Base of every user-facing error. ``exit_code`` follows SPEC.md."""
 
     exit_code = 1
+    agreed = False  # raised alike on every rank from one verdict (train.resume.source): the ranks may leave together
 
     def __init__(self, what: str, found: str = "", hint: str = "") -> None:
         self.what = what

@@ -108,7 +108,7 @@ def describe_os_error(path: str | os.PathLike[str], exc: OSError) -> str:
     return f"unreadable: {what}" + (f" ({code})" if code and code not in what else "")
 
 
-def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> io.FileIO:
     """``path`` opened for binary reading (unbuffered), refusing anything but a regular file without ever
     blocking: a FIFO would block ``open`` forever, a device is endless. NotRegularFile names what it is."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)

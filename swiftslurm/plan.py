@@ -24,11 +24,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import Problem, SpecError
+from .sizing.check import Sizing, size_task
 from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
-from .sizing.check import Sizing, size_task
 from .taskdir import PLAN_FILE
-
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ class Plan:
         scripts = [sbatch] if isinstance(sbatch, str) else sbatch
         arrays = [p.to_json() for p in parts]
         if scripts is not None:
-            for entry, script in zip(arrays, scripts):
+            for entry, script in zip(arrays, scripts, strict=True):
                 entry["sbatch"] = script
             for entry in groups:
                 mine = [a for a in arrays if a["group"] == entry["index"]]
@@ -325,7 +324,8 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             except SpecError as exc:
                 problems += exc.problems
         task_spec = _resolve_paths(task_spec, base_dir)
-        ds, warns = None, []
+        ds: dict[str, Any] | None = None
+        warns: list[str] = []
         if task_spec.has_training and not task_spec.train.command:  # no [train]: no DeepSpeed either
             try:
                 ds, warns = dsconfig.build_for_spec(task_spec)

@@ -101,13 +101,13 @@ forced_save_fractions = []
 
 def main(out_root: str, presets: list[str]) -> int:
     os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
     from swiftslurm import dsconfig
     from swiftslurm.errors import SwiftSlurmError
     from swiftslurm.slurm.distenv import DistEnv, free_port
     from swiftslurm.spec import parse_spec
     from swiftslurm.train.tasks.sft import train
-
-    from deepspeed.ops.op_builder import AsyncIOBuilder
 
     print("AIO " + json.dumps(AsyncIOBuilder().is_compatible(verbose=False)), flush=True)
     port = free_port()

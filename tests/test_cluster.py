@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import wait_for_job
 
 pytestmark = pytest.mark.slurm

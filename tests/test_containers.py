@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fake_container
-from swiftslurm.jobs.send import Submission
+import pytest
 from test_submit_groups import cli, spec_text
+
+from swiftslurm.jobs.send import Submission
 
 WAIT_S = 180
 

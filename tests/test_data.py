@@ -20,7 +20,7 @@ def tok():
 
 
 def trained_text(tok, ex) -> str:
-    return tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != IGNORE_INDEX])
+    return tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != IGNORE_INDEX])
 
 
 def test_alpaca_labels_only_the_response(tok):

@@ -41,7 +41,7 @@ def test_one_tokenizer_call_per_chunk_encodes_each_record_as_one_call_per_record
 
     records = [rec for path in FILES for _, rec in data.read_records(path)]
     kinds = [data.check_record(Path(FILES[0]), 1, r) for r in records]
-    mixed = [k for pair in zip(kinds[:30], kinds[30:]) for k in pair]  # alpaca, chat, alpaca, chat, ...
+    mixed = [k for pair in zip(kinds[:30], kinds[30:], strict=False) for k in pair]  # alpaca, chat, alpaca, chat, ...
     for max_length in (24, 40, 128):
         one_by_one = [data.encode(kind, rec, tok, max_length) for kind, rec in mixed]
         assert data.encode_many(mixed, tok, max_length) == one_by_one

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from conftest import exit_threads_env, threads_at_exit
+
 from swiftslurm.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def run_ranks(tmp: Path, script: str, world: int = 2, timeout_s: float = 60) -> 
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs, strict=True)]
 
 
 def test_no_process_group_thread_outlives_shut_down_distributed(tmp_path):

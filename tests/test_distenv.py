@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swiftslurm.errors import RuntimeEnvError
 from swiftslurm.slurm import distenv
 from swiftslurm.slurm.distenv import check_allocation, child_env, derive, expand_nodelist, expand_tasks_per_node, port_for_job
-from swiftslurm.errors import RuntimeEnvError
 from swiftslurm.spec import parse_spec
 
 DATA = Path(__file__).parent / "data" / "hostlists"
@@ -372,7 +372,8 @@ def test_allocation_matches():
 
 
 def test_allocation_one_task_per_node_but_spec_says_two():
-    env = slurm_env(SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1", SLURM_LOCALID="0")
+    env = slurm_env(SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1",
+                    SLURM_LOCALID="0")
     with pytest.raises(RuntimeEnvError) as err:
         check_allocation(derive(env), spec_of())
     assert "--ntasks-per-node=2" in err.value.hint and "tasks_per_node" in err.value.hint

@@ -24,9 +24,9 @@ from swiftslurm.doctor import diagnose_task
 from swiftslurm.doctor.evidence import Line, TaskRun, read_task
 from swiftslurm.doctor.hang import culprits, stack_dumps
 from swiftslurm.doctor.target import runs_of
+from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import submit_plan
 from tests.test_resume import explain
 
 HEALTHY_RUN = Path(__file__).parent / "data" / "watch_run"  # the quickstart model, 12 steps, 2 ranks (local)

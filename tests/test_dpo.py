@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_train import losses, quickstart_spec, run, submit_on_two_nodes, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[1]

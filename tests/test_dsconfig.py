@@ -178,7 +178,7 @@ def test_two_jobs_and_two_sweep_tasks_get_different_swap_folders():
     plan = make_plan(validate_spec(raw), raw, "/work/submit")
     names = set()
     for job_id in ("100", "101"):
-        for task, ds in zip(plan.tasks, plan.deepspeed):
+        for task, ds in zip(plan.tasks, plan.deepspeed, strict=True):
             _, folders = dsconfig.isolate_nvme_swap(ds, dsconfig.nvme_swap_name(job_id, task.index, task.output_dir))
             names.add(folders[0])
     assert len(names) == 4  # two jobs x two tasks, all apart

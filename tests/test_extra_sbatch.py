@@ -12,8 +12,7 @@ import pytest
 
 from swiftslurm.errors import SpecError
 from swiftslurm.spec import parse_spec
-from swiftslurm.spec.sbatch_options import (NONE, OPT, OWNED_SBATCH_OPTIONS, REQ, SBATCH_ALIASES, SBATCH_OPTIONS, SHORT_OPTIONS,
-                                            parse_extra, resolve_long)
+from swiftslurm.spec.sbatch_options import NONE, OPT, OWNED_SBATCH_OPTIONS, REQ, SBATCH_ALIASES, SBATCH_OPTIONS, SHORT_OPTIONS, parse_extra, resolve_long
 
 BASE = '[train]\ncommand = ["true"]\n'
 
@@ -33,7 +32,8 @@ def refusal(extra: list[str], slurm: str = "") -> str:
 
 @pytest.mark.parametrize("opt,key", [
     ("--no-req", "max_requeues"), ("--no-requeue", "max_requeues"), ("--requ", "requeue is always on"),
-    ("--arr=0-3", "[sweep]"), ("--tasks-per-node=8", "slurm.tasks_per_node"), ("--tas=8", "slurm.tasks_per_node"), ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
+    ("--arr=0-3", "[sweep]"), ("--tasks-per-node=8", "slurm.tasks_per_node"), ("--tas=8", "slurm.tasks_per_node"),
+    ("--sig=USR1@60", "slurm.signal_grace_s"), ("--nodel=node1", "slurm.nodelist"),
     ("--nodes=2", "slurm.nodes"), ("--node=2", "slurm.nodes"), ("--ntasks=4", "slurm.nodes and slurm.tasks_per_node"),
     ("--ntasks-per-n=2", "slurm.tasks_per_node"), ("--export=NONE", "[env]"), ("--exp=ALL", "[env]"),
     ("--gpus=8", "slurm.gpus_per_node"), ("--gpus-per-task=1", "slurm.gpus_per_node"), ("--gpus-per-n=4", "slurm.gpus_per_node"),
@@ -158,7 +158,7 @@ def test_the_option_table_matches_the_real_sbatch(slurm_cluster, tmp_path):
 
     names = [*SBATCH_OPTIONS, *SBATCH_ALIASES]
     with ThreadPoolExecutor(8) as pool:
-        kinds = dict(zip(names, pool.map(lambda n: real_kind(tmp_path, n), names)))
+        kinds = dict(zip(names, pool.map(lambda n: real_kind(tmp_path, n), names), strict=True))
     unknown = {n for n, kind in kinds.items() if kind is None}
     if version == (22, 5):
         assert unknown == NEWER_THAN_22_05
@@ -169,13 +169,13 @@ def test_the_option_table_matches_the_real_sbatch(slurm_cluster, tmp_path):
 
     prefixes = sorted({name[:i] for name in names if name not in unknown for i in range(2, len(name)) if resolve_long(name[:i])[0] is not None})
     with ThreadPoolExecutor(8) as pool:
-        answers = dict(zip(prefixes, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), prefixes)))
+        answers = dict(zip(prefixes, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), prefixes), strict=True))
     ambiguous = {p: a.strip().splitlines()[0] for p, a in answers.items() if "is ambiguous" in a or "unrecognized option" in a}
     assert not ambiguous, ambiguous
     # an option the help does not name: every two letters the real sbatch knows an option by, the table knows too
     firsts = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase + "-"]
     with ThreadPoolExecutor(8) as pool:
-        answers = dict(zip(firsts, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), firsts)))
+        answers = dict(zip(firsts, pool.map(lambda p: real_sbatch(tmp_path, f"--{p}=x"), firsts), strict=True))
     real_firsts = {p for p, a in answers.items() if "unrecognized option" not in a}
     table_firsts = {n[:2] for n in names if n not in unknown}
     assert real_firsts == table_firsts, {"real sbatch only": real_firsts - table_firsts, "table only": table_firsts - real_firsts}

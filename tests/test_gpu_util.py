@@ -35,7 +35,7 @@ def test_every_ranks_value_is_reduced_to_mean_lowest_and_whose():
     assert abs(f["gpu_util"] - 0.6) < 1e-9 and f["gpu_util_min"] == 0.3 and f["gpu_util_min_rank"] == 1.0
     # the trainer's slots: each rank writes only its own slot of the summed vector (rank 1 sampled nothing)
     shares = [rank_slots(value, rank, 3) for rank, value in enumerate([0.8, None, 0.5])]
-    summed = [sum(col) for col in zip(*shares)]
+    summed = [sum(col) for col in zip(*shares, strict=True)]
     assert summed == [0.8, UNKNOWN, 0.5]
     assert gpu_fields(summed) == {"gpu_util": 0.65, "gpu_util_min": 0.5, "gpu_util_min_rank": 2.0}
 

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from swiftslurm import checkpoint as ck
-from swiftslurm.node import ownership
-from swiftslurm.jobs.record import process_start
-
 from test_checkpoint import make_checkpoint
 from test_import import hf_trainer_ckpt
+
+from swiftslurm import checkpoint as ck
+from swiftslurm.jobs.record import process_start
+from swiftslurm.node import ownership
 
 
 def snapshot(root: Path) -> list[tuple[str, int, int]] | None:

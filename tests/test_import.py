@@ -82,7 +82,8 @@ def _truncate(p: Path) -> None:
 
 @pytest.mark.parametrize("damage,named", [
     (lambda c: _truncate(c / "model.safetensors"), "model.safetensors: "),
-    (lambda c: _truncate(c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: not a whole torch file"),
+    (lambda c: _truncate(c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+     "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: not a whole torch file"),
     (lambda c: (c / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(), "optimizer shards of ranks [0, 2]"),
     (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_<rank>.pth: ranks [0, 2]"),
     (lambda c: (c / "latest").write_text("global_step9"), "latest: names 'global_step9'"),
@@ -129,15 +130,15 @@ def test_cli_says_what_it_imported_and_refuses_with_one_message(tmp_path):
 
 
 def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path):
-    from swiftslurm.train.tinymodel import build_model, build_tokenizer
     from swiftslurm.train.resume.weights import load_full
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     vocab = len(build_tokenizer())
     trained = build_model(vocab, 128, seed=1)
     trained.save_pretrained(tmp_path / "model")
     fresh = build_model(vocab, 128, seed=2)
     load_full(fresh, tmp_path / "model", "full")
-    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items()):
+    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     other = build_model(vocab, 128, seed=2, hidden_size=32)
     with pytest.raises(RuntimeEnvError, match="do not fit train.model"):
@@ -251,8 +252,8 @@ def test_an_imported_checkpoint_resumes_with_a_warning_naming_its_origin(tmp_pat
 def test_an_adapter_loads_into_a_fresh_lora_model_and_a_misfit_is_one_error(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from swiftslurm.train.tinymodel import build_model, build_tokenizer
     from swiftslurm.train.resume.weights import load_adapter, load_full
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     vocab = len(build_tokenizer())
 

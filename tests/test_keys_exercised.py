@@ -136,8 +136,8 @@ def test_debug_shows_the_traceback_a_user_error_otherwise_hides(tmp_path):
 def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path):
     from transformers import TrainerControl, TrainerState
 
-    from swiftslurm.train.trainer import ScheduleCallback
     from swiftslurm.train.health.watchdog import FLOOR_ENV, ProgressWatchdog
+    from swiftslurm.train.trainer import ScheduleCallback
 
     class Meter:  # the step meter is not what is tested here
         def end_step(self):

@@ -111,7 +111,7 @@ def test_no_cycles_inside_a_folder():
             graph[mod] = {t for _, t in imports_of(path) if t.startswith(module_name(folder) + ".") and t != mod}
         seen: dict[str, int] = {}
 
-        def visit(node: str, stack: list[str]) -> None:
+        def visit(node: str, stack: list[str], seen: dict[str, int] = seen, graph: dict[str, set[str]] = graph) -> None:
             if seen.get(node) == 1:
                 raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(node):] + [node]))
             if seen.get(node) == 2:

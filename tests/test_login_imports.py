@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import submit_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.toml"))

@@ -17,12 +17,12 @@ import math
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from one_process_runs import run_dir
+
 from swiftslurm import dsconfig
 
 ROOT = Path(__file__).resolve().parent.parent

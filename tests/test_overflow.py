@@ -12,9 +12,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import deepspeed  # noqa: F401  (the train extra; a missing one fails)
+import pytest
 
 from swiftslurm.train.launch import free_port  # noqa: E402
 

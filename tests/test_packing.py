@@ -123,7 +123,7 @@ def test_packed_and_unpacked_give_the_same_per_token_losses(tok, samples, impl):
     unpacked_batch = Collator(tok.pad_token_id)([ex for row in batch_rows for ex in row])  # padded, with a mask
     unpacked = per_token_losses(model, unpacked_batch)
     assert len(packed) == len(unpacked) > 100
-    assert max(abs(x - y) for x, y in zip(packed, unpacked)) < 1e-4
+    assert max(abs(x - y) for x, y in zip(packed, unpacked, strict=True)) < 1e-4
 
 
 def test_the_equivalence_check_catches_a_boundary_that_is_not_restarted(tok, samples):
@@ -135,7 +135,7 @@ def test_the_equivalence_check_catches_a_boundary_that_is_not_restarted(tok, sam
     broken = dict(batch, position_ids=batch["position_ids"].clone())
     broken["position_ids"][0, n_a:n_a + len(b["input_ids"])] += n_a  # B continues A: one long sequence
     good, bad = per_token_losses(model, batch), per_token_losses(model, broken)
-    assert max(abs(x - y) for x, y in zip(good, bad)) > 1e-3
+    assert max(abs(x - y) for x, y in zip(good, bad, strict=True)) > 1e-3
 
 
 # ---- what the meter counts

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from swiftslurm.errors import OneScriptTooFew
+from swiftslurm.jobs.send import Submission, slurm_parameters
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm.render import array_spec, index_ranges, render_all, render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, slurm_parameters
 
 BASE = """
 [job]
@@ -128,7 +128,8 @@ def test_record_maps_every_array_and_ranks(tmp_path):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 def test_cli_plan_shows_groups_and_render_writes_one_script_each(tmp_path):

@@ -129,7 +129,8 @@ def _view(busbw):
 
 
 def test_judge_names_the_dead_rank_and_folds_the_rest():
-    views = {0: {"ok": False, "error": "RuntimeError: Connection closed by peer"}, 1: {"ok": False, "error": "RuntimeError: Connection closed by peer"}, 3: {"ok": False, "error": "x"}}
+    views = {0: {"ok": False, "error": "RuntimeError: Connection closed by peer"}, 1: {"ok": False, "error": "RuntimeError: Connection closed by peer"},
+             3: {"ok": False, "error": "x"}}
     out = allreduce.judge(views, [2], NODES, 0, 30)
     assert [(r.check, r.node, r.ok) for r in out] == [("allreduce", "node3", False), ("allreduce", "all", False)]
     assert "rank 2 on node3" in out[0].observed and "node3" in out[0].hint
@@ -342,8 +343,8 @@ def test_report_json_png_table(tmp_path):
 
 @pytest.mark.parametrize("on_failure, proceed, action", [("abort", False, "abort"), ("warn", True, "warn"), ("exclude", False, "abort")])
 def test_gate_on_failure(tmp_path, on_failure, proceed, action, capsys):
-    from swiftslurm.slurm.distenv import derive
     from swiftslurm.preflight import gate
+    from swiftslurm.slurm.distenv import derive
     from swiftslurm.spec import parse_spec
 
     spec = parse_spec(

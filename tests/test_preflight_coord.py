@@ -8,7 +8,6 @@ import time
 from datetime import timedelta
 
 import pytest
-
 import torch.distributed as tdist
 
 from swiftslurm.preflight.coord import Coordinator  # noqa: E402

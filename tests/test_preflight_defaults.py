@@ -164,7 +164,8 @@ def test_gate_tests_the_checkpoint_dir_and_a_missed_default_floor_trains(tmp_pat
 
 
 def test_gate_a_floor_the_user_set_fails(tmp_path):
-    proceed, report = _gate(tmp_path, 'checks = ["nvme"]\nmin_nvme_iops = 1000000000', ds_config={"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    offload = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    proceed, report = _gate(tmp_path, 'checks = ["nvme"]\nmin_nvme_iops = 1000000000', ds_config=offload)
     assert not proceed and report["decision"]["action"] == "abort" and report["failed"] == 1
 
 

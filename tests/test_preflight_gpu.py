@@ -47,7 +47,7 @@ def test_nccl_allreduce_sweep_two_gpus():
     views = {}
     for r, p in enumerate(procs):
         out, _ = p.communicate(timeout=300)
-        line = next(l for l in out.splitlines() if l.startswith("VIEW "))
+        line = next(ln for ln in out.splitlines() if ln.startswith("VIEW "))
         views[r] = json.loads(line[5:])
     assert all(v["ok"] for v in views.values()), views
     assert views[0]["sizes"] == GPU_SIZES and views[0]["backend"] == "nccl"

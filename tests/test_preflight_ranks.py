@@ -6,11 +6,11 @@ variables one srun task would see. The same entry under real srun is in test_pre
 from __future__ import annotations
 
 import json
-import zlib
 import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -97,7 +97,8 @@ def test_faults_named_by_node_with_hints(tmp_path):
     no_fio = path_without(tmp_path, "fio")
     codes, report, logs, _ = launch(
         tmp_path, iperf=100_000, iops=10**9,
-        env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2"} for r in range(4)} | {3: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2", "PATH": no_fio}},
+        env_by_rank={r: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2"} for r in range(4)}
+        | {3: {"SWIFTSLURM_PREFLIGHT_FAULT": "no-listener@node2", "PATH": no_fio}},
     )
     assert codes == [4, 4, 4, 4]
     bad = failures(report)

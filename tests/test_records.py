@@ -16,8 +16,8 @@ import pytest
 
 from swiftslurm.checkpoint.fingerprint import dataset_identity
 from swiftslurm.train.data import cache as datacache
-from swiftslurm.train.data.tokens import DataError, load_dataset
 from swiftslurm.train.data.records import read_records
+from swiftslurm.train.data.tokens import DataError, load_dataset
 from swiftslurm.train.tinymodel import build_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -1,16 +1,16 @@
 """render_sbatch: the standalone script (pure parts here; `sbatch` of it runs in test_submit.py)."""
 
 import os
-import sys
 import subprocess
+import sys
 
 import pytest
 
 from swiftslurm.errors import SpecError
+from swiftslurm.jobs.send import slurm_parameters
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm.render import render_sbatch, sbatch_directives
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import slurm_parameters
 
 BASE = """
 [job]
@@ -117,7 +117,8 @@ def json_str(v: str) -> str:
     return json.dumps(v)
 
 
-@pytest.mark.parametrize("opt,field", [("--array=0-3", "[sweep]"), ("--job-name=x", "job.name"), ("--signal=B:USR2@9", "signal_grace_s"), ("--wrap=id", "swiftslurm")])
+@pytest.mark.parametrize("opt,field", [("--array=0-3", "[sweep]"), ("--job-name=x", "job.name"), ("--signal=B:USR2@9", "signal_grace_s"),
+                                       ("--wrap=id", "swiftslurm")])
 def test_extra_sbatch_cannot_override_what_swiftslurm_sets(tmp_path, opt, field):
     """Refused when the spec is validated (so `swiftslurm validate` already says it), not only at render."""
     with pytest.raises(SpecError) as err:
@@ -137,7 +138,8 @@ def test_cli_render_writes_script_and_plan(tmp_path):
     spec = tmp_path / "s.toml"
     spec.write_text(BASE.format(out="o", slurm_extra="", tail=""))
     env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "render", str(spec), "-o", str(tmp_path / "job.sh")], cwd=tmp_path, capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "render", str(spec), "-o", str(tmp_path / "job.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "o" / "swiftslurm-plan.json").is_file()
     subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)

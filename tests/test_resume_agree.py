@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_checkpoint import make_checkpoint
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.errors import CheckpointUnreadable
 from swiftslurm.slurm.distenv import free_port
-from test_checkpoint import make_checkpoint
 
 AGREE = """
 import datetime, json, sys

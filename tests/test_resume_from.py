@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import losses, quickstart_spec, run
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import free_port, launch
-from test_train import losses, quickstart_spec, run
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"

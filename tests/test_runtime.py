@@ -9,14 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
+from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, read_requeues, report_stopped, stop_reason, walltime_requeues
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm import distenv
-from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, read_requeues, report_stopped, stop_reason, walltime_requeues
 from swiftslurm.spec import parse_spec
 
 PY = sys.executable
@@ -261,6 +261,7 @@ def wait_local_job(job, timeout_s: float) -> list:
 
 def submit_local(tmp: Path, plan: Path):
     import submitit
+
     from swiftslurm.node.runtime import run_task
 
     executor = submitit.LocalExecutor(folder=str(tmp / "submitit"))
@@ -349,7 +350,8 @@ def test_requeues_are_counted_per_job_not_per_directory():
     records = [
         {"job_id": "7", "restart_count": 0, "requeued": True},  # last week's job 7: requeued 3 times, then done
         {"job_id": "7", "restart_count": 1, "requeued": True, "outcome": "requeued"},
-        {"job_id": "7", "restart_count": 2, "requeued": False, "outcome": "max_requeues", "message": "stopped at walltime after 2 requeue(s): max_requeues reached"},
+        {"job_id": "7", "restart_count": 2, "requeued": False, "outcome": "max_requeues",
+         "message": "stopped at walltime after 2 requeue(s): max_requeues reached"},
         {"job_id": "40_3", "restart_count": 0, "requeued": True, "outcome": "requeued"},  # another submission
         {"job_id": "41", "restart_count": 0, "requeued": True, "outcome": "requeueing"},  # killed by its own requeue
     ]

@@ -16,17 +16,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fake_container
+import pytest
+from test_submit_groups import cli, plan_from  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
+from test_submit_groups import spec_text as groups_spec_text
+
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.jobs.send import Submission, array_limits, load_submission, python_command, slurm_parameters
 from swiftslurm.node.banner import container_row
 from swiftslurm.plan import ArrayLimits, split_tasks
 from swiftslurm.slurm.render import render_all, render_sbatch, script_names
 from swiftslurm.spec import check_files, parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, array_limits, load_submission, python_command, slurm_parameters
-from test_submit_groups import cli, plan_from, spec_text as groups_spec_text  # the same helpers: spec text -> Plan, `python -m swiftslurm ...`
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "render"
@@ -254,7 +255,8 @@ def test_container_submitit_parameters(tmp_path):
     app = plan_from(spec_text("/scratch/me/out", ["true"], 'python = "/opt/conda/bin/python"', tail=APPTAINER), "/work/jobs")
     # the output dir lies under a same-path mount: not bound twice; no GPUs: no --nv
     assert python_command(app, app.groups[0]) == (
-        "apptainer exec --bind /lustre/data:/data:ro --bind /scratch:/scratch --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif /opt/conda/bin/python")
+        "apptainer exec --bind /lustre/data:/data:ro --bind /scratch:/scratch --pwd /workspace --writable-tmpfs /work/jobs/images/pytorch.sif "
+        "/opt/conda/bin/python")
     assert slurm_parameters(app)["srun_args"] == ["--cpus-per-task=1"]  # apptainer wraps the command, not srun
     assert slurm_parameters(app)["setup"][-1] == 'if [ -n "${HF_TOKEN+x}" ]; then export APPTAINERENV_HF_TOKEN="$HF_TOKEN"; fi'
 
@@ -353,7 +355,8 @@ def test_apptainer_path_runs_on_the_cluster_through_a_fake_apptainer(tmp_path):
     # the rendered script, under plain sbatch, goes the same way
     state.unlink()
     assert cli("render", "s.toml", "-o", "job.sh", cwd=tmp_path, env=env).returncode == 0
-    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sh")], capture_output=True, text=True, env={**os.environ, **env}, check=True).stdout.strip()
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sh")], capture_output=True, text=True, env={**os.environ, **env},
+                         check=True).stdout.strip()
     sub = Submission("slurm", [job], out, [out], "")
     assert sub.wait(timeout_s=WAIT_S, poll_s=0.5) == {"0": "COMPLETED"}
     got = calls(state)
@@ -392,7 +395,7 @@ def test_split_sweep_cancel_and_rendered_parts(tmp_path):
     (tmp_path / "r.toml").write_text(spec_text("rout", ["true"], tail="[sweep]\nseed = [1, 2, 3, 4, 5]"))
     assert cli("render", "r.toml", "--max-array-size", "2", "-o", "job.sh", cwd=tmp_path).returncode == 0
     job_ids = []
-    for part, tasks in zip(range(3), ([0, 1], [2, 3], [4])):
+    for part, tasks in zip(range(3), ([0, 1], [2, 3], [4]), strict=True):
         job = slurm.sbatch(str(tmp_path / f"job.part{part}.sh"))
         job_ids += [f"{job}_{i}" for i in range(len(tasks))]
     sub = Submission("slurm", job_ids, str(tmp_path / "rout"), [str(tmp_path / "rout" / str(i)) for i in range(5)], "")
@@ -409,7 +412,9 @@ RECONFIGURE_ENV = "SWIFTSLURM_TEST_RECONFIGURE"
 
 @pytest.mark.slurm
 # CI's cluster is its own (make test starts it): there it always runs; on a shared cluster only when asked
-@pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get(RECONFIGURE_ENV) != "1", reason=f"sets MaxArraySize=10 in the shared cluster's slurm.conf and reconfigures it; run with {RECONFIGURE_ENV}=1 when no one else uses the cluster (CI=true always runs it)")
+@pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get(RECONFIGURE_ENV) != "1",
+                    reason=f"sets MaxArraySize=10 in the shared cluster's slurm.conf and reconfigures it; run with {RECONFIGURE_ENV}=1 when no one "
+                           "else uses the cluster (CI=true always runs it)")
 def test_real_max_array_size_from_scontrol(tmp_path):
     """MaxArraySize=10 in slurm.conf (restored after): submit reads it from `scontrol show config` and splits."""
     conf = Path("/etc/slurm/slurm.conf")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -146,7 +147,7 @@ def test_all_problems_reported_together(in_tmp):
 
 def test_spec_is_frozen():
     spec = parse_spec(GOOD)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         spec.train.learning_rate = 1.0  # type: ignore[misc]
 
 

@@ -8,15 +8,14 @@ own resume step.
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from swiftslurm import checkpoint as ck
-from swiftslurm.checkpoint.fingerprint import META_KEY, fingerprint_changes, training_fingerprint
+from swiftslurm.checkpoint.fingerprint import META_KEY, check_spec_drift, fingerprint_changes, training_fingerprint
 from swiftslurm.errors import RuntimeEnvError
-from swiftslurm.checkpoint.fingerprint import check_spec_drift
 from swiftslurm.plan import make_plan, read_plan_task, write_plan
 from swiftslurm.spec import parse_spec
 
@@ -98,7 +97,7 @@ def test_edited_sweep_list_renumbers_tasks_and_is_refused(tmp_path):
         save_checkpoint(spec, ds, out)
     after = tasks(tmp_path, sweep="[sweep]\nlearning_rate = [5e-5, 1e-4, 2e-4]")
     assert [o for _, _, o in after[:2]] == [o for _, _, o in before]  # same dirs, other combinations
-    for (spec, ds, out), (old, new) in zip(after[:2], [("0.0001", "5e-05"), ("0.0002", "0.0001")]):
+    for (spec, ds, out), (old, new) in zip(after[:2], [("0.0001", "5e-05"), ("0.0002", "0.0001")], strict=True):
         with pytest.raises(RuntimeEnvError, match="was trained with another spec") as err:
             _resume_point(out, LOG, spec, ds)
         assert f"train.learning_rate: {old} -> {new}" in err.value.found

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_checkpoint import make_checkpoint
+from test_resume_agree import AGREE, free_port
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.checkpoint import cache
 from swiftslurm.checkpoint.split import shares
 from swiftslurm.errors import CheckpointUnreadable
-from test_checkpoint import make_checkpoint
-from test_resume_agree import AGREE, free_port
 
 
 class ThreadExchange:
@@ -163,7 +163,6 @@ def test_a_file_of_its_share_another_rank_cannot_see_is_a_view_problem_not_damag
     import os as os_module
 
     from swiftslurm.checkpoint import split
-
     from swiftslurm.checkpoint.names import owner_rank
 
     newest = ck.final_dir(three, 3)

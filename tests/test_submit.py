@@ -12,10 +12,10 @@ import pytest
 
 from swiftslurm import slurm
 from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 
 WAIT_S = 180
 
@@ -67,7 +67,8 @@ def ranks(d: Path, restarts: int = 0) -> list[dict]:
 
 
 def cli(*args, cwd=None, timeout=WAIT_S + 30):
-    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 # ---------------------------------------------------------------- no cluster needed
@@ -243,7 +244,8 @@ def test_injection_through_render_and_real_sbatch(tmp_path):
         plan_from(spec_text("o", str(tmp_path / "r"), slurm_extra=f"extra_sbatch = {json.dumps(['--comment=' + nasty[3]])}"), tmp_path)
     comment = f"--comment={nasty[0]} {nasty[1]} {nasty[2]}"
     # env values and the output path: arrive literally
-    env = "[env]\n" + "\n".join(f"SWIFTSLURM_PROBE_{k} = {json.dumps(v)}" for k, v in zip("ABC", (nasty[0] + nasty[3], nasty[1] + nasty[4], nasty[2])))
+    values = (nasty[0] + nasty[3], nasty[1] + nasty[4], nasty[2])
+    env = "[env]\n" + "\n".join(f"SWIFTSLURM_PROBE_{k} = {json.dumps(v)}" for k, v in zip("ABC", values, strict=True))
     out = tmp_path / f"out {nasty[0]} {nasty[1]} {nasty[2]}".replace("/", "_")
     text = spec_text(str(out), str(tmp_path / "ranks"), env=env, slurm_extra=f"extra_sbatch = {json.dumps([comment])}")
     plan = plan_from(text, tmp_path)

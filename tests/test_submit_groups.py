@@ -15,11 +15,11 @@ from rich.console import Console
 
 from swiftslurm import slurm
 from swiftslurm.errors import PreflightFailed, SubmissionError
+from swiftslurm.jobs.send import Submission, load_records, load_submission, process_start, submit_plan
 from swiftslurm.node import ownership
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import Submission, load_records, load_submission, process_start, submit_plan
 
 WAIT_S = 180
 
@@ -27,7 +27,8 @@ WAIT_S = 180
 RECORD = (
     "import json, os, sys; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
     "keys = ['RANK', 'WORLD_SIZE', 'SLURM_JOB_NUM_NODES', 'SLURM_JOB_NODELIST', 'SLURM_ARRAY_JOB_ID', 'SLURM_ARRAY_TASK_ID', 'SLURM_JOB_ID']; "
-    "open(os.path.join(d, os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID'] + '-' + os.environ['RANK'] + '.json'), 'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
+    "open(os.path.join(d, os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID'] + '-' + os.environ['RANK'] + '.json'), "
+    "'w').write(json.dumps({k: os.environ.get(k) for k in keys}))"
 )
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from conftest import exit_threads_env, threads_at_exit
+
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import launch
 
@@ -147,7 +147,7 @@ def test_demo_tensorboard_has_every_metric_with_plausible_values(demo):
 
     ds = load_dataset([str(ROOT / "examples/data/alpaca_demo.jsonl")], build_tokenizer(), 128)
     lengths = [len(ex["input_ids"]) for ex in ds.examples]
-    ratio = [t / n for t, n in zip(s["tokens_per_s"], s["samples_per_s"])]
+    ratio = [t / n for t, n in zip(s["tokens_per_s"], s["samples_per_s"], strict=True)]
     assert all(min(lengths) <= r <= max(lengths) for r in ratio), (ratio, min(lengths), max(lengths))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum("tokens_per_s" in r for r in rows) == 50 and rows[0]["step"] == 1
@@ -206,11 +206,10 @@ def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
 def test_zero3_full_saves_consolidated_weights_that_load_with_same_logits(tmp_path):
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from swiftslurm.train.tinymodel import build_model
-
-    from safetensors import safe_open
 
     spec, out = quickstart_spec(tmp_path, "z3", deepspeed="zero3", bf16=True, max_steps=2, save_steps=2, logging_steps=1)
     run(spec, out)

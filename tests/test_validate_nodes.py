@@ -166,9 +166,9 @@ def test_env_master_port_must_be_a_port_as_on_the_nodes(tmp_cwd):
 
 def test_every_variable_child_env_derives_is_refused_in_env():
     """The list validate refuses is the one the nodes refuse: every per-rank variable child_env sets."""
+    from swiftslurm.errors import SpecError
     from swiftslurm.slurm import distenv
     from swiftslurm.spec import parse_spec
-    from swiftslurm.errors import SpecError
 
     dist = distenv.derive({}, pid=1)
     for name in distenv.dist_vars(dist):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torch
 
-from swiftslurm.train.kernels import varlen  # noqa: E402
 from swiftslurm.train.data.packing import STATS_PREFIX, PackingCollator  # noqa: E402
+from swiftslurm.train.kernels import varlen  # noqa: E402
 
 
 def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
@@ -22,7 +21,7 @@ def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     assert q.dim() == 3 and k.shape[0] == q.shape[0] and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
     outs = []
-    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
         o = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
             is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa)

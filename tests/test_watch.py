@@ -22,9 +22,9 @@ from rich.console import Console
 
 from swiftslurm import slurm
 from swiftslurm.cli.watch_cmd import PlainFollower, plain_line, progress_table
+from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.jobs.send import submit_plan
 from swiftslurm.watch import logs as L
 from swiftslurm.watch.progress import Progress, TaskFiles, Watcher, progress_of, rank_sweep, restart_steps, segments, total_of
 
@@ -139,7 +139,8 @@ def test_torn_nan_and_absent_files_are_tolerated(tmp_path):
     p = progress_of(0, "COMPLETED", files.metrics())
     assert p.best_loss == 2.5 and json.loads(json.dumps(Progress(0, "X", loss=float("nan")).to_json()))["loss"] is None
     (tmp_path / "requeues.json").write_text("{not json")
-    row = Watcher("", [str(tmp_path)]).rows([SimpleNamespace(task=0, job_id="1", state="RUNNING", nodes="", restarts=0, elapsed="1-02:03:04", output_dir=str(tmp_path))])[0]
+    row = Watcher("", [str(tmp_path)]).rows([SimpleNamespace(task=0, job_id="1", state="RUNNING", nodes="", restarts=0, elapsed="1-02:03:04",
+                                                             output_dir=str(tmp_path))])[0]
     assert row.elapsed_s == 93784 and row.restarts == 0 and row.step == 3
 
 
@@ -207,7 +208,8 @@ def test_errors_name_the_rank_that_printed_first(tmp_path):
                  "[rank0]:   File \"t.py\", line 3, in <module>\n[rank0]: ValueError: planted on a rank\n"
                  "2026-12-01 05:07:51,000 [rank 0 localhost] ERROR NCCL watchdog timeout\n")
     reports = L.find_errors(_run_reader(tmp_path).new_lines())
-    assert [(r.rank, r.headline) for r in reports] == [(1, "ValueError: planted on a rank"), (0, "2026-12-01 05:07:51,000 [rank 0 localhost] ERROR NCCL watchdog timeout")]
+    assert [(r.rank, r.headline) for r in reports] == [(1, "ValueError: planted on a rank"),
+                                                       (0, "2026-12-01 05:07:51,000 [rank 0 localhost] ERROR NCCL watchdog timeout")]
     assert reports[0].also == [0] and reports[0].lines[0] == "Traceback (most recent call last):" and len(reports[0].lines) == 4
     assert reports[0].node == "node7"
 

@@ -14,15 +14,15 @@ The losses of steps 5-8 and 9-12 stay within 1e-3 of ref's.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
+from test_train import losses, quickstart_spec, to_toml
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.checkpoint import universal as ucp
 from swiftslurm.train.launch import launch
-from test_train import losses, quickstart_spec, to_toml
 
 
 def test_plan_load_decides_as_is_convert_or_refuse():

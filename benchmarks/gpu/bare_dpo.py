@@ -10,11 +10,10 @@ import json
 import os
 
 import torch
+from bare_trainer import LORA_TARGETS, StepLog
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
-
-from bare_trainer import LORA_TARGETS, StepLog
 
 
 def main():

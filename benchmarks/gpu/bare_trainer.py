@@ -15,8 +15,7 @@ import os
 import time
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
 from swiftslurm.train.data.tokens import Collator, load_dataset  # noqa: E402
 

@@ -109,7 +109,7 @@ def step_stats(rows: list[dict], first: int = 6, last: int = 30) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
 # ---------------------------------------------------------------- parts
@@ -220,7 +220,8 @@ def repeat(work: Path, out: Path, name: str, reps: int = 2, steps: int = 30) -> 
                 medians[key].append(st["step_ms_median"])
                 spreads[key].append(st["spread_ms"])
     record(out, {"what": "repeat", "run": name, "step_ms_median": medians, "spread_ms": spreads,
-                 "ratio_vs_bare": {k: round(statistics.median(medians["bare"]) / statistics.median(v), 3) for k, v in medians.items() if v and medians["bare"]}})
+                 "ratio_vs_bare": {k: round(statistics.median(medians["bare"]) / statistics.median(v), 3)
+                                   for k, v in medians.items() if v and medians["bare"]}})
 
 
 def _rank_pids() -> list[int]:

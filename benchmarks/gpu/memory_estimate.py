@@ -36,7 +36,8 @@ SHAPES = {  # transformers config values
 
 def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool, liger: bool = False) -> dict:
     from swiftslurm.sizing.layout import Layout
-    from swiftslurm.sizing.memory import GIB, Settings, estimate as est
+    from swiftslurm.sizing.memory import GIB, Settings
+    from swiftslurm.sizing.memory import estimate as est
     from swiftslurm.sizing.shape import shape_from_config
 
     shape = shape_from_config(SHAPES[shape_name], shape_name)
@@ -118,10 +119,10 @@ def main() -> int:
     for stage in map(int, a.stages.split(",")):
         for length in map(int, a.lengths.split(",")):
             est = estimate(a.shape, stage, length, a.micro, ckpt, a.liger)
-            cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps),
-                   "--one", f"{stage},{length}"] + (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
+            cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps), "--one", f"{stage},{length}"]
+            cmd += (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
             run = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+            lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
             if run.returncode or not lines:
                 tail = (run.stderr.strip().splitlines() or ["?"])[-1]
                 row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, "measured_gib": None,

@@ -33,9 +33,8 @@ def block_causal(position_ids):
 
 def main() -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from attn_kernels import packed_positions  # this script's directory
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from swiftslurm.train.kernels import varlen
 
@@ -128,7 +127,8 @@ def main() -> None:
             sync()
             times.append((time.perf_counter() - t0) * 1000)
         print(json.dumps({"what": "packed_model", "path": name, "attn": impl, "rows": a.rows, "row": a.row,
-                          "ms_fwd_bwd": round(statistics.median(times), 2), "host_ms": round(statistics.median(launch), 2), "loss": round(loss, 5), "grad_rel_diff": grad_diff, "syncs": len(syncs), "sync_sites": sorted(set(syncs))[:5]}),
+                          "ms_fwd_bwd": round(statistics.median(times), 2), "host_ms": round(statistics.median(launch), 2), "loss": round(loss, 5),
+                          "grad_rel_diff": grad_diff, "syncs": len(syncs), "sync_sites": sorted(set(syncs))[:5]}),
               flush=True)
         if a.profile:
             from torch.profiler import ProfilerActivity, profile

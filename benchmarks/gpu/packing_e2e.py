@@ -127,8 +127,9 @@ def main() -> None:
     if not data.exists():
         alpaca_like(data, a.samples)
 
-    from swiftslurm.train.data.tokens import load_dataset
     from transformers import AutoTokenizer
+
+    from swiftslurm.train.data.tokens import load_dataset
 
     lengths = load_dataset([str(data)], AutoTokenizer.from_pretrained(assets["model_dir"]), 2048).lengths()
     record(out, {"what": "data", "samples": len(lengths), "median_tokens": statistics.median(lengths),

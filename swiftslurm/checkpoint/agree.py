@@ -23,7 +23,6 @@ from .manifest import ManifestError, describe_os_error, file_kind, read_manifest
 from .names import owner_rank, step_of
 
 
-
 class Exchange(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from ..fsutil import RECORD_CAP, read_json
-from .manifest import walk_files
 from ..taskdir import VERIFIED_CACHE_FILE as CACHE_FILE
+from .manifest import walk_files
 
 TMP_INFIX = ".tmp."  # a killed save's leftover: <CACHE_FILE>.tmp.<pid>, removed by prune
 _fingerprints: dict[str, tuple] = {}

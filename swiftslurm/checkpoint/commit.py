@@ -23,7 +23,6 @@ from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
 from .names import DELETING_PREFIX, LATEST_NAME, owner_rank, staging_dir, step_of
 
-
 # Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
 DELAY_ENV = "SWIFTSLURM_CKPT_TEST_DELAY_S"
 

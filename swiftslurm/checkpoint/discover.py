@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified
+from .cache import save as save_cache
 from .manifest import ManifestError, read_manifest
 from .names import DELETING_PREFIX, LATEST_NAME, STAGING_PREFIX, step_of
-from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified, save as save_cache
 from .verify import verify, verify_cached
-
 
 # Test hook: ranks ("1" or "1,3", matched against $RANK) whose listing misses the newest checkpoint, as a
 # stale directory cache of a shared filesystem does. Never set it in production.
@@ -31,7 +31,8 @@ def list_checkpoints(output_dir: Path | str) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = sorted((p for p in out.iterdir() if step_of(p) is not None and p.is_dir()), key=lambda p: step_of(p), reverse=True)
+    steps = {p: step for p in out.iterdir() if (step := step_of(p)) is not None and p.is_dir()}
+    found = sorted(steps, key=lambda p: steps[p], reverse=True)
     stale = os.environ.get(STALE_LISTING_ENV, "")
     if stale and os.environ.get("RANK", "0") in stale.split(","):
         return found[1:]

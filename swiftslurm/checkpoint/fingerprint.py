@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import RuntimeEnvError
 from ..fsutil import open_regular
 from .manifest import read_manifest
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 META_KEY = "spec_fingerprint"
 # train.* keys that do not change what is learned (or are covered below: the dataset by its content, the
@@ -55,7 +58,7 @@ def _dig(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def spec_fingerprint(spec: Any, ds_config: dict[str, Any] | None, datasets: Iterable[str]) -> dict[str, Any]:
+def spec_fingerprint(spec: JobSpec, ds_config: dict[str, Any] | None, datasets: Iterable[str]) -> dict[str, Any]:
     """Pure: the fingerprint of a task's spec, given its resolved DeepSpeed config and its dataset identities."""
     out: dict[str, Any] = {}
     train = spec.train.model_dump(mode="json")
@@ -92,7 +95,7 @@ def dataset_identity(path: str) -> str:
     return f"{p.name}: {size} bytes, sha256 {digest.hexdigest()[:16]} (first+last MiB)"
 
 
-def training_fingerprint(spec: Any, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+def training_fingerprint(spec: JobSpec, ds_config: dict[str, Any] | None) -> dict[str, Any]:
     """The fingerprint of a task as it starts now (reads the dataset files)."""
     return spec_fingerprint(spec, ds_config, [dataset_identity(d) for d in spec.train.dataset])
 
@@ -120,7 +123,7 @@ def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any], defau
     return out
 
 
-def check_spec_drift(checkpoint: Path | str, spec: Any, ds_config: dict[str, Any] | None, log: Any) -> None:
+def check_spec_drift(checkpoint: Path | str, spec: JobSpec, ds_config: dict[str, Any] | None, log: Any) -> None:
     """Refuse to resume a checkpoint trained with another training spec (an edited sweep list renumbers
     tasks; a changed learning rate), naming the changed keys, unless checkpoint.allow_spec_change.
 

@@ -30,6 +30,7 @@ from .manifest import ManifestError, read_manifest
 from .names import final_dir, staging_dir
 from .verify import verify
 
+
 class ImportRefused(SwiftSlurmError):
     """PATH is missing or not a checkpoint we can read, or the target exists (a user mistake: exit 2)."""
 

@@ -226,8 +226,8 @@ def read_manifest(ckpt: Path) -> Manifest:
 @functools.lru_cache(maxsize=1)
 def library_versions() -> dict[str, str]:
     """Versions of the libraries whose formats a checkpoint depends on (cheap: no imports of torch)."""
-    from importlib.metadata import PackageNotFoundError, version
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
     for dist in ("swiftslurm", "torch", "deepspeed", "transformers", "peft", "accelerate"):

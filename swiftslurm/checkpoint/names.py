@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 from ..taskdir import LATEST_NAME  # noqa: F401 -- re-exported: the name of the pointer file
 
 STAGING_PREFIX = ".staging-"

@@ -157,8 +157,8 @@ def plan(
 ) -> int:
     """Show everything `submit` would do, sending nothing: tasks, allocation groups, DeepSpeed config per task, sbatch script(s), environment."""
     from ..jobs.prepare import prepare
-    from ..slurm.render import render_all
     from ..jobs.send import avoid_bad_nodes
+    from ..slurm.render import render_all
 
     limits = _limits(max_array_size)
     prepared = prepare(spec_path, limits=limits)
@@ -214,11 +214,12 @@ def render(
     scripts = prepared.scripts
     paths = [out.with_name(n) for n in script_names(out.name, parts)]
     write_plan(the_plan, scripts, limits)
-    for path, script in zip(paths, scripts):
+    for path, script in zip(paths, scripts, strict=True):
         path.write_text(script)
     if len(paths) > 1:
-        each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts))
-        err_console.print(f"the sweep needs {len(paths)} sbatch arrays: wrote one script each: {each}; submit each with sbatch FILE; they read the plan written to {the_plan.plan_path}", highlight=False, markup=False)
+        each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts, strict=True))
+        err_console.print(f"the sweep needs {len(paths)} sbatch arrays: wrote one script each: {each}; submit each with sbatch FILE; they read the "
+                          f"plan written to {the_plan.plan_path}", highlight=False, markup=False)
     else:
         err_console.print(f"wrote {out} (run it with: sbatch {out}); it reads the plan written to {the_plan.plan_path}", highlight=False, markup=False)
     return 0
@@ -251,7 +252,8 @@ def submit(
 def status(
     target: str = typer.Argument(..., metavar="JOB_ID|OUTPUT_DIR"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (for scripts)."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Follow the job until every task ended (live on a terminal, plain lines in a pipe); exit 1 if a task failed."),
+    follow: bool = typer.Option(False, "--follow", "-f",
+                                help="Follow the job until every task ended (live on a terminal, plain lines in a pipe); exit 1 if a task failed."),
     interval: Optional[float] = typer.Option(None, "--interval", min=0.0, help="Off a terminal: at most one line per task this often (seconds, default 10)."),
 ) -> int:
     """State of every array task with its progress (step, loss, tokens/s, ETA, elapsed), restarts and the latest

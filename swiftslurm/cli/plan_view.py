@@ -127,7 +127,8 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     several = len(plan.groups) > 1
     if several:
         console.print(groups_table(plan))
-    table = Table(title=f"{len(plan.tasks)} task(s)" + ((" in " + str(len(plan.groups)) + " sbatch arrays" if several else " (one sbatch array)") if plan.is_array else ""))
+    arrays = (" in " + str(len(plan.groups)) + " sbatch arrays" if several else " (one sbatch array)") if plan.is_array else ""
+    table = Table(title=f"{len(plan.tasks)} task(s)" + arrays)
     table.add_column("task", justify="right")
     table.add_column("overrides")
     table.add_column("output dir", overflow="fold")
@@ -158,7 +159,7 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     for line in avoided_lines(avoided or [], plan):  # what submit would exclude now, from the ledger
         console.print(line, highlight=False, soft_wrap=True)
     parts = plan.arrays(limits)
-    for part, script in zip(parts, scripts):
+    for part, script in zip(parts, scripts, strict=True):
         group = part.group
         tasks = f"tasks {', '.join(map(str, part.tasks[:16]))}{' ...' if len(part.tasks) > 16 else ''}"
         which = (f" of group {group.index}" if several else "") + (f" part {part.part} ({tasks})" if part.parts > 1 else (f" ({tasks})" if several else ""))

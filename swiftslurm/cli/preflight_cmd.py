@@ -92,7 +92,7 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
         json_file.write_text(json.dumps(doc, indent=2))
         console.print(f"report JSON: {json_file}", highlight=False, markup=False)
     console.print(f"preflight total wall time {wall:.1f} s (submit to report)", highlight=False)
-    missing = [t.index for t, r in zip(plan.tasks, reports) if r is None]
+    missing = [t.index for t, r in zip(plan.tasks, reports, strict=True) if r is None]
     if missing:
         raise PreflightFailed(
             f"the preflight job wrote no report for task(s) {', '.join(map(str, missing))}",

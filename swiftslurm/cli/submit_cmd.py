@@ -11,12 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
-from ..plan import Plan
 from ..jobs.record import Submission, TaskStatus
 from ..jobs.send import resolve_executor, submit_plan
 from ..jobs.target import submission_of
+from ..plan import Plan
 from .plan_view import avoided_lines
 from .watch_cmd import _STYLE, MAX_ROWS, counts_caption
+
 
 def _says_auto(console: Console, requested: str, kind: str) -> None:
     if requested == "auto":
@@ -95,12 +96,14 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None, in
     _print_train_summaries(console, sub)
     bad = {t: s for t, s in states.items() if s != "COMPLETED"}
     if bad:
-        console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + escape(", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10])), highlight=False)
+        console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + escape(", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10])),
+                      highlight=False)
         for t in list(bad)[:FAILED_NOTES]:
             why = failure_text(sub, int(t))  # the rank's recorded reason, else its last real line
             if why:
                 console.print(f"  task {t}: {why}", highlight=False, markup=False)
-        console.print(f"logs: {sub.folder}  (errors by rank: swiftslurm logs {_q(sub.output_dir)} --errors)" if sub.output_dir else f"logs: {sub.folder}", highlight=False)
+        console.print(f"logs: {sub.folder}  (errors by rank: swiftslurm logs {_q(sub.output_dir)} --errors)" if sub.output_dir else f"logs: {sub.folder}",
+                      highlight=False)
         return 1
     console.print(f"[green]all {len(states)} task(s) COMPLETED[/]")
     return 0

@@ -32,7 +32,7 @@ def _groups(path: Path) -> dict[Path, list[Path]]:
     return found
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -99,12 +99,12 @@ def verify_command(console: Console, path: Path) -> int:
                 damaged_newest.append(r)
     console.print(table)
     single = len(groups) == 1 and next(iter(groups.values())) == [path]
-    for out, ckpt in ([] if single else resume_from.items()):
+    for out, newest in ([] if single else resume_from.items()):
         where = escape(str(out))
-        if ckpt is None:
+        if newest is None:
             console.print(f"{where}: no verified checkpoint; a run would start from scratch", highlight=False)
         else:
-            console.print(f"{where}: a run resumes from [bold]{escape(ckpt.name)}[/]", highlight=False)
+            console.print(f"{where}: a run resumes from [bold]{escape(newest.name)}[/]", highlight=False)
     if damaged_newest:
         first = damaged_newest[0]
         raise CheckpointDamaged(

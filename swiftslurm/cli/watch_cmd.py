@@ -12,7 +12,7 @@ import time
 from pathlib import Path, PurePosixPath
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -116,7 +116,8 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
     if sweep:
         rows = rank_sweep(rows)
     cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "tokens/s", "eta", "elapsed", "restarts", "checkpoint"]
-    drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()), *(() if with_checkpoint else ("checkpoint",))}
+    drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()),
+            *(() if with_checkpoint else ("checkpoint",))}
     cols = [c for c in cols if c not in drop]
     table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     for col in cols:
@@ -125,7 +126,7 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
     shown = rows if len(rows) <= MAX_ROWS else ([r for r in rows if r.state != "COMPLETED"] if not sweep else rows)[:MAX_ROWS]
     for r in shown:
         style = _STYLE.get(r.state, "red" if slurm.is_final(r.state) else "")
-        cells = {
+        cells: dict[str, RenderableType] = {
             "task": f"{r.task}" + (" best" if r.best else ""), "overrides": override_text(r.overrides), "job": r.job_id,
             "state": f"[{style}]{r.state}[/]" if style else r.state, "node(s)": r.nodes or "-",
             "step": _progress_cell(r.step, r.max_steps, r.state), "loss": num(r.loss), "final loss": num(r.final_loss),
@@ -252,7 +253,8 @@ def follow_progress(console: Console, sub: Submission, interval_s: float | None 
 
     if console.is_terminal:
         with Live(Text("waiting for the job ..."), console=console, refresh_per_second=2, transient=False) as live:
-            states = sub.wait(timeout_s=timeout_s, on_update=lambda st: live.update(progress_table(rows_of(st), title, bool(sub.output_dir), console.width < 120)))
+            states = sub.wait(timeout_s=timeout_s,
+                              on_update=lambda st: live.update(progress_table(rows_of(st), title, bool(sub.output_dir), console.width < 120)))
         return states
     plain = PlainFollower(console, PLAIN_INTERVAL_S if interval_s is None else interval_s)
     console.print(f"following {title} (plain lines every {plain.interval_s:g} s at most)", highlight=False, markup=False)
@@ -302,8 +304,8 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
 
 def logs_command(console: Console, target: str, rank: int | None, node: str | None, task: int | None,
                  follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0) -> int:
-    from ..watch import logs as L
     from ..jobs.target import resolve
+    from ..watch import logs as L
 
     sub, refs = resolve(target, dirs_only=True)
     if task is not None:
@@ -371,9 +373,9 @@ def _print_errors(console: Console, reports, many: bool, files: int, records: li
 
 
 def plot_command(console: Console, target: str, out: Path | None) -> int:
+    from ..jobs.target import resolve
     from ..watch.plot import Series, figure
     from ..watch.progress import TaskFiles, plan_tasks
-    from ..jobs.target import resolve
 
     sub, refs = resolve(target, dirs_only=True)
     planned = plan_tasks(sub.output_dir) if sub is not None else {}

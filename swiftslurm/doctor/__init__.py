@@ -6,7 +6,7 @@ what happened, the evidence (file, line, rank, node, step), the cause and the fi
 each under a stable ``code``. Reads files only; prints nothing (cli/doctor_cmd.py prints).
 """
 
-from .findings import CODES, Evidence, Finding, ordered
 from .diagnose import diagnose, diagnose_task
+from .findings import CODES, Evidence, Finding, ordered
 
 __all__ = ["CODES", "Evidence", "Finding", "ordered", "diagnose", "diagnose_task"]

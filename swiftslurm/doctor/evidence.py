@@ -14,8 +14,8 @@ from typing import Any
 
 from .. import fsutil
 from ..checkpoint.savetime import read_save
-from ..node.requeue import read_requeues
 from ..jobs.send import TASK_SPEC_FILE
+from ..node.requeue import read_requeues
 from ..slurm.distenv import FR_DUMP_NAME
 from ..train.health import frtrace
 from ..train.tasks.sft import SUMMARY_FILE
@@ -174,7 +174,7 @@ def read_task(task: int, task_dir: str, folder: str = "", job_id: str = "", sinc
     run.save = read_save(task_dir)
     spec = read_json(root / TASK_SPEC_FILE)
     run.spec = spec.get("spec") or {} if isinstance(spec, dict) else {}
-    env = run.spec.get("env") if isinstance(run.spec.get("env"), dict) else {}
+    env = found if isinstance(found := run.spec.get("env"), dict) else {}
     prefix = str(env.get(frtrace.PREFIX_ENV) or root / "logs" / FR_DUMP_NAME)  # distenv.child_env's default
     run.flight = frtrace.read_dumps(prefix, since)
     run.end_time = time.time() if state in ("RUNNING", "COMPLETING") else _last_write(run)

@@ -138,7 +138,7 @@ def world_ranks(run: TaskRun) -> list[int]:
         m = WORLD.search(ln.text)
         if m and 0 < len(m.group(2)) <= 7 and 0 < int(m.group(2)) <= MAX_WORLD:  # a log line claiming 4e9 ranks is not believed
             return list(range(int(m.group(2))))
-    slurm = run.spec.get("slurm") if isinstance(run.spec.get("slurm"), dict) else {}
+    slurm = found if isinstance(found := run.spec.get("slurm"), dict) else {}
     per_node = slurm.get("tasks_per_node") or slurm.get("gpus_per_node") or 0
     if isinstance(slurm.get("nodes"), int) and isinstance(per_node, int) and 0 < per_node and 0 < slurm["nodes"] * per_node <= MAX_WORLD:
         return list(range(slurm["nodes"] * per_node))
@@ -254,7 +254,7 @@ def stall(run: TaskRun) -> tuple[float, float, int, dict] | None:
     timed = [(n, r) for n, r in run.metrics if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step"), int) and "loss" in r]
     if len(timed) < 2:
         return None
-    gaps = [b[1]["time"] - a[1]["time"] for a, b in zip(timed, timed[1:]) if b[1]["step"] > a[1]["step"] and b[1]["time"] > a[1]["time"]]
+    gaps = [b[1]["time"] - a[1]["time"] for a, b in zip(timed, timed[1:], strict=False) if b[1]["step"] > a[1]["step"] and b[1]["time"] > a[1]["time"]]
     if not gaps:
         return None
     usual = statistics.median(gaps)
@@ -277,6 +277,7 @@ def hang(run: TaskRun) -> list[Finding]:
         evidence += (Evidence("metrics.jsonl", number, 0, nodes.get(0, ""), last.get("step"),
                               f"last logged step {last.get('step')}; then nothing for {quiet:.0f} s (usually {usual:.1f} s between logged steps)"),)
     if found is None:
+        assert stalled is not None  # both None returned above
         return [Finding("hang", f"no step finished for {stalled[0]:.0f} s after step {stalled[3].get('step')}",
                         "a rank stopped making progress; no stack dump or communication error names which",
                         "while it hangs, dump every rank's stacks: `scancel --signal=USR1 --full JOB_ID` (each rank writes them "

@@ -4,10 +4,10 @@ failed preflight checks, and walltime requeues that never move the run forward (
 from __future__ import annotations
 
 from ..preflight.results import CheckResult, blamed_nodes
+from ..taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
 from .evidence import TaskRun
 from .findings import Evidence, Finding
 from .logrules import evidence_of, killed_ranks
-from ..taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
 
 WALLTIME_STOPS = 2  # this many walltime stops in a row without a new step is a loop
 
@@ -48,7 +48,7 @@ def preflight_failures(run: TaskRun) -> list[Finding]:
     if not bad:
         return []
     blamed = blamed_nodes(bad)
-    decision = report.get("decision") if isinstance(report.get("decision"), dict) else {}
+    decision = found if isinstance(found := report.get("decision"), dict) else {}
     ev = tuple(Evidence(PREFLIGHT_FILE, None, None, r.node, None, f"{r.check} {r.node}: {r.observed}"
                         + (f" (expected {r.expected})" if r.expected else "") + (f"; HINT: {r.hint}" if r.hint else "")) for r in bad[:4])
     action = str(decision.get("action") or "")

@@ -180,7 +180,7 @@ def nccl_timeout(run: TaskRun) -> list[Finding]:
 
 def killed_ranks(run: TaskRun) -> list[tuple[Line, int | None, str, str]]:
     """(line, rank, node, how) for every rank that a signal ended or a lost node took."""
-    out = []
+    out: list[tuple[Line, int | None, str, str]] = []
     for ln in run.all_lines:
         text = bare(ln.text)
         m = SRUN_TASK.search(text)

@@ -10,9 +10,9 @@ import math
 import statistics
 from typing import Any
 
+from ..watch.progress import METRICS_FILE
 from .evidence import TaskRun
 from .findings import Evidence, Finding
-from ..watch.progress import METRICS_FILE
 
 NAN_STEPS = 10  # consecutive logged steps with a non-finite loss or grad_norm
 # diverged: where the run ENDED (the median of its last window of logged rows: one noisy row moves it not)
@@ -180,7 +180,7 @@ def speed(run: TaskRun) -> list[Finding]:
     comm = _median(rows, ("comm_wait_ratio",))
     data = _median(rows, ("data_wait_ratio",))
     idle = util is not None and util[0] < GPU_UTIL_MIN
-    if idle:
+    if idle and util is not None:
         why = []
         if comm and comm[0] > COMM_RATIO_MAX:
             why.append("collectives (comm_bound below)")

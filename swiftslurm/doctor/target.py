@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 from ..errors import SwiftSlurmError
 from ..jobs.record import Submission
 from ..jobs.target import resolve

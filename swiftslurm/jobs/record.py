@@ -132,7 +132,7 @@ class Submission:
         """Task rows from sacct/squeue records; where they have none, from the result files the ranks left."""
         unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
         rows = []
-        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
+        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs, strict=False)):
             rec = records.get(jid)
             if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
                 rec = None  # the id now belongs to another job: Slurm forgot ours
@@ -150,7 +150,7 @@ class Submission:
         live = {str(j.job_id): j for j in (self._jobs or [])}
         self._refresh_cancelled()
         rows = []
-        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs)):
+        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs, strict=False)):
             state = _local_state(Path(self.folder), jid, live.get(jid), self.cancelled, self.ranks_of(index), self.pid_starts.get(jid))
             elapsed = _local_elapsed(Path(self.folder), jid, state, self.submitted_at)
             rows.append(TaskStatus(index, jid, state, "localhost", 0, elapsed, task_dir))

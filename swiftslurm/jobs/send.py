@@ -23,9 +23,10 @@ from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
 from ..node.entry import TaskFailed, run_rank  # noqa: F401 -- TaskFailed re-exported
 from ..plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
 from ..quoting import sbatch_escape, shell_quote
+from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
+
 # the record of what was sent, and its tasks' state (re-exported: callers import them from here too)
 from .record import SUBMISSION_FILE, Submission, TaskStatus, load_records, load_submission, process_start, records_path, update_record  # noqa: F401
-from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
 
 EXECUTORS = ("auto", "slurm", "local")
 
@@ -60,7 +61,8 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
 
     group = one_group(plan, group)
     s = group.slurm
-    native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account", "nodelist": "nodelist"}
+    native = {"job-name": "job_name", "partition": "partition", "qos": "qos", "constraint": "constraint", "exclude": "exclude", "account": "account",
+              "nodelist": "nodelist"}
     counts = {"nodes": "nodes", "ntasks-per-node": "ntasks_per_node", "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node"}
     params: dict[str, Any] = {
         "time": max(1, math.ceil(s.time_limit_s / 60)),  # submitit's own timeout bookkeeping (minutes)
@@ -76,6 +78,7 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
         if key in native:
             params[native[key]] = value
         elif key in counts:
+            assert value is not None, key  # a count always carries its number (render.sbatch_directives)
             params[counts[key]] = int(value)
         elif key == "signal":
             continue
@@ -113,14 +116,15 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
         return ex
     if s.nodes > 1:
         raise SubmissionError(
-            "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})", "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
+            "the local executor runs one node", f"slurm.nodes = {s.nodes} (tasks {', '.join(map(str, group.tasks[:8]))})",
+            "use --executor slurm on a cluster, or set slurm.nodes = 1 to try it here"
         )
     if plan.container is not None and plan.container.runtime == "pyxis":
         raise SubmissionError(
             "a pyxis container starts through srun, which the local executor does not use", f"container.runtime = 'pyxis' ({plan.container.image})",
             "use --executor slurm on a cluster with pyxis, or runtime = \"apptainer\" to run the image here",
         )
-    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group, local=True))
+    local = submitit.LocalExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group, local=True))
     # No `setup` lines here: with them submitit starts the controller through `sh -c`, and the pid it
     # reports is the shell's, which a cancel cannot stop. [env] goes in through _local_env instead.
     params: dict[str, Any] = {
@@ -130,8 +134,8 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group):
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
-    ex.update_parameters(**params)
-    return ex
+    local.update_parameters(**params)
+    return local
 
 
 @contextlib.contextmanager
@@ -321,7 +325,8 @@ def array_limits(kind: str, environ: dict[str, str] | None = None) -> ArrayLimit
     raw = env.get(MAX_ARRAY_SIZE_ENV, "").strip()
     if raw:
         if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
-            raise SubmissionError(f"${MAX_ARRAY_SIZE_ENV} is not a positive whole number", repr(raw), f"unset it, or set it to the site's MaxArraySize (e.g. {MAX_ARRAY_SIZE_ENV}=1001)")
+            raise SubmissionError(f"${MAX_ARRAY_SIZE_ENV} is not a positive whole number", repr(raw),
+                                  f"unset it, or set it to the site's MaxArraySize (e.g. {MAX_ARRAY_SIZE_ENV}=1001)")
         limits = ArrayLimits(int(raw), limits.max_array_tasks)
     return limits
 
@@ -330,7 +335,8 @@ def _parts(plan: Plan, limits: ArrayLimits) -> list[ArrayPart]:
     try:
         return plan.arrays(limits)
     except ValueError as exc:
-        raise SubmissionError("this site does not run job arrays", str(exc), "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
+        raise SubmissionError("this site does not run job arrays", str(exc),
+                              "submit one task at a time (no [sweep]), or ask the admins about MaxArraySize") from None
 
 
 def avoid_bad_nodes(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
@@ -380,8 +386,8 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
                 _stop_sent(kind, sent)
                 raise
         job_ids = [""] * len(plan.tasks)
-        for part, jobs in zip(parts, sent):
-            for index, job in zip(part.tasks, jobs):
+        for part, jobs in zip(parts, sent, strict=True):
+            for index, job in zip(part.tasks, jobs, strict=True):
                 job_ids[index] = str(job.job_id)
         jobs_flat = [j for jobs in sent for j in jobs]
         sub = Submission(
@@ -397,7 +403,7 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
             arrays=[
                 {"job_id": str(jobs[0].job_id).split("_")[0] if kind == "slurm" else "", "tasks": list(part.tasks),
                  "ranks_per_task": part.group.world_size, "group": part.group.index}
-                for part, jobs in zip(parts, sent)
+                for part, jobs in zip(parts, sent, strict=True)
             ],
             avoided=avoided,
             pid_starts={str(j.job_id): start for j in jobs_flat if kind == "local" and (start := process_start(int(j.job_id))) is not None},

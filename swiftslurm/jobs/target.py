@@ -28,7 +28,7 @@ class TaskRef:
 
 def refs(sub: Submission, only: str | None = None) -> list[TaskRef]:
     out = []
-    for index, (job_id, task_dir) in enumerate(zip(sub.job_ids, sub.task_dirs)):
+    for index, (job_id, task_dir) in enumerate(zip(sub.job_ids, sub.task_dirs, strict=False)):
         if only is None or (task_dir and Path(task_dir).resolve() == Path(only).resolve()):
             out.append(TaskRef(index, task_dir, job_id, sub.folder))
     return out

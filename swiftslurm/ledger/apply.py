@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..plan import Plan
 from .avoid import Avoidance, avoid
 from .store import Entry, recent
 
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
-def _with_exclude(spec, exclude: str | None):
+
+def _with_exclude(spec: JobSpec, exclude: str | None) -> JobSpec:
     return spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"exclude": exclude})})
 
 

@@ -102,7 +102,8 @@ def read(path: Path | None = None, dropped: list[str] | None = None) -> list[Ent
     except FileNotFoundError:
         return []
     except Unreadable as exc:
-        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why, f"check it (and its permissions), or point ${LEDGER_ENV} elsewhere") from None
+        raise SwiftSlurmError(f"the node-health ledger {path} cannot be read", exc.why,
+                              f"check it (and its permissions), or point ${LEDGER_ENV} elsewhere") from None
     return _parse(path, raw, dropped)
 
 

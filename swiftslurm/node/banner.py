@@ -10,12 +10,15 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import hostlist
 
 from ..slurm.distenv import DistEnv
 from ..taskdir import TaskPaths
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 LOGGER = "swiftslurm.runtime"
 TRAIN_LOGGER = "swiftslurm.train"
@@ -91,7 +94,7 @@ def container_row(container, env: Mapping[str, str]) -> str:
     return shown
 
 
-def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """What the banner shows, as (label, value) rows (pure; ``env`` is the rank's environment)."""
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
@@ -113,7 +116,7 @@ def banner_rows(dist: DistEnv, spec, output_dir: str, mode: str, resume: str, en
     ]
 
 
-def print_banner(dist: DistEnv, spec, output_dir: str, mode: str, resume: str) -> None:
+def print_banner(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str) -> None:
     """Rank 0 only: a rich table on stderr."""
     if dist.rank != 0:
         return

@@ -23,8 +23,7 @@ from typing import Any, Iterator
 
 from ..errors import RuntimeEnvError
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
-from ..taskdir import LOCK_FILE
-from ..taskdir import OWNER_FILE
+from ..taskdir import LOCK_FILE, OWNER_FILE
 
 # An earlier run of the same job (a requeue) may still be exiting on another node: wait this long for it.
 SAME_JOB_WAIT_S = 60.0

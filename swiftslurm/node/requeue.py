@@ -19,11 +19,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
-from ..taskdir import REQUEUES_FILE
-from ..taskdir import STOPS_DIR
+from ..taskdir import REQUEUES_FILE, STOPS_DIR
+
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
+    from ..spec.model import JobSpec
 
 # EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
 NOT_REQUEUED_EXIT = 75
@@ -99,24 +102,24 @@ def _record(out_dir: str, entry: dict[str, Any]) -> None:
     atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records + [entry], indent=2))
 
 
-def _stops_dir(out_dir: str, dist) -> Path:
+def _stops_dir(out_dir: str, dist: DistEnv) -> Path:
     return Path(out_dir, STOPS_DIR, f"{dist.requeue_id}.{dist.restart_count}")
 
 
-def report_stopped(out_dir: str, dist) -> None:
+def report_stopped(out_dir: str, dist: DistEnv) -> None:
     """This rank has finished its walltime stop (its save, its command): rank 0 may now end the step."""
     where = _stops_dir(out_dir, dist)
     where.mkdir(parents=True, exist_ok=True)
     atomic_write_text(where / f"rank-{dist.rank}", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def missing_stops(out_dir: str, dist) -> list[int]:
+def missing_stops(out_dir: str, dist: DistEnv) -> list[int]:
     """The ranks (other than 0) that have not reported their stop yet."""
     where = _stops_dir(out_dir, dist)
     return [r for r in range(1, dist.world_size) if not (where / f"rank-{r}").exists()]
 
 
-def await_other_ranks(dist, out_dir: str, timeout_s: float, log) -> None:
+def await_other_ranks(dist: DistEnv, out_dir: str, timeout_s: float, log) -> None:
     """Rank 0: wait up to ``timeout_s`` for every other rank to report its stop, then clear the reports."""
     deadline = time.monotonic() + timeout_s
     missing = missing_stops(out_dir, dist)
@@ -134,7 +137,7 @@ def await_other_ranks(dist, out_dir: str, timeout_s: float, log) -> None:
         pass
 
 
-def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> int:
+def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None) -> int:
     """Rank 0: decide, record, requeue. Returns this rank's exit code (0 requeued, else NOT_REQUEUED_EXIT)."""
     # half the grace: what is left of it after the save must still hold the requeue
     await_other_ranks(dist, out_dir, max(10.0, spec.slurm.signal_grace_s / 2), log)
@@ -167,7 +170,7 @@ def after_walltime_stop(dist, spec, out_dir: str, log, step: int | None) -> int:
     return 0
 
 
-def await_walltime_decision(dist, out_dir: str, timeout_s: float, log) -> int:
+def await_walltime_decision(dist: DistEnv, out_dir: str, timeout_s: float, log) -> int:
     """Ranks other than 0: wait for rank 0's record of this stop; the exit code it implies. On a
     requeue Slurm ends this process meanwhile; without a record in ``timeout_s`` the stop counts as not
     requeued."""
@@ -181,7 +184,7 @@ def await_walltime_decision(dist, out_dir: str, timeout_s: float, log) -> int:
     return NOT_REQUEUED_EXIT
 
 
-def walltime_exit(dist, spec, out_dir: str, log, step: int | None) -> int:
+def walltime_exit(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None) -> int:
     """Every rank after a walltime stop: rank 0 decides and requeues, the others wait for its word."""
     if dist.rank == 0:
         return after_walltime_stop(dist, spec, out_dir, log, step)

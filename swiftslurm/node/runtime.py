@@ -15,11 +15,16 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..errors import PreflightFailed, RuntimeEnvError
+from ..slurm import distenv
 from . import banner, failure, ownership, signals
 from .requeue import walltime_exit
-from ..slurm import distenv
-from ..errors import PreflightFailed, RuntimeEnvError
+
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
+    from ..spec.model import JobSpec
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0  # a command asked to stop (TERM) gets this long before KILL
@@ -75,7 +80,7 @@ def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tu
         raise
 
 
-def _run_claimed(data, task, ds_config, dist, mode: str) -> tuple[int, failure.Failure | None]:
+def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, failure.Failure | None]:
     """Everything after this rank holds the task dir: log, banner, preflight, then train or the command."""
     spec = task.spec
     signals.install(forward_term=bool(spec.train.command))
@@ -138,13 +143,13 @@ def _resume_point(out_dir: str) -> str | None:
     return f"the newest verified, chosen by rank 0 at train start (newest here: {listed[0]})" if listed else None
 
 
-def _preflight(dist, spec, out_dir: str, mode: str, log, ds_config=None) -> bool:
+def _preflight(dist: DistEnv, spec: JobSpec, out_dir: str, mode: str, log, ds_config=None) -> bool:
     from ..preflight import gate  # our own module: a broken import fails the rank, it never skips the checks
 
     return bool(gate(dist, spec, out_dir, mode, ds_config))
 
 
-def _preflight_failed(dist, out_dir: str, log) -> failure.Failure | None:
+def _preflight_failed(dist: DistEnv, out_dir: str, log) -> failure.Failure | None:
     """After a preflight that stops training: rank 0 records why (the report it just wrote: the first failed
     check and its fix) and says it as its last log line; the other ranks say whose decision it was."""
     if dist.rank != 0:
@@ -165,7 +170,7 @@ def _preflight_failed(dist, out_dir: str, log) -> failure.Failure | None:
     return why
 
 
-def check_master_port(dist, log) -> None:
+def check_master_port(dist: DistEnv, log) -> None:
     """Rank 0, right before the rendezvous it hosts: a busy MASTER_PORT is a RuntimeEnvError with the fix
     (the other ranks would otherwise wait out the rendezvous timeout); one in the ephemeral range a warning."""
     from ..preflight import ports
@@ -177,7 +182,7 @@ def check_master_port(dist, log) -> None:
         log.warning("%s. HINT: %s", result.observed, result.hint)
 
 
-def command_cwd(spec, base_dir: str | None) -> str | None:
+def command_cwd(spec: JobSpec, base_dir: str | None) -> str | None:
     """Where ``train.command`` runs: ``container.workdir`` inside a container that names one (the host's
     submit dir may not be mounted there, or be only an empty mount-point parent), else the submit dir."""
     c = spec.container
@@ -186,7 +191,7 @@ def command_cwd(spec, base_dir: str | None) -> str | None:
     return base_dir or None
 
 
-def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out_dir: str, log, forward: bool = True) -> int:
+def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist: DistEnv, out_dir: str, log, forward: bool = True) -> int:
     """The user's command as a child of this rank; its exit code (128+sig if killed). With ``forward``,
     USR2/TERM this process receives are passed on to the child (else only recorded).
 
@@ -200,7 +205,8 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
         except OSError as exc:
-            raise RuntimeEnvError(f"cannot start train.command ({exc.strerror})", " ".join(argv), "check the program name and that it is on PATH on every node") from None
+            raise RuntimeEnvError(f"cannot start train.command ({exc.strerror})", " ".join(argv),
+                                  "check the program name and that it is on PATH on every node") from None
         log.info("started train.command pid %d: %s", proc.pid, " ".join(argv))
         while True:
             try:
@@ -232,7 +238,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist, out
     return 128 - code if code < 0 else code
 
 
-def _train(dist, spec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
+def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
     from ..train.tasks import sft  # our own: a broken import fails the rank with its traceback
 
     # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
-from ..slurm import distenv
 from ..errors import PreflightFailed, SwiftSlurmError
+from ..slurm import distenv
 from ..spec import load_spec
 from .gate import gate
 

@@ -201,11 +201,13 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
         others = {r: e for r, e in errors.items() if r not in missing}
         if missing and others:
             first = next(iter(sorted(others.items())))
-            results.append(CheckResult("allreduce", "all", False, f"{len(others)} other rank(s) failed as a consequence, e.g. rank {first[0]}: {first[1]}", expected, "fix the rank(s) named above"))
+            results.append(CheckResult("allreduce", "all", False, f"{len(others)} other rank(s) failed as a consequence, e.g. rank {first[0]}: {first[1]}",
+                                       expected, "fix the rank(s) named above"))
         elif not missing:
             for r, err in sorted(errors.items()):
                 node = rank_nodes[r] if r < len(rank_nodes) else "?"
-                results.append(CheckResult("allreduce", node, False, f"rank {r}: {err}", expected, "check NCCL_DEBUG=INFO output and the network between the nodes (NCCL_SOCKET_IFNAME, NCCL_IB_HCA)"))
+                results.append(CheckResult("allreduce", node, False, f"rank {r}: {err}", expected,
+                                           "check NCCL_DEBUG=INFO output and the network between the nodes (NCCL_SOCKET_IFNAME, NCCL_IB_HCA)"))
     if missing or errors:
         return results
     view = per_rank[0] if 0 in per_rank else next(iter(per_rank.values()))
@@ -216,7 +218,8 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
     n = len(rank_nodes)
     ok = min_busbw_gbps <= 0 or busbw[peak] >= min_busbw_gbps
     observed = f"peak busbw {busbw[peak]:.2f} GB/s (algbw {algbw[peak]:.2f}) at {human_bytes(sizes[peak])}; {n} ranks, {view.get('backend')}"
-    hint = "" if ok else "the collective is slower than required: check NCCL_DEBUG=INFO for the transport used (IB/RoCE vs sockets), NCCL_IB_HCA, NCCL_SOCKET_IFNAME"
+    hint = "" if ok else ("the collective is slower than required: check NCCL_DEBUG=INFO for the transport used (IB/RoCE vs sockets), "
+                          "NCCL_IB_HCA, NCCL_SOCKET_IFNAME")
     data = {"sizes": sizes, "algbw_gbps": algbw, "busbw_gbps": busbw, "backend": view.get("backend"), "world_size": n}
     return [CheckResult("allreduce", "all", ok, observed, expected, hint, data)]
 

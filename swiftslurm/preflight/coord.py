@@ -57,7 +57,7 @@ class Coordinator:
         import torch.distributed as tdist
 
         try:
-            store = tdist.TCPStore(
+            store: tdist.Store = tdist.TCPStore(
                 host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s), wait_for_workers=False
             )
         except Exception as exc:  # RuntimeError/DistNetworkError: name the address
@@ -107,7 +107,7 @@ class Coordinator:
         if not keys:
             return {}
         values = self._call("multi_get", list(keys.values()))
-        return {i: json.loads(v) for i, v in zip(keys, values)}
+        return {i: json.loads(v) for i, v in zip(keys, values, strict=True)}
 
     def barrier(self, name: str, deadline: float) -> list[int]:
         """Wait until every rank arrived at ``name``; returns the ranks still missing at the deadline.

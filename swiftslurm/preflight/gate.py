@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..spec import CHECKS
 from .coord import CoordinationError
@@ -23,19 +23,23 @@ from .report import build_report, print_report, write_report
 from .results import Decision, decide
 from .run import GATHER_GRACE_S, run_checks
 
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
+    from ..spec.model import JobSpec
+
 ACK_WAIT_S = 5
 EXCLUDE_WAIT_S = 120  # rank 0's scontrol calls (each bounded by SLURM_TIMEOUT_S), seen from the other ranks
 
 
-def checks_for(spec: Any, mode: str) -> list[str]:
+def checks_for(spec: JobSpec, mode: str) -> list[str]:
     """The checks to run: the spec's list; a preflight-only run with an empty list runs them all (pure)."""
-    checks = list(spec.preflight.checks)
+    checks: list[str] = list(spec.preflight.checks)
     if not checks and mode == "preflight":
         checks = list(CHECKS)
     return checks
 
 
-def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train", ds_config: dict | None = None) -> bool:
+def gate(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str = "train", ds_config: dict | None = None) -> bool:
     """True to go on training. ``mode`` is "train" (on_failure applies) or "preflight" (report only).
     ``ds_config``: the task's DeepSpeed config (the nvme check tests its NVMe offload path)."""
     checks = checks_for(spec, mode)
@@ -58,7 +62,7 @@ def gate(dist: Any, spec: Any, output_dir: str, mode: str = "train", ds_config: 
     return _fresh_group_for_training(_lead(outcome, dist, spec, output_dir, mode, t0), dist)
 
 
-def _fresh_group_for_training(proceed: bool, dist: Any) -> bool:
+def _fresh_group_for_training(proceed: bool, dist: DistEnv) -> bool:
     """Training must init its own process group: never go on with the preflight's still alive in this
     process (it may hold a hung collective). The all-reduce released it already; this is the last word."""
     from .allreduce import release_process_group
@@ -70,7 +74,7 @@ def _fresh_group_for_training(proceed: bool, dist: Any) -> bool:
     return proceed
 
 
-def _follow(coord: Any, dist: Any, spec: Any) -> bool:
+def _follow(coord: Any, dist: DistEnv, spec: JobSpec) -> bool:
     """A rank other than 0: what rank 0 decided (False when it cannot be heard from in time)."""
     try:
         d = coord.get("decision", time.monotonic() + spec.preflight.timeout_s + GATHER_GRACE_S)
@@ -85,7 +89,7 @@ def _follow(coord: Any, dist: Any, spec: Any) -> bool:
     return bool(d and d.get("proceed"))
 
 
-def _lead(outcome: Any, dist: Any, spec: Any, output_dir: str, mode: str, t0: float) -> bool:
+def _lead(outcome: Any, dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, t0: float) -> bool:
     """Rank 0: decide, write the report, tell the other ranks, act on the decision."""
     coord = outcome.coord
     decision = exclusion_allowed(decide(outcome.results, spec.preflight.on_failure, dist.nodes, mode), dist, spec)
@@ -124,7 +128,7 @@ def _lead(outcome: Any, dist: Any, spec: Any, output_dir: str, mode: str, t0: fl
     return decision.proceed
 
 
-def ledger_entries(results: list[Any], dist: Any, output_dir: str) -> list[Any]:
+def ledger_entries(results: list[Any], dist: DistEnv, output_dir: str) -> list[Any]:
     """The node-health ledger entries for failed checks (pure): the blamed nodes of a Slurm job, unless every node of a
     multi-node job is blamed (a fault that is not any node's: a firewall, a threshold set too high)."""
     from ..ledger import Entry
@@ -142,7 +146,7 @@ def ledger_entries(results: list[Any], dist: Any, output_dir: str) -> list[Any]:
     return out
 
 
-def remember_failed_nodes(results: list[Any], dist: Any, output_dir: str) -> None:
+def remember_failed_nodes(results: list[Any], dist: DistEnv, output_dir: str) -> None:
     """Record the blamed nodes in the ledger (a later submit avoids them); a ledger that cannot be written is a
     warning, never the reason a job stops."""
     from .. import ledger
@@ -159,7 +163,7 @@ def remember_failed_nodes(results: list[Any], dist: Any, output_dir: str) -> Non
         print(f"swiftslurm preflight WARNING: could not record the failing nodes in the ledger: {exc}", file=sys.stderr, flush=True)
 
 
-def exclusion_allowed(decision: Decision, dist: Any, spec: Any) -> Decision:
+def exclusion_allowed(decision: Decision, dist: DistEnv, spec: JobSpec) -> Decision:
     """An "exclude" decision becomes "abort" where a requeue cannot help (pure): not under Slurm, or once
     the job was requeued slurm.max_requeues times already (a node that keeps failing, or an exclusion Slurm
     keeps refusing, must end the job, not requeue it forever)."""

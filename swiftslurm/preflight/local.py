@@ -68,7 +68,8 @@ def check_nvme(node: str, path: str, min_iops: int, timeout_s: float = FIO_RUNTI
     if which("fio") is None:
         return [missing_tool("nvme", node, "fio")]
     if not Path(path).is_dir():
-        return [CheckResult("nvme", node, False, f"nvme_path {path} is not a directory on {node}", expected, "set preflight.nvme_path to a directory on the local NVMe (e.g. /local/scratch)")]
+        return [CheckResult("nvme", node, False, f"nvme_path {path} is not a directory on {node}", expected,
+                            "set preflight.nvme_path to a directory on the local NVMe (e.g. /local/scratch)")]
     direct, why = direct_io_supported(path)
     target = Path(path) / f".swiftslurm-fio-{node}-{os.getpid()}"
     argv = [
@@ -90,7 +91,8 @@ def check_nvme(node: str, path: str, min_iops: int, timeout_s: float = FIO_RUNTI
         except OSError:
             pass
     if iops is None:
-        return [CheckResult("nvme", node, False, f"fio failed on {path}: {err}", expected, "run the fio command by hand on this node; is the filesystem full or read-only?")]
+        return [CheckResult("nvme", node, False, f"fio failed on {path}: {err}", expected,
+                            "run the fio command by hand on this node; is the filesystem full or read-only?")]
     mode = "direct I/O" if direct else f"BUFFERED, O_DIRECT not supported here ({why}): page-cache speed, not the disk's"
     ok = iops >= min_iops
     hint = "" if ok else (f"{path} on {node} is slower than expected: is it really the local NVMe? check `nvme smart-log`; "
@@ -147,7 +149,8 @@ def judge_gpus(node: str, gpus: list[dict], gpus_per_node: int) -> list[CheckRes
     """Count, memory and health of the GPUs nvidia-smi listed (pure)."""
     expected = f"{gpus_per_node} healthy GPU(s)"
     if len(gpus) < gpus_per_node:
-        return [CheckResult("gpu", node, False, f"{len(gpus)} GPU(s) visible", expected, "a GPU is missing or fell off the bus: check `nvidia-smi` and dmesg (Xid errors); drain the node")]
+        return [CheckResult("gpu", node, False, f"{len(gpus)} GPU(s) visible", expected,
+                            "a GPU is missing or fell off the bus: check `nvidia-smi` and dmesg (Xid errors); drain the node")]
     sick = [g for g in gpus if g["ecc_uncorrected"] > 0]
     if sick:
         names = ", ".join(f"GPU {g['index']} ({g['ecc_uncorrected']} uncorrected ECC)" for g in sick)
@@ -156,7 +159,8 @@ def judge_gpus(node: str, gpus: list[dict], gpus_per_node: int) -> list[CheckRes
     mem = gpus[0]["memory_total_mib"] if gpus else 0
     observed = f"{len(gpus)} x {gpus[0]['name']} ({mem} MiB)" if gpus else "no GPUs"
     if busy:
-        return [CheckResult("gpu", node, False, observed + f"; GPU {busy[0]['index']} already uses {busy[0]['memory_used_mib']} MiB", expected, "another process holds GPU memory: `nvidia-smi` shows which")]
+        return [CheckResult("gpu", node, False, observed + f"; GPU {busy[0]['index']} already uses {busy[0]['memory_used_mib']} MiB", expected,
+                            "another process holds GPU memory: `nvidia-smi` shows which")]
     return [CheckResult("gpu", node, True, observed, expected)]
 
 
@@ -171,7 +175,8 @@ def check_gpu(node: str, gpus_per_node: int, timeout_s: float = 30, env: dict[st
         return [CheckResult("gpu", node, False, proc.describe_timeout("nvidia-smi", timeout_s), f"{gpus_per_node} GPU(s)",
                             "a hung nvidia-smi usually means a GPU fault (Xid in dmesg): drain the node")]
     if proc.returncode != 0:
-        return [CheckResult("gpu", node, False, f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:160]}", f"{gpus_per_node} GPU(s)", "is the driver loaded? check `nvidia-smi` on this node")]
+        return [CheckResult("gpu", node, False, f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:160]}", f"{gpus_per_node} GPU(s)",
+                            "is the driver loaded? check `nvidia-smi` on this node")]
     return judge_gpus(node, own_gpus(parse_nvidia_smi(proc.stdout), job_gpu_ids(dict(os.environ) if env is None else env)), gpus_per_node)
 
 
@@ -201,7 +206,9 @@ def read_nonce(node: str, path: Path, nonce: str) -> list[CheckResult]:
     try:
         seen = path.read_text().strip()
     except OSError as exc:
-        return [CheckResult("sharedfs", node, False, f"{path} not visible ({exc.strerror})", expected, "job.output_dir must be on a filesystem shared by all nodes (NFS/Lustre/GPFS), not node-local")]
+        return [CheckResult("sharedfs", node, False, f"{path} not visible ({exc.strerror})", expected,
+                            "job.output_dir must be on a filesystem shared by all nodes (NFS/Lustre/GPFS), not node-local")]
     if seen != nonce:
-        return [CheckResult("sharedfs", node, False, f"{path} holds another nonce", expected, "this node sees a different directory under the same path: put output_dir on the shared filesystem")]
+        return [CheckResult("sharedfs", node, False, f"{path} holds another nonce", expected,
+                            "this node sees a different directory under the same path: put output_dir on the shared filesystem")]
     return [CheckResult("sharedfs", node, True, f"sees {path.parent}", expected)]

@@ -56,7 +56,8 @@ def open_listener(node: str, port: int) -> tuple[Listener | None, CheckResult | 
     """Bind this node's test listener; a failure is a result naming the node, not an exception."""
     addr, err = resolve(node)
     if addr is None:
-        return None, CheckResult("ports", node, False, f"node name '{node}' does not resolve: {err}", "a resolvable node name", "fix /etc/hosts or DNS on this node")
+        return None, CheckResult("ports", node, False, f"node name '{node}' does not resolve: {err}", "a resolvable node name",
+                                 "fix /etc/hosts or DNS on this node")
     try:
         return Listener(addr, port), None
     except OSError as exc:
@@ -98,7 +99,8 @@ def check_master_port(node: str, port: int, ephemeral: tuple[int, int] | None = 
     """Rank 0's node, before the rendezvous: MASTER_PORT must be free there; in the ephemeral range it
     may be taken at any moment by an outgoing connection, which the result says even when it is free."""
     in_range = ephemeral is not None and ephemeral[0] <= port <= ephemeral[1]
-    where = f" (inside this node's ephemeral range {ephemeral[0]}-{ephemeral[1]}, where outgoing connections take ports)" if in_range else ""
+    where = f" (inside this node's ephemeral range {ephemeral[0]}-{ephemeral[1]}, where outgoing connections take ports)" \
+        if in_range and ephemeral is not None else ""
     fix = ("set MASTER_PORT in [env] to a free port outside the ephemeral range (net.ipv4.ip_local_port_range), "
            "or resubmit: a new job id derives another port")
     error = bind_error(port)

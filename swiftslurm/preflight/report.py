@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .results import CheckResult, Decision
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import PREFLIGHT_DIR as REPORT_DIR
+from .results import CheckResult, Decision
 
 REPORT_JSON = "report.json"
 BUSBW_PNG = "busbw.png"
@@ -40,10 +40,10 @@ def failure_of(report: dict[str, Any]) -> tuple[str, str] | None:
     The first failed check with its node, what was seen and its fix (``ports localhost: 'nc' not found on PATH``,
     "install netcat ..."), the count of the others; without a failed check (an exclusion, a requeue refused),
     the decision's own reason."""
-    decision = report.get("decision") if isinstance(report.get("decision"), dict) else {}
+    decision = found if isinstance(found := report.get("decision"), dict) else {}
     if decision.get("proceed", True) is not False:
         return None
-    results = report.get("results") if isinstance(report.get("results"), list) else []
+    results = listed if isinstance(listed := report.get("results"), list) else []
     bad = [r for r in results if isinstance(r, dict) and r.get("ok") is False and not r.get("warn_only")]
     reason = str(decision.get("reason") or "")
     if decision.get("action") == "exclude" or not bad:

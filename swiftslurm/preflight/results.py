@@ -136,6 +136,8 @@ def decide(results: list[CheckResult], on_failure: str, nodes: Iterable[str], mo
         if not blamed:
             return Decision("abort", False, reason=f"on_failure = 'exclude' but no single node is to blame ({summary}); not requeueing")
         if len(blamed) >= len(allocation):
-            return Decision("abort", False, reason=f"on_failure = 'exclude' but every node failed ({', '.join(blamed)}): the fault is not node-specific; not requeueing. {summary}")
+            return Decision("abort", False,
+                            reason=f"on_failure = 'exclude' but every node failed ({', '.join(blamed)}): the fault is not node-specific; not "
+                                   f"requeueing. {summary}")
         return Decision("exclude", False, tuple(blamed), f"excluding {', '.join(blamed)} and requeueing: {summary}")
     return Decision("abort", False, reason=f"{len(bad)} check(s) failed (on_failure = 'abort'): {summary}")

@@ -16,11 +16,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from . import allreduce, bounded, iperf, local, ports, topology
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
+
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
+    from ..spec.model import JobSpec
 
 FAULT_ENV = "SWIFTSLURM_PREFLIGHT_FAULT"
 FAULT_KINDS = ("no-listener", "kill-allreduce", "hang-allreduce")
@@ -57,8 +61,8 @@ def node_checks_budget(pf: Any, checks: list[str]) -> float:
     return node_checks_s(float(pf.timeout_s)) + (pf.iperf3_duration_s + iperf.CLIENT_GRACE_S if "iperf3" in checks else 0)
 
 
-def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: Any, output_dir: str, ds_config: dict | None,
-                        env: Any) -> None:
+def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec: JobSpec, output_dir: str, ds_config: dict | None,
+                        env: Mapping[str, str]) -> None:
     pf = spec.preflight
     tool_s = float(pf.timeout_s)
     if "nvme" in checks:
@@ -73,10 +77,10 @@ def _start_local_checks(calls: bounded.Calls, checks: list[str], node: str, spec
         calls.start("topology", node, lambda: [topology.read_node(node, spec.slurm.gpus_per_node, tool_s)])
 
 
-def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
+def run_checks(dist: DistEnv, spec: JobSpec, output_dir: str, checks: list[str], env: dict[str, str] | None = None,
                ds_config: dict | None = None) -> Outcome:
-    env = os.environ if env is None else env
-    faults = parse_faults(env.get(FAULT_ENV, ""))
+    environ: Mapping[str, str] = os.environ if env is None else env
+    faults = parse_faults(environ.get(FAULT_ENV, ""))
     pf = spec.preflight
     timeout_s = float(pf.timeout_s)
     nodes = list(dist.nodes)
@@ -96,7 +100,8 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
     try:
         coord = Coordinator.connect(dist.master_addr, port["coord"], rank, world, timeout_s, prefix=f"preflight-{dist.job_id}")
     except CoordinationError as exc:
-        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join", "is MASTER_ADDR reachable from this node? is the port free?")], meta)
+        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join",
+                                          "is MASTER_ADDR reachable from this node? is the port free?")], meta)
     coord.put(f"rank-node/{rank}", node)
 
     sharedfs_file = Path(output_dir) / "preflight" / f".sharedfs-{dist.job_id}"
@@ -115,12 +120,12 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
             listener, bad = ports.open_listener(node, port["test"])
             mine += [bad] if bad else []
         if "iperf3" in checks:
-            addr, iface, bad = iperf.local_address(node, dict(env))
+            addr, iface, bad = iperf.local_address(node, dict(environ))
             if addr is not None:
                 coord.put(f"iperf-addr/{node}", [addr, iface])  # before "ready": the client of this node reads it
                 server, bad = iperf.start_server(node, port["iperf3"], addr)
             mine += [bad] if bad else []
-        _start_local_checks(calls, checks, node, spec, output_dir, ds_config, env)
+        _start_local_checks(calls, checks, node, spec, output_dir, ds_config, environ)
     if rank == 0 and "ports" in checks:  # the rank that will host the rendezvous on MASTER_PORT
         mine.append(ports.check_master_port(node, dist.master_port, ports.ephemeral_range()))
 
@@ -138,9 +143,9 @@ def run_checks(dist: Any, spec: Any, output_dir: str, checks: list[str], env: di
                 calls.start("iperf3", f"{node}->{target}", lambda: [iperf.measure(
                     node, target, port["iperf3"], floor, binding, pf.iperf3_streams, pf.iperf3_duration_s, addr, dst[0], iface)])
             if "sharedfs" in checks:
-                nonce = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
-                if nonce:
-                    calls.start("sharedfs", node, lambda: local.read_nonce(node, sharedfs_file, nonce))
+                published = coord.get("sharedfs/nonce", time.monotonic() + timeout_s)
+                if published:
+                    calls.start("sharedfs", node, lambda: local.read_nonce(node, sharedfs_file, published))
                 else:
                     mine.append(CheckResult("sharedfs", node, False, "rank 0 never published the nonce", "", "see rank 0's log"))
             mine += calls.collect(checks_done)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, MutableMapping
 
 from ..fsutil import MIB, open_regular
 from .results import CheckResult
@@ -52,7 +52,7 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
                 break
             continue
         row = cells[0]
-        for col, cell in zip(gpu_cols, cells[1:1 + len(gpu_cols)]):
+        for col, cell in zip(gpu_cols, cells[1:1 + len(gpu_cols)], strict=False):
             if col != row and int(col[3:]) > int(row[3:]):
                 links.append(cell)
     nvlinks = [int(c[2:]) for c in links if re.fullmatch(r"NV\d+", c)]
@@ -85,7 +85,7 @@ def read_ib_ports(root: str | Path = SYSFS_IB) -> list[dict[str, str]]:
         except OSError:
             continue
         for port in ports:
-            def read(name: str) -> str:
+            def read(name: str, port: Path = port) -> str:
                 try:
                     return (port / name).read_text().strip()
                 except OSError:
@@ -191,7 +191,7 @@ def read_node(node: str, gpus_per_node: int, timeout_s: float, sysfs: str | Path
     return judge_transport(node, read_ib_ports(sysfs), None, False, topo)
 
 
-def capture_nccl(env: dict[str, str], job_id: str, rank: int, multi_node: bool, tmpdir: str,
+def capture_nccl(env: MutableMapping[str, str], job_id: str, rank: int, multi_node: bool, tmpdir: str,
                  sysfs: str | Path = SYSFS_IB) -> Path | None:
     """Before the NCCL all-reduce: where NCCL's INFO lines will go, when it is worth asking (several nodes, an
     ACTIVE IB/RoCE port here, and NCCL_DEBUG not set by the user); sets NCCL_DEBUG=INFO,

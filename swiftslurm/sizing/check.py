@@ -1,7 +1,7 @@
 """A task's sizing as ``plan`` shows it: the model shape, the parallel rules, the memory estimate.
 
-Takes the spec and the merged DeepSpeed config by attribute and key (this package sits below ``spec``
-and imports none of it). ``shape_of`` reads a local model's config.json when ``read_disk``; the rest is pure.
+Takes the spec (typed by what it reads: ``view.SpecView``) and the merged DeepSpeed config by attribute and key
+(this package sits below ``spec`` and imports none of it). ``shape_of`` reads a local model's config.json when ``read_disk``; the rest is pure.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ..errors import Problem
 from . import layout as lay
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
 from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
+from .view import SpecView
 
 UNKNOWN_SHAPE = ("the model's shape is unknown (a hub id that is not on disk): no memory estimate, and the heads are "
                  "checked against the parallel degrees on the nodes. Set train.model_shape to have both at validate")
@@ -46,13 +47,13 @@ class Sizing:
                 f"{m.gpu_memory_bytes / GIB:g}{fix}"]
 
 
-def layout_of(spec: Any) -> lay.Layout:
+def layout_of(spec: SpecView) -> lay.Layout:
     t = spec.train
     return lay.Layout(spec.world_size, spec.parallel.sequence_parallel, spec.parallel.tensor_parallel,
                       t.per_device_train_batch_size, t.gradient_accumulation_steps)
 
 
-def shape_of(spec: Any, read_disk: bool) -> tuple[ModelShape | None, list[Problem]]:
+def shape_of(spec: SpecView, read_disk: bool) -> tuple[ModelShape | None, list[Problem]]:
     """The shape: a local model's config.json (when ``read_disk``), the built-in tiny model, or train.model_shape."""
     model = spec.train.model
     if model == "tiny-llama":
@@ -70,13 +71,14 @@ def shape_of(spec: Any, read_disk: bool) -> tuple[ModelShape | None, list[Proble
 
 
 def _zero(ds: dict[str, Any]) -> tuple[int, bool, bool]:
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    found = ds.get("zero_optimization")
+    zero: dict[str, Any] = found if isinstance(found, dict) else {}
     dev = lambda key: isinstance(zero.get(key), dict) and zero[key].get("device") in ("cpu", "nvme")  # noqa: E731
     stage = zero.get("stage", 0)
     return (stage if isinstance(stage, int) else 0), dev("offload_optimizer"), dev("offload_param")
 
 
-def size_task(spec: Any, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | None, list[Problem]]:
+def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | None, list[Problem]]:
     """(the task's sizing, its problems). Problems: the parallel rules, and an unreadable local config.json."""
     layout = layout_of(spec)
     problems = lay.degree_problems(layout)

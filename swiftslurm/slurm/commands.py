@@ -68,7 +68,8 @@ def requeue(job_id: str) -> None:
 # ---------------------------------------------------------------- states
 
 # Job state strings of Slurm 22.05-24.11 (squeue %T, sacct State; src/common/slurm_protocol_defs.c).
-ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT", "POWER_UP_NODE", "UPDATE_DB"})
+ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED",
+                           "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT", "POWER_UP_NODE", "UPDATE_DB"})
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"})
 
 
@@ -237,7 +238,8 @@ def job_records(job_ids: list[str]) -> dict[str, JobRecord]:
     sacct_records = parse_sacct(acc.stdout) if acc.returncode == 0 else {}
     squeue_records = parse_squeue(live.stdout) if live.returncode == 0 else {}
     if acc.returncode != 0 and live.returncode != 0:
-        raise SwiftSlurmError("neither sacct nor squeue could report the job", (acc.stderr or live.stderr).strip()[:300], "is slurmctld up (`sinfo`)? is accounting configured (`sacct`)?")
+        raise SwiftSlurmError("neither sacct nor squeue could report the job", (acc.stderr or live.stderr).strip()[:300],
+                              "is slurmctld up (`sinfo`)? is accounting configured (`sacct`)?")
     return merge_records(sacct_records, squeue_records)
 
 

@@ -24,12 +24,15 @@ import re
 import socket
 import zlib
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import hostlist
 
 from ..errors import RuntimeEnvError
 from ..spec.model import PER_RANK_VARS, RUNTIME_VARS, explicit_master_port
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 # Every job gets a slot of PORTS_PER_JOB ports: MASTER_PORT, then the preflight's store, test listener and
 # iperf3 server (preflight/coord.py). The slots fill [16384, 32768): below Linux's ephemeral range (default
@@ -345,7 +348,7 @@ def _derive_single(env: Mapping[str, str], pid: int | None, explicit: Mapping[st
 # ---------------------------------------------------------------- checks and export
 
 
-def check_allocation(dist: DistEnv, spec) -> None:
+def check_allocation(dist: DistEnv, spec: JobSpec) -> None:
     """What Slurm granted vs what the spec asked; RuntimeEnvError with a HINT before any training."""
     want_nodes, want_tpn = spec.slurm.nodes, spec.slurm.ranks_per_node
     if dist.executor == "torchrun":

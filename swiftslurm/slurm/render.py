@@ -47,9 +47,11 @@ def one_group(plan: Plan, group: Group | None) -> Group:
     if len(plan.groups) > 1:
         raise OneScriptTooFew(
             f"the sweep asks Slurm for {len(plan.groups)} different allocations, which one script cannot hold",
-            "; ".join(f"tasks {index_ranges(g.tasks)}: {g.slurm.nodes} node(s) x {g.slurm.ranks_per_node} rank(s), time {g.slurm.time}" for g in plan.groups[:4])
+            "; ".join(f"tasks {index_ranges(g.tasks)}: {g.slurm.nodes} node(s) x {g.slurm.ranks_per_node} rank(s), time {g.slurm.time}"
+                      for g in plan.groups[:4])
             + (" ..." if len(plan.groups) > 4 else ""),
-            "`swiftslurm render SPEC -o FILE` writes one script per allocation (job.sh -> job.group0.sh, job.group1.sh, ...); `swiftslurm submit` sends one array each",
+            "`swiftslurm render SPEC -o FILE` writes one script per allocation (job.sh -> job.group0.sh, job.group1.sh, ...); `swiftslurm submit` "
+            "sends one array each",
         )
     return plan.groups[0]
 

@@ -13,7 +13,8 @@ started. Three checks, none of which runs a line of the user's code:
    command starts, so bash must refuse it on exactly that line. It does not when the setup swallows the
    next line (a here-document, a quote, a trailing backslash that joins the next line to the last command).
 3. A scan of the command words (quotes, escapes, comments and here-document bodies understood): no
-   ``exit``/``logout`` but a failing ``exit N`` (N a literal 1..255: the job ends FAILED, as a guard means), no ``exec`` of a command (``exec >log 2>&1`` only redirects and is fine), no
+   ``exit``/``logout`` but a failing ``exit N`` (N a literal 1..255: the job ends FAILED, as a guard means), no
+   ``exec`` of a command (``exec >log 2>&1`` only redirects and is fine), no
    ``set -n``/``set -o noexec``, and no function or alias named after a command the script runs after
    the setup (``srun() { :; }`` would replace the launch).
 

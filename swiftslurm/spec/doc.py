@@ -29,13 +29,19 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.max_requeues": "walltime requeues per submitted job before it gives up; a stop not requeued fails the job (exit 75) and `status` says why",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.gpu_memory_gb": "memory of one GPU; `plan` warns when its per-rank estimate exceeds it and names a ZeRO setting that fits",
-    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets refused in every spelling (docs/submitting.md)",
-    "slurm.setup": "shell lines run in the batch script before the ranks start (`module load cuda/12.4`, `source /shared/venv/bin/activate`): written verbatim, so they ARE shell; each entry one line, no NUL. `validate` checks them with `bash -n` and refuses what keeps the script from its srun line (an unterminated here-document, `exit`, `exec CMD`, `set -n`, a function named `srun`)",
-    "slurm.avoid_bad_nodes": "`submit` adds nodes of the node-health ledger (failed a preflight, hung, lost a rank) to `--exclude` and says so; never into a job the partition can no longer satisfy (docs/doctor.md)",
+    "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets "
+                          "refused in every spelling (docs/submitting.md)",
+    "slurm.setup": "shell lines run in the batch script before the ranks start (`module load cuda/12.4`, `source /shared/venv/bin/activate`): "
+                   "written verbatim, so they ARE shell; each entry one line, no NUL. `validate` checks them with `bash -n` and refuses what keeps "
+                   "the script from its srun line (an unterminated here-document, `exit`, `exec CMD`, `set -n`, a function named `srun`)",
+    "slurm.avoid_bad_nodes": "`submit` adds nodes of the node-health ledger (failed a preflight, hung, lost a rank) to `--exclude` and says so; "
+                             "never into a job the partition can no longer satisfy (docs/doctor.md)",
     "slurm.bad_node_ttl_h": "a ledger entry older than this many hours no longer excludes its node",
-    "slurm.python": "the interpreter the ranks run (swiftslurm and submitit installed in it), one word (a path or a command on PATH, never starting with `-`); unset = the submitting one, or `python3` inside a container",
+    "slurm.python": "the interpreter the ranks run (swiftslurm and submitit installed in it), one word (a path or a command on PATH, never starting "
+                    "with `-`); unset = the submitting one, or `python3` inside a container",
     "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",
-    "train.dataset": "one path or a list, read in order and mixed: JSONL (`.jsonl`), JSON arrays (`.json`), `.parquet`, `.arrow`, or a `datasets` `save_to_disk` directory; records in alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
+    "train.dataset": "one path or a list, read in order and mixed: JSONL (`.jsonl`), JSON arrays (`.json`), `.parquet`, `.arrow`, or a `datasets` "
+                     "`save_to_disk` directory; records in alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
     "train.train_type": "`lora` or `full`",
     "train.deepspeed": "a preset (`zero0` ... `zero2_fast`), a path to a DeepSpeed JSON, or `\"none\"`: plain DDP, no DeepSpeed (the path for GaLore/APOLLO)",
     "train.bf16": "bf16 mixed precision",
@@ -44,8 +50,10 @@ DESCRIPTIONS: dict[str, str] = {
     "train.per_device_train_batch_size": "micro-batch per rank",
     "train.gradient_accumulation_steps": "micro-batches per optimizer step",
     "train.learning_rate": "peak learning rate",
-    "train.max_grad_norm": "clip the global gradient norm to this (0 = no clipping, and then no `grad_norm` in the logs); `doctor`'s `nan_grad_norm` suggests 0.5",
-    "train.ddp_timeout": "seconds a collective may wait for the other ranks before the process group aborts (TrainingArguments' `ddp_timeout`, and `DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 minutes",
+    "train.max_grad_norm": "clip the global gradient norm to this (0 = no clipping, and then no `grad_norm` in the logs); `doctor`'s "
+                           "`nan_grad_norm` suggests 0.5",
+    "train.ddp_timeout": "seconds a collective may wait for the other ranks before the process group aborts (TrainingArguments' `ddp_timeout`, and "
+                         "`DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 minutes",
     "train.weight_decay": "AdamW weight decay",
     "train.warmup_ratio": "fraction of the steps spent warming up",
     "train.lr_scheduler_type": "`linear`, `cosine`, `constant`, `constant_with_warmup`",
@@ -60,15 +68,28 @@ DESCRIPTIONS: dict[str, str] = {
     "train.lora_dropout": "LoRA dropout",
     "train.lora_target_modules": "`all-linear` or a list of module names",
     "train.report_to": "`tensorboard` and/or `none`",
-    "train.packing": "pack whole samples into rows of exactly `max_length` tokens (`per_device_train_batch_size` then counts packed rows); attention and labels never cross a sample",
-    "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else on GPUs `varlen_attn` for packed bf16/fp16 rows where the flash kernel runs (sm80+), `flex_attention` for other packed rows of 4096 tokens or more, `sdpa` otherwise; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `varlen_attn` (PyTorch's own flash kernel for packed samples, no flash-attn build: GPU sm80+, packing, bf16/fp16), `flash_attention_2`, `flash_attention_3`",
-    "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an H200 it halved memory but cost 12-23% of packed tokens/s; `plan` names it when it would make a run fit), `false`, or `auto` = its RMSNorm, RoPE and SwiGLU where `liger-kernel` is installed on a GPU (not ZeRO-3, not DPO), never the fused loss",
-    "train.dataset_scan": "validate, plan and submit read every record of the dataset and name a malformed one (file and line, or row index); false skips that scan (huge data: the trainer still checks every record when it tokenizes)",
+    "train.packing": "pack whole samples into rows of exactly `max_length` tokens (`per_device_train_batch_size` then counts packed rows); "
+                     "attention and labels never cross a sample",
+    "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else on GPUs `varlen_attn` "
+                                 "for packed bf16/fp16 rows where the flash kernel runs (sm80+), `flex_attention` for other packed rows of 4096 "
+                                 "tokens or more, `sdpa` otherwise; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `varlen_attn` (PyTorch's "
+                                 "own flash kernel for packed samples, no flash-attn build: GPU sm80+, packing, bf16/fp16), `flash_attention_2`, "
+                                 "`flash_attention_3`",
+    "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an "
+                              "H200 it halved memory but cost 12-23% of packed tokens/s; `plan` names it when it would make a run fit), `false`, or "
+                              "`auto` = its RMSNorm, RoPE and SwiGLU where `liger-kernel` is installed on a GPU (not ZeRO-3, not DPO), never the fused loss",
+    "train.dataset_scan": "validate, plan and submit read every record of the dataset and name a malformed one (file and line, or row index); false "
+                          "skips that scan (huge data: the trainer still checks every record when it tokenizes)",
     "train.dataset_num_proc": "processes that tokenize the dataset (once: the result is cached next to the checkpoints)",
     "train.dataloader_num_workers": "DataLoader worker processes per rank (0 = in the training process)",
     "train.dataloader_pin_memory": "pinned host memory for batches (GPU runs)",
-    "train.resume_from": "start this run (its own `output_dir`) from another checkpoint: a `checkpoint-N` of ours (verified first; a damaged one stops the run, exit 5), another run's output dir (its newest verified), or one we did not write (an HF Trainer + DeepSpeed `checkpoint-N`, a model dir, a peft adapter dir: imported on the fly). Restores weights, optimizer, scheduler, RNG and data position; a requeue of this run resumes from its own newest checkpoint; never this run's own output dir (or a task's, or inside them). See docs/checkpoints.md",
-    "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a model or adapter dir)",
+    "train.resume_from": "start this run (its own `output_dir`) from another checkpoint: a `checkpoint-N` of ours (verified first; a damaged one "
+                         "stops the run, exit 5), another run's output dir (its newest verified), or one we did not write (an HF Trainer + "
+                         "DeepSpeed `checkpoint-N`, a model dir, a peft adapter dir: imported on the fly). Restores weights, optimizer, scheduler, "
+                         "RNG and data position; a requeue of this run resumes from its own newest checkpoint; never this run's own output dir "
+                         "(or a task's, or inside them). See docs/checkpoints.md",
+    "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a "
+                                 "model or adapter dir)",
     "train.task": "`sft` (supervised) or `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer)",
     "train.dpo_beta": "DPO: how far the policy may move from the reference model (TRL's `beta`)",
     "train.dpo_loss_type": "DPO: one of TRL's loss types (`sigmoid`, `ipo`, `hinge`, `robust`, `apo_zero`, ...)",
@@ -78,14 +99,20 @@ DESCRIPTIONS: dict[str, str] = {
     "train.galore_rank": "GaLore/APOLLO: rank of the gradient projection",
     "train.galore_update_proj_gap": "GaLore/APOLLO: steps between projection updates",
     "train.galore_scale": "GaLore/APOLLO: scale of the projected update (unset: the library default)",
-    "train.model_shape": "a hub model not on disk: `{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim }` for `plan`'s memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none)",
+    "train.model_shape": "a hub model not on disk: "
+                         "`{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim }` for `plan`'s "
+                         "memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none)",
     "train.command": "run your own script instead of the built-in trainer, e.g. `[\"python\", \"train.py\"]`, with the same env, preflight and requeue",
     "checkpoint.keep": "verified checkpoints kept (at least 2)",
     "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",
     "checkpoint.checksum": "`xxh3`, `md5` or `sha256`",
-    "checkpoint.convert_timeout_s": "resuming on another data-parallel world size or ZeRO stage converts the checkpoint with DeepSpeed's universal-checkpoint tool on rank 0; longer than this is an error on every rank (docs/checkpoints.md)",
-    "checkpoint.deadline_save": "save before the USR2 signal when the job's end time (read from Slurm at each start) leaves no room for the next regular save; `deadline_margin_s` in metrics.jsonl",
-    "checkpoint.allow_spec_change": "resume a checkpoint although the training spec changed since it was saved (`train.*` but logging/saving, `[deepspeed]`, the resolved DeepSpeed essentials, the dataset files); off: such a resume is refused, naming the changed keys. The allocation never counts",
+    "checkpoint.convert_timeout_s": "resuming on another data-parallel world size or ZeRO stage converts the checkpoint with DeepSpeed's "
+                                    "universal-checkpoint tool on rank 0; longer than this is an error on every rank (docs/checkpoints.md)",
+    "checkpoint.deadline_save": "save before the USR2 signal when the job's end time (read from Slurm at each start) leaves no room for the next "
+                                "regular save; `deadline_margin_s` in metrics.jsonl",
+    "checkpoint.allow_spec_change": "resume a checkpoint although the training spec changed since it was saved (`train.*` but logging/saving, "
+                                    "`[deepspeed]`, the resolved DeepSpeed essentials, the dataset files); off: such a resume is refused, naming "
+                                    "the changed keys. The allocation never counts",
     "preflight.checks": "any of " + ", ".join(f"`{name}`" for name in CHECKS) + "; `[]` disables",
     "preflight.min_allreduce_busbw_gbps": "all-reduce bus bandwidth floor, GB/s (0 = report only)",
     "preflight.min_iperf3_gbps": "iperf3 floor between node pairs, Gbit/s; unset: 20, and a miss only warns (a value you set fails the check)",
@@ -96,12 +123,18 @@ DESCRIPTIONS: dict[str, str] = {
     "preflight.nvme_path": "where `fio` tests; unset: the DeepSpeed config's NVMe offload `nvme_path`, else the checkpoint dir (the task's output dir)",
     "preflight.on_failure": "`abort` (no training), `warn`, or `exclude` (requeue without the failing nodes)",
     "preflight.timeout_s": "bound on each check (a hung rank is reported, never waited for)",
-    "parallel.sequence_parallel": "Ulysses sequence parallel degree (DeepSpeed ALST): each sequence is split over this many ranks; heads must divide by it, `max_length` must be a multiple of it; a ZeRO preset (not `deepspeed = \"none\"`); with packed rows, flash attention on GPUs (a CPU job is refused)",
-    "parallel.tensor_parallel": "DeepSpeed AutoTP degree: each Linear layer is split over this many ranks (full fine-tuning, ZeRO 0-2, not `deepspeed = \"none\"`); world size = data x sequence x tensor parallel",
-    "parallel.tiled_mlp": "DeepSpeed's TiledMLP for long sequences: each gated MLP computes over ceil(seq / hidden) slices of the sequence and recomputes them in the backward (less activation memory, one more MLP forward); a ZeRO preset, not `deepspeed = \"none\"`",
+    "parallel.sequence_parallel": "Ulysses sequence parallel degree (DeepSpeed ALST): each sequence is split over this many ranks; heads must "
+                                  "divide by it, `max_length` must be a multiple of it; a ZeRO preset (not `deepspeed = \"none\"`); with packed "
+                                  "rows, flash attention on GPUs (a CPU job is refused)",
+    "parallel.tensor_parallel": "DeepSpeed AutoTP degree: each Linear layer is split over this many ranks (full fine-tuning, ZeRO 0-2, not "
+                                "`deepspeed = \"none\"`); world size = data x sequence x tensor parallel",
+    "parallel.tiled_mlp": "DeepSpeed's TiledMLP for long sequences: each gated MLP computes over ceil(seq / hidden) slices of the sequence and "
+                          "recomputes them in the backward (less activation memory, one more MLP forward); a ZeRO preset, not `deepspeed = \"none\"`",
     "container.runtime": "`pyxis` (`srun --container-image`, pyxis/enroot) or `apptainer` (`apptainer exec`)",
-    "container.image": "a registry image (`nvcr.io#nvidia/pytorch:24.05-py3`, `docker://...`; pin with `@sha256:`) or a local `.sif`/`.sqsh` file (checked by `validate`)",
-    "container.mounts": "`SRC:DST[:FLAGS]` host paths into the container (Apptainer flags: `ro`/`rw`); the output dir is mounted automatically (so no `:` or `,` in it), and a read-only mount over it is refused",
+    "container.image": "a registry image (`nvcr.io#nvidia/pytorch:24.05-py3`, `docker://...`; pin with `@sha256:`) or a local `.sif`/`.sqsh` file "
+                       "(checked by `validate`)",
+    "container.mounts": "`SRC:DST[:FLAGS]` host paths into the container (Apptainer flags: `ro`/`rw`); the output dir is mounted automatically (so "
+                        "no `:` or `,` in it), and a read-only mount over it is refused",
     "container.workdir": "working directory inside the container (pyxis `--container-workdir`, Apptainer `--pwd`)",
     "container.writable": "a writable container filesystem (pyxis `--container-writable`, Apptainer `--writable-tmpfs`)",
     "container.env": "host variables whose values override the image's (pyxis `--container-env`, Apptainer `APPTAINERENV_*`)",
@@ -109,7 +142,9 @@ DESCRIPTIONS: dict[str, str] = {
 
 TABLE_NOTES = {
     "deepspeed": "overrides deep-merged into the chosen preset, e.g. `zero_optimization = { offload_optimizer = { device = \"cpu\" } }`",
-    "env": "environment variables exported on every node (`NCCL_*` and friends); your values win, except the ones swiftslurm derives per rank (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `GROUP_RANK`, `NNODES`, `SWIFTSLURM_PLAN`, `SWIFTSLURM_TASK`: refused); `MASTER_ADDR`/`MASTER_PORT` may be set",
+    "env": "environment variables exported on every node (`NCCL_*` and friends); your values win, except the ones swiftslurm derives per rank "
+           "(`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `GROUP_RANK`, `NNODES`, `SWIFTSLURM_PLAN`, `SWIFTSLURM_TASK`: "
+           "refused); `MASTER_ADDR`/`MASTER_PORT` may be set",
     "sweep": "a job array over the cartesian product: `learning_rate = [1e-4, 2e-4]` (a `[train]` key) or `\"slurm.nodes\" = [1, 2]`",
 }
 

@@ -8,6 +8,7 @@ path, what was found and what to do.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -25,11 +26,11 @@ from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is th
     CheckpointTable,
     FieldProblem,
     JobSpec,
-    is_local_image,
     JobTable,
     PreflightTable,
     SlurmTable,
     TrainTable,
+    is_local_image,
     time_limit_s,
 )
 
@@ -167,7 +168,7 @@ def _sweep_overrides(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
     import itertools
 
     keys = list(sweep)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
 def sweep_key_path(key: str) -> tuple[str, str]:
@@ -251,7 +252,7 @@ def parse_spec(text: str, source: str = "spec") -> JobSpec:
     return validate_spec(data, source)
 
 
-def load_spec(path: str | Path) -> JobSpec:
+def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     """Read and validate a spec file. A missing or unreadable file is a SpecError too."""
     p = Path(path)
     source = str(path)
@@ -273,7 +274,7 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(text, source)
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
+def load_raw(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The raw dict of a spec file (for planning sweeps). Call after load_spec succeeded."""
     return parse_toml(read_bytes(path, MAX_SPEC_BYTES).decode("utf-8"), str(path))
 
@@ -305,7 +306,8 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
     if model and model not in TINY_MODELS and (model.startswith((".", "/")) or Path(model).exists()):
         p = Path(model) if Path(model).is_absolute() else base / model
         if not p.is_dir():
-            problems.append(Problem("train.model", "local model directory not found", str(p), "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
+            problems.append(Problem("train.model", "local model directory not found", str(p),
+                                    "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
     if spec.train.resume_from is not None:
         p = Path(spec.train.resume_from) if Path(spec.train.resume_from).is_absolute() else base / spec.train.resume_from
         if not p.is_dir():

@@ -6,26 +6,29 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 
 from __future__ import annotations
 
-from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
-from ..errors import did_you_mean
-from .parallel import ModelShapeTable, ParallelTable, Table
-from .sbatch_options import MEM_CONFLICTS, parse_extra
-from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
 import re
 from typing import Any, Literal, Union, get_args
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
+from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
+from ..errors import did_you_mean
+from .parallel import ModelShapeTable, ParallelTable, Table
+from .sbatch_options import MEM_CONFLICTS, parse_extra
+from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
+
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
 # transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3")
+AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3"]
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 # TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
                   "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 # The preflight check names: the one list (the spec's field type, the preflight-only default, the README)
 CheckName = Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]
 CHECKS: tuple[str, ...] = get_args(CheckName)
+ReportTarget = Literal["tensorboard", "none"]
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -262,10 +265,10 @@ class TrainTable(_Table):
     lora_alpha: int = Field(32, ge=1, le=1_000_000)
     lora_dropout: float = Field(0.05, ge=0, lt=1)
     lora_target_modules: Union[str, list[str]] = "all-linear"
-    report_to: list[Literal["tensorboard", "none"]] = Field(default_factory=lambda: ["tensorboard"])
+    report_to: list[ReportTarget] = Field(default_factory=lambda: list[ReportTarget](["tensorboard"]))
     command: list[str] = Field(default_factory=list)
     packing: bool = True
-    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = "auto"
+    attn_implementation: AttnImplementation = "auto"
     use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
     dataset_num_proc: int = Field(1, ge=1, le=256)
     dataset_scan: bool = True
@@ -401,7 +404,7 @@ DEFAULT_MIN_NVME_IOPS = 50000
 
 class PreflightTable(_Table):
     checks: list[CheckName] = Field(
-        default_factory=lambda: ["ports", "allreduce", "iperf3", "nvme"]
+        default_factory=lambda: list[CheckName](["ports", "allreduce", "iperf3", "nvme"])
     )
     min_allreduce_busbw_gbps: float = Field(0.0, ge=0, le=1_000_000)
     # None: the default floor, which only warns; a value the user sets fails the check (and acts by on_failure)
@@ -451,7 +454,8 @@ class ContainerTable(_Table):
     @classmethod
     def _image(cls, v: str) -> str:
         if not v.strip() or v != v.strip() or any(c in v for c in "\n\r\x00,"):
-            raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, without commas")
+            raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, "
+                             "without commas")
         return v
 
     @field_validator("mounts")
@@ -495,7 +499,7 @@ class JobSpec(_Table):
     slurm: SlurmTable = Field(default_factory=SlurmTable)
     # No [train] table: an empty, unvalidated TrainTable (``has_training`` False), a spec for `swiftslurm preflight`
     # only. A [train] table that is present is validated in full (model or command required).
-    train: TrainTable = Field(default_factory=TrainTable.model_construct)
+    train: TrainTable = Field(default_factory=TrainTable.model_construct)  # type: ignore[assignment]  # pydantic.mypy types it as the base Table
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     checkpoint: CheckpointTable = Field(default_factory=CheckpointTable)
     preflight: PreflightTable = Field(default_factory=PreflightTable)

@@ -7,11 +7,14 @@ Shared by ``sft`` (and its task seam) and ``dpo``: the arguments of every task s
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SwiftSlurmError
 from .kernels.varlen import NAME as VARLEN
 from .kernels.varlen import register as register_varlen
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 
 class ModelUnavailable(SwiftSlurmError):
@@ -28,7 +31,7 @@ def _prepare_device_env() -> bool:
     return cuda
 
 
-def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"):
+def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
     """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
     import torch
 
@@ -46,6 +49,8 @@ def load_model_and_tokenizer(spec, cuda: bool, attn_implementation: str = "sdpa"
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if train.model is None:  # validate_spec requires it for the built-in trainer
+        raise ModelUnavailable("cannot load a model: train.model is not set", "", "set train.model (a hub id or a local directory)")
     last: Exception | None = None
     for local_only in (True, False) if not offline else (True,):
         try:
@@ -97,7 +102,7 @@ def optimizer_arguments(t) -> dict[str, Any]:
             "optim_args": ",".join(f"{k}={v}" for k, v in args.items())}
 
 
-def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
+def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
                     parallelism_config=None) -> dict[str, Any]:
     """The TrainingArguments of every task (DPO's config adds its own keys): batch, schedule, saving, precision,
     DeepSpeed (none when ``ds_config`` is empty: ``train.deepspeed = "none"``, plain DDP) and the optimizer."""
@@ -142,7 +147,7 @@ def training_kwargs(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool
     )
 
 
-def training_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
+def training_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None = None,
                        parallelism_config=None):
     from transformers import TrainingArguments
 

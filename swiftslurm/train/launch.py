@@ -9,7 +9,8 @@ It goes through the production wiring: the spec is planned (``make_plan``, the p
 ``submit`` writes it), each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and, as ``swiftslurm run`` does,
 reads its task from the plan file, derives its rank environment (``distenv.derive``), checks the allocation
-and exports ``distenv.child_env`` before training. Each writes ``DIR/result-rank<r>.json``. ``--stop-at-step N`` makes rank 0 alone report a walltime stop at step N
+and exports ``distenv.child_env`` before training. Each writes ``DIR/result-rank<r>.json``. ``--stop-at-step N`` makes
+rank 0 alone report a walltime stop at step N
 (the other ranks learn it through the all-reduce), for testing the requeue path.
 """
 
@@ -50,7 +51,7 @@ def launch(spec_path: str, out: str, nprocs: int = 2, resume: str | None = None,
         procs.append(subprocess.Popen(argv, env=env, stdout=outs[-1], stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout_s
     results = []
-    for p, f in zip(procs, outs):
+    for p, f in zip(procs, outs, strict=True):
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -88,12 +89,15 @@ def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | No
 
     def should_stop() -> bool:
         calls["n"] += 1
-        return bool(stop_at_step) and dist.rank == 0 and calls["n"] >= stop_at_step
+        return bool(stop_at_step and dist.rank == 0 and calls["n"] >= stop_at_step)
 
     calls = {"n": 0}
     try:  # the runtime's steps (node/runtime.py), without its preflight, signals and requeue
         _data, task, ds = read_plan_task(plan_file, 0)
         spec = task.spec
+        if ds is None:  # the plan has none for a spec without training or with train.command: not this launcher's
+            raise SwiftSlurmError("the test launcher runs the built-in trainer", "the plan holds no DeepSpeed config for task 0",
+                                  "give the spec a [train] model and dataset, without train.command")
         distenv.check_spec_env(spec.env)
         dist = distenv.derive(os.environ, pid=os.getpid(), explicit=spec.env)
         distenv.check_allocation(dist, spec)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import dsconfig
 
+if TYPE_CHECKING:
+    from ..slurm.distenv import DistEnv
 
-def isolate(ds_config: dict[str, Any], dist, output_dir: str) -> tuple[dict[str, Any], list[str]]:
+
+def isolate(ds_config: dict[str, Any], dist: DistEnv, output_dir: str) -> tuple[dict[str, Any], list[str]]:
     """This rank's ds config with per-job/task NVMe swap folders, and those folders."""
     name = dsconfig.nvme_swap_name(dist.job_id, dist.array_task_id, str(Path(output_dir).resolve()))
     return dsconfig.isolate_nvme_swap(ds_config, name)

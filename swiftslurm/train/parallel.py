@@ -19,33 +19,38 @@ The rules ``plan`` checks against a local config.json run here again against the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import SwiftSlurmError
 from ..sizing.layout import Layout, keeps_packed_apart, shape_problems
 from ..sizing.shape import ShapeError, shape_from_config
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 
 class ParallelError(SwiftSlurmError):
     exit_code = 2
 
 
-def degrees(spec) -> tuple[int, int]:
+def degrees(spec: JobSpec) -> tuple[int, int]:
     p = spec.parallel
     return p.sequence_parallel, p.tensor_parallel
 
 
-def degrees_json(spec) -> dict[str, int]:
+def degrees_json(spec: JobSpec) -> dict[str, int]:
     """The degrees as checkpoints record them (manifest meta ``parallel``)."""
     sp, tp = degrees(spec)
     return {"sequence_parallel": sp, "tensor_parallel": tp}
 
 
-def global_batch(spec) -> int:
+def global_batch(spec: JobSpec) -> int:
     """Samples (or packed rows) per optimizer step: the data-parallel ranks' micro-batches."""
     t = spec.train
     return Layout(spec.world_size, *degrees(spec), t.per_device_train_batch_size, t.gradient_accumulation_steps).global_batch
 
 
-def parallelism_config(spec, attn: str):
+def parallelism_config(spec: JobSpec, attn: str):
     """Accelerate's ParallelismConfig for Ulysses SP (None without SP)."""
     sp, _ = degrees(spec)
     if sp == 1:
@@ -63,7 +68,7 @@ def parallelism_config(spec, attn: str):
                              sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=attn))
 
 
-def init_comm(spec) -> None:
+def init_comm(spec: JobSpec) -> None:
     """DeepSpeed's comm layer on the process group TrainingArguments made: the Ulysses groups are built
     through ``deepspeed.comm``, which Accelerate initialises itself only on GPUs (CPU runs: gloo)."""
     sp, _ = degrees(spec)
@@ -73,14 +78,14 @@ def init_comm(spec) -> None:
         deepspeed.init_distributed()
 
 
-def check_model(spec, model) -> None:
+def check_model(spec: JobSpec, model) -> None:
     """The head rules against the loaded model's config (exit 2 with the reason, before any step)."""
     sp, tp = degrees(spec)
     if sp == 1 and tp == 1:
         return
     config = getattr(model, "config", None)
     try:
-        shape = shape_from_config(config.to_dict(), f"{spec.train.model} config")
+        shape = shape_from_config(config.to_dict(), f"{spec.train.model} config")  # type: ignore[union-attr]  # no config: the AttributeError below
     except (ShapeError, AttributeError) as exc:
         raise ParallelError("cannot read the attention heads of the model for the parallel degrees", str(exc),
                             "use a decoder model with a transformers config (num_attention_heads, ...)") from None
@@ -91,7 +96,7 @@ def check_model(spec, model) -> None:
         raise ParallelError(f"{p.path}: {p.what}", p.found, p.hint)
 
 
-def tile_mlps(spec, model) -> int:
+def tile_mlps(spec: JobSpec, model) -> int:
     """``[parallel] tiled_mlp``: route every gated MLP of ``model`` through DeepSpeed's ``TiledMLP``; how many."""
     if not spec.parallel.tiled_mlp:
         return 0

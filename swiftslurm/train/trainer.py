@@ -21,9 +21,9 @@ from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as ck
 from ..checkpoint import savetime
+from ..taskdir import SAVE_LINK_DIR
 from .health.gpuutil import gpu_fields, rank_slots
 from .health.metrics import MetricsFile, StepMeter
-from ..taskdir import SAVE_LINK_DIR
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -78,6 +78,7 @@ class SFTTrainer(Trainer):
             self.optimizer_name = kind.__name__ if package == "torch" else f"{package}.{kind.__name__}"
             return optimizer
         opt_model = self.model if model is None else model
+        assert opt_model is not None  # the Trainer holds its model before it builds the optimizer
         decay = set(self.get_decay_parameter_names(opt_model))
         groups = [
             {"params": [p for n, p in opt_model.named_parameters() if n in decay and p.requires_grad],
@@ -125,12 +126,18 @@ class SFTTrainer(Trainer):
         super().log(logs, start_time)
 
     # ---- verified checkpoints
+    def _output_dir(self) -> str:
+        out = self.args.output_dir
+        if out is None:  # build.training_arguments always sets it
+            raise ValueError("TrainingArguments.output_dir is not set")
+        return out
+
     def _get_output_dir(self, trial) -> str:
-        return os.path.join(self.args.output_dir, SAVE_LINK_DIR)
+        return os.path.join(self._output_dir(), SAVE_LINK_DIR)
 
     def _save_checkpoint(self, model, trial) -> None:
         start = time.perf_counter()
-        out, step = self.args.output_dir, self.state.global_step
+        out, step = self._output_dir(), self.state.global_step
         link = Path(out) / SAVE_LINK_DIR / f"checkpoint-{step}"
         staging = ck.staging_dir(out, step)
         if self.args.process_index == 0:
@@ -175,11 +182,12 @@ class SFTTrainer(Trainer):
             phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
         self.save_seconds.append(seconds)
-        margin = {}
+        margin: dict[str, float] = {}
         if self.deadline is not None:
             self.deadline.saved(seconds)
-            if self.deadline.margin_s() is not None:  # rank 0 of a Slurm job: seconds left after this save
-                margin["deadline_margin_s"] = self.deadline.margin_s()
+            left = self.deadline.margin_s()
+            if left is not None:  # rank 0 of a Slurm job: seconds left after this save
+                margin["deadline_margin_s"] = left
         self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin})
         if self.args.process_index == 0:
             self._check_grace(step, seconds, phases)
@@ -187,7 +195,7 @@ class SFTTrainer(Trainer):
     def _check_grace(self, step: int, save_s: float, phases: dict[str, float]) -> None:
         """Record this save's phases (checkpoint-save.json) and warn when a walltime save would not fit
         slurm.signal_grace_s after one step, with the value to set."""
-        record = savetime.record_save(self.args.output_dir, step, save_s, phases, self.meter.last_step_s, self.job["signal_grace_s"])
+        record = savetime.record_save(self._output_dir(), step, save_s, phases, self.meter.last_step_s, self.job["signal_grace_s"])
         if record["advice"]:
             log.warning("%s", record["advice"])
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .logs import last_words
 from ..fsutil import Unreadable, read_tail
 from ..node.failure import Failure, read_failures
+from .logs import last_words
 
 TAIL_BYTES = 64 << 10  # rank 0's stderr is read from its last 64 KiB (a traceback and the lines before it)
 CLOCK_SKEW_S = 60.0  # a node's clock may run behind the login node's: records this much before the submit count

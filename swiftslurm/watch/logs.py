@@ -165,7 +165,7 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
         current = stamp if stamp is not None else current
         times.append(current)
     times.reverse()
-    return [LogLine(t, source.task, source.rank, n, line, first_order + i) for i, (line, t, n) in enumerate(zip(raw, times, line_nodes))]
+    return [LogLine(t, source.task, source.rank, n, line, first_order + i) for i, (line, t, n) in enumerate(zip(raw, times, line_nodes, strict=True))]
 
 
 def with_nodes(lines: Iterable[LogLine], nodes: dict[tuple[int, int], str], default: dict[int, str]) -> list[LogLine]:

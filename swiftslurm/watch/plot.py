@@ -50,9 +50,9 @@ def figure(series: list[Series], title: str = ""):
     for s in series:
         xs, ys = _points(s.rows, "loss")
         (line,) = loss_ax.plot(xs, ys, label=s.label)
-        points = list(zip(xs, ys))
-        marks = [max((pt for pt in points if pt[0] <= step), default=None) for step in restart_steps(s.rows, s.requeues)]
-        marks = [m for m in marks if m is not None][:50]  # each requeue on the last logged loss before it
+        points = list(zip(xs, ys, strict=True))
+        before = [max((pt for pt in points if pt[0] <= step), default=None) for step in restart_steps(s.rows, s.requeues)]
+        marks = [m for m in before if m is not None][:50]  # each requeue on the last logged loss before it
         if marks:
             loss_ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x", s=60, color=line.get_color(), zorder=3)
         sx, sy = _points(s.rows, speed_key)

@@ -23,12 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import fsutil
-from .. import slurm
+from .. import fsutil, slurm
 from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
-from ..train.tasks.sft import SUMMARY_FILE
 from ..taskdir import METRICS_FILE
+from ..train.tasks.sft import SUMMARY_FILE
 
 # Slurm's final states (slurm.FINAL_STATES, the one list) but COMPLETED; UNKNOWN: Slurm lost the job
 FAILED_STATES = (slurm.FINAL_STATES - {"COMPLETED"}) | {"UNKNOWN"}
@@ -161,8 +160,8 @@ def progress_of(task: int, state: str, rows: list[dict[str, Any]], *, max_steps:
     checkpoint_step = step_of(checkpoint) if checkpoint else None
     segs = segments(rows)
     summary = summary if isinstance(summary, dict) else {}
-    done_step = summary.get("global_step") if isinstance(summary.get("global_step"), int) else None
-    candidates = [s for s in ((segs[-1] and _step(segs[-1][-1])) if segs else None, checkpoint_step, done_step) if s is not None]
+    done_step = found if isinstance(found := summary.get("global_step"), int) else None
+    candidates = [s for s in (_step(segs[-1][-1]) if segs and segs[-1] else None, checkpoint_step, done_step) if s is not None]
     p.step = max(candidates) if candidates else None
     if p.max_steps is None:
         p.max_steps = next((int(r["max_steps"]) for r in reversed(rows) if isinstance(r.get("max_steps"), int) and r["max_steps"] > 0), None)

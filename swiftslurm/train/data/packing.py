@@ -97,7 +97,7 @@ def pack_rows(lengths: Sequence[int], max_length: int, seed: int) -> list[list[i
     return [flat[bounds[r]:bounds[r + 1]].tolist() for r in range(len(bounds) - 1)]
 
 
-def pack_rows_flat(lengths: Sequence[int], max_length: int, seed: int):
+def pack_rows_flat(lengths: Sequence[int] | Any, max_length: int, seed: int):  # Any: a numpy array too
     """``pack_rows`` as two numpy arrays: the sample indices of every row back to back, and the row
     bounds (row r is ``flat[bounds[r]:bounds[r + 1]]``): 16 bytes per sample, not a list per row."""
     import numpy as np
@@ -162,7 +162,7 @@ class PackedDataset:
         return 1.0 - self.used / (len(self) * self.max_length) if len(self) else 0.0
 
 
-def pack_row(samples: list[dict[str, list[int]]], max_length: int, pad_id: int) -> dict[str, list[int]]:
+def pack_row(samples: list[dict[str, list[int]]], max_length: int, pad_id: int) -> dict[str, Any]:
     """One packed row (lists of exactly ``max_length``): see the module doc for the layout."""
     ids: list[int] = []
     labels: list[int] = []
@@ -212,5 +212,5 @@ def prepare_model(model) -> None:
     the module tree (a peft wrapper's base model included) is switched off."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        if hasattr(config, "use_cache"):
+        if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False

@@ -34,7 +34,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 from ...errors import SwiftSlurmError
 from ...fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
@@ -123,7 +123,7 @@ def content_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def _unreadable(p: Path, exc: Exception) -> DataError:
+def _unreadable(p: Path, exc: Exception | str) -> DataError:
     return DataError("cannot read the dataset file", f"{p}: {exc}", f"train.dataset takes {FORMATS}, JSON as UTF-8")
 
 
@@ -202,7 +202,7 @@ def _json_array(p: Path) -> Iterator[tuple[str, Any]]:
     if skip() != "]":
         while True:
             try:
-                record, pos = _record(p, f"line {line}", text, lambda t: decoder.raw_decode(t, pos))
+                record, pos = _record(p, f"line {line}", text, lambda t, pos=pos: decoder.raw_decode(t, pos))
             except json.JSONDecodeError as exc:
                 raise bad_json(p, f"line {exc.lineno}", exc.msg, text[exc.pos:exc.pos + 60].split("\n")[0]) from None
             yield f"line {line}", record
@@ -223,7 +223,7 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if v is not None}
 
 
-def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Iterator[tuple[str, Any]]:
+def _batches_rows(p: Path, batches, what: str, index: int = 0) -> Generator[tuple[str, Any], None, int]:
     """The rows of record batches from row index ``index`` on; returns the index after the last."""
     from pyarrow import ArrowException
 
@@ -257,7 +257,7 @@ def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
     yield from _batches_rows(p, reader.iter_batches(batch_size=BATCH_ROWS), "parquet")
 
 
-def _arrow_rows(p: Path, start: int = 0) -> Iterator[tuple[str, Any]]:
+def _arrow_rows(p: Path, start: int = 0) -> Generator[tuple[str, Any], None, int]:
     pa = _pyarrow(p)
     try:
         source = pa.memory_map(str(p))

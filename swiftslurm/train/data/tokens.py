@@ -61,7 +61,9 @@ def _label_spans(kind: str, rec: Any, tokenizer) -> tuple[str, list[tuple[int, i
         prompt = template.format(instruction=rec["instruction"], input=rec.get("input", ""))
         answer = rec["output"] + (tokenizer.eos_token or "")
         return prompt + answer, [(len(prompt), len(prompt) + len(answer))]
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def render(msgs: list[dict[str, Any]], gen: bool = False) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
     text = render(rec)
     spans = []
     for i, m in enumerate(rec):
@@ -188,7 +190,7 @@ class Collator:
         import torch
 
         width = self.fixed_width or max(len(ex["input_ids"]) for ex in batch)
-        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "attention_mask": []}
         if self.fixed_width:
             out["position_ids"] = [list(range(width)) for _ in batch]
         for ex in batch:

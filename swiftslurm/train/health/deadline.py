@@ -17,9 +17,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ...checkpoint import savetime
+
+if TYPE_CHECKING:
+    from ...slurm.distenv import DistEnv
+    from ...spec.model import JobSpec
 
 log = logging.getLogger("swiftslurm.train")
 RESERVE_S = 5.0  # after the save: stop the ranks, record and call `scontrol requeue`
@@ -91,7 +95,7 @@ class DeadlineWatch:
         return verdict.stop
 
 
-def watch_for(spec, dist, output_dir: str, last_step_s: Callable[[], float | None]) -> DeadlineWatch:
+def watch_for(spec: JobSpec, dist: DistEnv, output_dir: str, last_step_s: Callable[[], float | None]) -> DeadlineWatch:
     """The watch of this start: rank 0 of a Slurm job with ``checkpoint.deadline_save`` reads the end time once."""
     end_time = None
     if spec.checkpoint.deadline_save and dist.rank == 0 and dist.executor == "slurm":

@@ -84,7 +84,7 @@ class CommTimer:
                 self.calls += 1
                 self._depth -= 1
 
-        timed.__wrapped__ = fn
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]  # a function attribute, as functools.wraps sets it (tests find the patches by it)
         return timed
 
     def drain_gpu_seconds(self) -> float:

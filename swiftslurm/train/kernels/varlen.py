@@ -127,6 +127,8 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
     if cu_seq_lens_q is None:  # not from the packing collator: every row is one sequence
         cu_seq_lens_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         max_length_q = s
+    elif max_length_q is None:
+        raise ValueError(f"{NAME} needs max_length_q with cu_seq_lens_q (the packing collator adds both)")
     kernel = _kernel or _torch_kernel()
     params = _parameters(kernel)
     q = query.transpose(1, 2).reshape(b * s, heads, d)

@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint as ck
 from ...checkpoint.importer import import_dir
 from ...errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
-from . import agree as resume
 from ...taskdir import RESUME_SOURCE_DIR as IMPORT_DIR  # under output_dir: not a checkpoint-N of the run, so never its own resume point
+from . import agree as resume
+
+if TYPE_CHECKING:
+    from ...spec.model import JobSpec
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -45,7 +48,7 @@ class Start:
         return None if self.weights_only else self.path
 
 
-def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, rank: int, node: str) -> Start:
+def resolve_start(resume_arg: str | bool | None, spec: JobSpec, output_dir: str, rank: int, node: str) -> Start:
     """Where this run starts, the same on every rank (see the module docstring)."""
     if resume_arg is not True:  # an explicit path from the local launcher, or None: as before
         found = resume.resolve(resume_arg, output_dir, rank, node)
@@ -55,7 +58,7 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     own = resume.agreed_resume_point(output_dir, rank, node, log=say)
     if own is not None or spec.train.resume_from is None:
         return Start(own, False, "own" if own else "")
-    prepared = _prepare_on_rank_0(spec, output_dir) if rank == 0 else {}
+    prepared = _prepare_on_rank_0(spec, spec.train.resume_from, output_dir) if rank == 0 else {}
     prepared = resume.exchange().broadcast(prepared)
     if "error" in prepared:
         code, what, found, hint = prepared["error"]
@@ -67,10 +70,11 @@ def resolve_start(resume_arg: str | bool | None, spec: Any, output_dir: str, ran
     return Start(str(chosen), bool(prepared["weights_only"]), "resume_from")
 
 
-def _prepare_on_rank_0(spec: Any, output_dir: str) -> dict[str, Any]:
-    """``prepare_source`` as a broadcastable verdict: the path, or the error every rank must raise alike."""
+def _prepare_on_rank_0(spec: JobSpec, src: str, output_dir: str) -> dict[str, Any]:
+    """``prepare_source`` (of ``train.resume_from = src``) as a broadcastable verdict: the path, or the error every rank
+    must raise alike."""
     try:
-        path, weights_only = prepare_source(spec.train.resume_from, output_dir, spec)
+        path, weights_only = prepare_source(src, output_dir, spec)
         return {"path": str(path), "weights_only": weights_only}
     except SwiftSlurmError as exc:  # every rank must stop with the same message, none may wait on rank 0
         return {"error": [exc.exit_code, exc.what, exc.found, exc.hint]}
@@ -82,7 +86,7 @@ def _prepare_on_rank_0(spec: Any, output_dir: str) -> dict[str, Any]:
                           "run `swiftslurm import PATH --into DIR` on it to see what it holds; report this with `--debug`"]}
 
 
-def prepare_source(src: str, output_dir: str, spec: Any) -> tuple[Path, bool]:
+def prepare_source(src: str, output_dir: str, spec: JobSpec) -> tuple[Path, bool]:
     """(a verified checkpoint of ours to start from, weights only?) for ``train.resume_from = src`` (rank 0)."""
     path = Path(src)
     if not path.is_dir():
@@ -96,9 +100,10 @@ def prepare_source(src: str, output_dir: str, spec: Any) -> tuple[Path, bool]:
         chosen = path
     elif ck.list_checkpoints(path):
         skipped: list[str] = []
-        chosen = ck.newest_verified(path, log=skipped.append)
-        if chosen is None:
+        newest = ck.newest_verified(path, log=skipped.append)
+        if newest is None:
             raise _damaged(path, [m.replace("swiftslurm: skipping damaged ", "") for m in skipped])
+        chosen = newest
     else:
         # rank 0 of the job that owns output_dir (its lock): a killed earlier attempt's staging dir is its own
         facts, chosen = import_dir(path, Path(output_dir) / IMPORT_DIR, spec.checkpoint.checksum, owned=True)

@@ -13,11 +13,14 @@ from __future__ import annotations
 import datetime
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint as ck
 from ...checkpoint import universal as ucp
 from .agree import ProcessGroupExchange
+
+if TYPE_CHECKING:
+    from ...slurm.distenv import DistEnv
 
 log = logging.getLogger("swiftslurm.train")
 WAIT_MARGIN_S = 60.0  # the other ranks wait this much longer than rank 0's conversion may take
@@ -48,7 +51,7 @@ def load_plan(resume_from: str, world_size: int, ds_config: dict[str, Any]) -> u
     return ucp.plan_load(ucp.writer_layout(manifest.meta, manifest.files), ucp.Layout(world_size, zero_stage(ds_config)))
 
 
-def adapt(resume_from: str | None, output_dir: str, dist, args, algo: str, timeout_s: float) -> str | None:
+def adapt(resume_from: str | None, output_dir: str, dist: DistEnv, args, algo: str, timeout_s: float) -> str | None:
     """The checkpoint to hand the Trainer: ``resume_from`` itself, or its verified universal sibling (then the
     DeepSpeed config in ``args`` loads it with ``load_universal``). Raises the same error on every rank."""
     if not resume_from or getattr(args, "hf_deepspeed_config", None) is None:
@@ -104,7 +107,7 @@ def untie_step_counters(optimizer: Any) -> int:
 
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wrapper holds the torch optimizer
     state = getattr(inner, "state", None)
-    if not isinstance(state, dict) and not hasattr(state, "values"):
+    if state is None or not hasattr(state, "values"):  # a dict, or a torch optimizer's state (a defaultdict)
         return 0
     seen: set[int] = set()
     untied = 0

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
+
+if TYPE_CHECKING:
+    from ...spec.model import JobSpec
 
 log = logging.getLogger("swiftslurm.train")
 
 
-def dpo_arguments(spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None):
+def dpo_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None):
     from trl import DPOConfig
 
     from ..build import training_kwargs
@@ -53,6 +57,7 @@ def trainer_class():
             self.max_prompt_length = max_prompt_length  # read by _prepare_dataset, inside TRL's __init__
             super().__init__(*args, **kwargs)
             # TRL applied LoRA (peft_config) inside __init__: count what it made trainable
+            assert self.model is not None  # TRL's __init__ set it
             total = sum(p.numel() for p in self.model.parameters())
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             self.flops_per_token = flops_per_token(total, trainable)
@@ -73,13 +78,13 @@ class DPOTask:
 
     name = "dpo"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
+    def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return dpo_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with DPO is refused at validate
 
-    def prepare_model(self, model, spec):
+    def prepare_model(self, model, spec: JobSpec):
         return model  # LoRA: TRL wraps it from peft_config, and then disables the adapter for the reference
 
-    def data(self, spec, args, tok, model, attn: str, output_dir: str):
+    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
         from ..data import preference
         from ..data.tokens import ensure_chat_template
 
@@ -88,10 +93,10 @@ class DPOTask:
             dataset = preference.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
         return dataset, None  # TRL's DataCollatorForPreference
 
-    def describe_data(self, spec, dataset) -> str:
+    def describe_data(self, spec: JobSpec, dataset) -> str:
         return f"off (DPO: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
 
-    def trainer(self, spec, cuda: bool, attn: str, **kwargs):
+    def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
         from ..build import load_model_and_tokenizer, lora_config
 
         t = spec.train

@@ -16,14 +16,26 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-from ..build import (ModelUnavailable, _offloads_optimizer, _prepare_device_env, _apply_lora,  # noqa: F401 (re-exported)
-                     allow_low_rank_optimizer_state, check_offload, check_optimizer, load_model_and_tokenizer, training_arguments)
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import SwiftSlurmError
 from ...taskdir import METRICS_FILE, SUMMARY_FILE
 from ...taskdir import TOKEN_CACHE_DIR as CACHE_DIR  # under output_dir: a requeue finds the tokens there
+from ..build import (  # noqa: F401 (re-exported)
+    ModelUnavailable,
+    _apply_lora,
+    _offloads_optimizer,
+    _prepare_device_env,
+    allow_low_rank_optimizer_state,
+    check_offload,
+    check_optimizer,
+    load_model_and_tokenizer,
+    training_arguments,
+)
+
+if TYPE_CHECKING:
+    from ...slurm.distenv import DistEnv
+    from ...spec.model import JobSpec
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -58,30 +70,30 @@ class SFTTask:
 
     name = "sft"
 
-    def arguments(self, spec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
+    def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return training_arguments(spec, output_dir, ds_config, cuda, liger, parallelism_config)
 
-    def prepare_model(self, model, spec):
+    def prepare_model(self, model, spec: JobSpec):
         if spec.train.train_type == "lora":
             model = _apply_lora(model, spec.train)
             if spec.train.gradient_checkpointing:
                 model.enable_input_require_grads()
         return model
 
-    def data(self, spec, args, tok, model, attn: str, output_dir: str):
+    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
         return _data(spec, args, tok, model, attn, output_dir)
 
-    def describe_data(self, spec, dataset) -> str:
+    def describe_data(self, spec: JobSpec, dataset) -> str:
         return (f"on: {len(dataset)} rows of {spec.train.max_length} tokens, {dataset.padding_ratio():.1%} padding"
                 if spec.train.packing else "off (each micro-batch padded to its longest sample)")
 
-    def trainer(self, spec, cuda: bool, attn: str, **kwargs):
+    def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
         from ..trainer import SFTTrainer
 
         return SFTTrainer(**kwargs)
 
 
-def _task(spec):
+def _task(spec: JobSpec):
     if spec.train.task == "dpo":
         from .dpo import DPOTask
 
@@ -89,7 +101,7 @@ def _task(spec):
     return SFTTask()
 
 
-def train(spec, dist, ds_config: dict[str, Any], output_dir: str, resume_from: str | bool | None,
+def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: str, resume_from: str | bool | None,
           should_stop: Callable[[], bool]) -> TrainResult:
     """Train one task on this rank. Returns when max_steps/epochs are done or a walltime stop saved.
 
@@ -177,7 +189,7 @@ class _Instruments:
     metrics_path: Path
 
 
-def _choose_kernels(spec, ds_config: dict[str, Any], cuda: bool, task) -> _Kernels:
+def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) -> _Kernels:
     from ..kernels import choose as kernels
 
     node = kernels.node_facts(cuda)
@@ -190,7 +202,7 @@ def _choose_kernels(spec, ds_config: dict[str, Any], cuda: bool, task) -> _Kerne
     return _Kernels(attn, attn_why, liger, liger_why, packs)
 
 
-def _isolate_nvme_swap(ds_config: dict[str, Any], dist, output_dir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
+def _isolate_nvme_swap(ds_config: dict[str, Any], dist: DistEnv, output_dir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
     """This rank's ds config with per-job/task NVMe swap folders; removing this rank's swap files is on the stack."""
     from .. import nvme_swap
 
@@ -199,14 +211,14 @@ def _isolate_nvme_swap(ds_config: dict[str, Any], dist, output_dir: str, stack: 
     return ds_config
 
 
-def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, args, planned_ds_config: dict[str, Any]):
+def _start_point(resume_from: str | bool | None, spec: JobSpec, dist: DistEnv, output_dir: str, args, planned_ds_config: dict[str, Any]):
     """(start, the checkpoint the Trainer resumes): the process group exists now, so all ranks agree on the own
     newest verified checkpoint, else ``train.resume_from`` (resume_from.py); another DP size is converted."""
     from ...checkpoint.fingerprint import check_parallel_degrees, check_spec_drift
     from .. import parallel
-    from ..resume import worldsize
-    from ..resume import source as resume_from_mod
     from ..health.shutdown import shut_down_distributed
+    from ..resume import source as resume_from_mod
+    from ..resume import worldsize
 
     try:
         start = resume_from_mod.resolve_start(resume_from, spec, output_dir, dist.rank, dist.node)
@@ -223,11 +235,11 @@ def _start_point(resume_from: str | bool | None, spec, dist, output_dir: str, ar
     return start, resume_from
 
 
-def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
+def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv):
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
-    from ..kernels import choose as kernels
     from .. import parallel
+    from ..kernels import choose as kernels
     from ..resume import source as resume_from_mod
 
     model, tok = load_model_and_tokenizer(spec, cuda, kern.attn)
@@ -254,14 +266,14 @@ def _build_model(spec, cuda: bool, kern: _Kernels, start, task, dist):
     return model, tok, (total_params, trainable)
 
 
-def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], stack: contextlib.ExitStack) -> _Instruments:
+def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Callable[[], bool], stack: contextlib.ExitStack) -> _Instruments:
     """The comm timer (patches ``deepspeed.comm``), the GPU sampler (a thread), the watchdog, the deadline watch and
     the callbacks; every one that starts something is undone by ``stack``."""
     from ..health import deadline
     from ..health.gpuutil import GpuSampler
     from ..health.metrics import CommTimer, StepMeter
-    from ..trainer import MetricsFileCallback, ScheduleCallback
     from ..health.watchdog import ProgressWatchdog
+    from ..trainer import MetricsFileCallback, ScheduleCallback
 
     comm = CommTimer().install()
     stack.callback(comm.uninstall)
@@ -274,14 +286,14 @@ def _instruments(spec, dist, output_dir: str, should_stop: Callable[[], bool], s
     stack.callback(watchdog.stop)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
-    callbacks = [schedule]
+    callbacks: list[Any] = [schedule]
     metrics_path = Path(output_dir) / METRICS_FILE
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))
     return _Instruments(meter, watchdog, watch, schedule, callbacks, metrics_path)
 
 
-def _build_trainer(spec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
+def _build_trainer(spec: JobSpec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
                    job: dict[str, Any], params: tuple[int, int], ds_config: dict[str, Any]):
     from ..health.metrics import flops_per_token
 
@@ -300,11 +312,11 @@ def _zero_stage(ds_config: dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0) or 0)
 
 
-def _data(spec, args, tok, model, attn: str, output_dir: str):
+def _data(spec: JobSpec, args, tok, model, attn: str, output_dir: str):
     """(train dataset, collator): tokenized once into the cache (rank 0 first, the others read it), then
     packed rows (``train.packing``) or single samples padded per micro-batch."""
-    from ..data.tokens import Collator
     from ..data.cache import cached_dataset
+    from ..data.tokens import Collator
 
     t = spec.train
     with args.main_process_first(local=False, desc="tokenizing the dataset"):
@@ -317,8 +329,8 @@ def _data(spec, args, tok, model, attn: str, output_dir: str):
                         samples.dropped, t.max_length)
     if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
         return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
-    from ..kernels import choose as kernels
     from ..data import packing
+    from ..kernels import choose as kernels
 
     packing.prepare_model(model)
     rows = packing.PackedDataset(samples, t.max_length, t.seed)
