@@ -132,7 +132,7 @@ def test_a_payload_in_foreign_deepspeed_states_never_runs(tmp_path):
                src / "global_step7" / "mp_rank_00_model_states.pt")
     torch.save({"s": torch.zeros(2)}, src / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     (src / "latest").write_text("global_step7")
-    from swiftslurm.checkpoint.foreign import inspect_dir
+    from swiftslurm.checkpoint.formats.foreign import inspect_dir
 
     facts = inspect_dir(src)
     assert not marker.exists()
@@ -447,7 +447,7 @@ def test_a_flight_dump_with_mixed_keys_and_infinite_numbers_is_not_evidence(tmp_
 
 def test_a_fifo_planted_at_the_nccl_log_path_never_blocks_the_preflight(tmp_path):
     os.mkfifo(tmp_path / "nccl.log")
-    code = "import sys; from pathlib import Path; from swiftslurm.preflight.topology import read_nccl_log; print(read_nccl_log(Path(sys.argv[1])))"
+    code = "import sys; from pathlib import Path; from swiftslurm.preflight.checks.topology import read_nccl_log; print(read_nccl_log(Path(sys.argv[1])))"
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nccl.log")], capture_output=True, text=True, timeout=RETURN_S,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr

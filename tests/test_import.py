@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from swiftslurm import checkpoint as ck
-from swiftslurm.checkpoint.foreign import inspect_dir
-from swiftslurm.checkpoint.importer import ImportRefused, import_dir
+from swiftslurm.checkpoint.formats.foreign import inspect_dir
+from swiftslurm.checkpoint.formats.importer import ImportRefused, import_dir
 from swiftslurm.errors import CheckpointDamaged, RuntimeEnvError, SpecError, SwiftSlurmError
 
 

@@ -175,7 +175,7 @@ def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path
 def test_a_rank_that_cannot_leave_the_preflight_group_stops_training_whatever_on_failure_says(monkeypatch, capsys):
     import importlib
 
-    from swiftslurm.preflight import allreduce
+    from swiftslurm.preflight.checks import allreduce
     from swiftslurm.preflight.results import decide
 
     views = {0: {"ok": True, "released": True}, 1: {"ok": True, "released": False}}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftslurm.preflight import allreduce, iperf, local, ports
+from swiftslurm.preflight.checks import allreduce, iperf, local, ports
 from swiftslurm.preflight.coord import preflight_ports
 from swiftslurm.preflight.report import build_report, print_report, write_report
 from swiftslurm.preflight.results import CheckResult, blamed_nodes, decide
@@ -263,7 +263,7 @@ def test_nvme_pass_and_threshold_above_disk(tmp_path):
 
 NVME_ON_RAMFS = """
 import json, sys
-from swiftslurm.preflight import local
+from swiftslurm.preflight.checks import local
 (r,) = local.check_nvme("node1", sys.argv[1], 1)
 print("RESULT " + json.dumps({"ok": r.ok, "observed": r.observed, "data": r.data}))
 """

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from swiftslurm.preflight import bounded, local
+from swiftslurm.preflight import bounded
+from swiftslurm.preflight.checks import local
 from swiftslurm.slurm.distenv import free_port
 
 STUCK = """#!/bin/sh

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from swiftslurm.errors import SpecError
-from swiftslurm.preflight import ifaces, iperf, local
+from swiftslurm.preflight import ifaces
+from swiftslurm.preflight.checks import iperf, local
 from swiftslurm.preflight.results import CheckResult, decide
 from swiftslurm.spec import parse_spec
 from tests.test_preflight import free_port

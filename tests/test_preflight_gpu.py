@@ -25,7 +25,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
     """One rank of the NCCL sweep (run as a subprocess): prints its view as JSON."""
     import torch.distributed as tdist
 
-    from swiftslurm.preflight.allreduce import run_allreduce
+    from swiftslurm.preflight.checks.allreduce import run_allreduce
 
     store = tdist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), wait_for_workers=False)
     view = run_allreduce(rank, world, "nccl", tdist.PrefixStore("ar", store), 120, local_rank=rank)
@@ -38,7 +38,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 @needs_gpus
 def test_nccl_allreduce_sweep_two_gpus():
-    from swiftslurm.preflight.allreduce import GPU_SIZES, judge
+    from swiftslurm.preflight.checks.allreduce import GPU_SIZES, judge
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), NCCL_NVLS_ENABLE="0",
@@ -59,7 +59,7 @@ def test_nccl_allreduce_sweep_two_gpus():
 
 @needs_gpus
 def test_nvidia_smi_sees_the_gpus():
-    from swiftslurm.preflight.local import check_gpu
+    from swiftslurm.preflight.checks.local import check_gpu
 
     (ok,) = check_gpu("gpu-node", torch.cuda.device_count())
     print(ok.observed)
@@ -71,7 +71,7 @@ def test_nvidia_smi_sees_the_gpus():
 def test_tools_absent_on_a_node_are_failed_checks(tmp_path, monkeypatch):
     """A node without fio, iperf3 or nc (the GPU machine had none): each is a failed check with a hint, not a crash.
     Here all three are installed, so PATH is an empty folder: the node has none of them."""
-    from swiftslurm.preflight import iperf, local, ports
+    from swiftslurm.preflight.checks import iperf, local, ports
     from swiftslurm.preflight.results import which
 
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -157,7 +157,7 @@ sys.meta_path.insert(0, _Broken())
 """
 
 
-@pytest.mark.parametrize("module,checks", [("swiftslurm.preflight.gate", '["disk"]'), ("swiftslurm.preflight.ports", "[]")])
+@pytest.mark.parametrize("module,checks", [("swiftslurm.preflight.gate", '["disk"]'), ("swiftslurm.preflight.checks.ports", "[]")])
 def test_a_broken_own_import_fails_the_rank_loudly(tmp_path, module, checks):
     """An ImportError from one of our own modules is a bug to see, not "not installed": the rank fails with the
     traceback before the command runs (it once skipped the preflight, or the master port check, silently)."""

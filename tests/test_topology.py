@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftslurm.preflight.topology import judge_transport, parse_nccl_transport, parse_topo_matrix, read_ib_ports
+from swiftslurm.preflight.checks.topology import judge_transport, parse_nccl_transport, parse_topo_matrix, read_ib_ports
 
 DATA = Path(__file__).parent / "data" / "topology"
 
@@ -110,7 +110,7 @@ def test_no_fabric_one_node_or_a_down_port_is_no_failure(tmp_path):
 
 
 def test_each_nodes_reading_is_judged_with_the_transport_of_its_own_ranks(tmp_path):
-    from swiftslurm.preflight.topology import combine
+    from swiftslurm.preflight.checks.topology import combine
 
     ports = read_ib_ports(fake_sysfs(tmp_path / "ib", {"mlx5_0:1": ("4: ACTIVE", "5: LinkUp", "Ethernet", "100 Gb/sec (4X EDR)")}))
     readings = [judge_transport(n, ports, None, False, parse_topo_matrix(text("topo_single_gpu.txt"))) for n in ("n1", "n2")]
@@ -122,7 +122,7 @@ def test_each_nodes_reading_is_judged_with_the_transport_of_its_own_ranks(tmp_pa
 
 
 def test_the_nccl_log_is_captured_only_where_a_fabric_could_be_missed(tmp_path):
-    from swiftslurm.preflight.topology import capture_nccl, read_nccl_log
+    from swiftslurm.preflight.checks.topology import capture_nccl, read_nccl_log
 
     active = fake_sysfs(tmp_path / "ib", {"mlx5_0:1": ("4: ACTIVE", "5: LinkUp", "InfiniBand", "")})
     env: dict[str, str] = {}

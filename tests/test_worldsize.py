@@ -21,7 +21,7 @@ import tomllib
 from test_train import losses, quickstart_spec, to_toml
 
 from swiftslurm import checkpoint as ck
-from swiftslurm.checkpoint import universal as ucp
+from swiftslurm.checkpoint.formats import universal as ucp
 from swiftslurm.train.launch import launch
 
 

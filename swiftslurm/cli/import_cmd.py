@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ..checkpoint.importer import check_import, import_dir
+from ..checkpoint.formats.importer import check_import, import_dir
 from ..node.ownership import outside_writer, refuse_if_held
 
 

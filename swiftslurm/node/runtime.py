@@ -173,7 +173,7 @@ def _preflight_failed(dist: DistEnv, out_dir: str, log) -> failure.Failure | Non
 def check_master_port(dist: DistEnv, log) -> None:
     """Rank 0, right before the rendezvous it hosts: a busy MASTER_PORT is a RuntimeEnvError with the fix
     (the other ranks would otherwise wait out the rendezvous timeout); one in the ephemeral range a warning."""
-    from ..preflight import ports
+    from ..preflight.checks import ports
 
     result = ports.check_master_port(dist.node, dist.master_port, ports.ephemeral_range())
     if not result.ok:

@@ -65,7 +65,7 @@ def gate(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str = "train", ds_
 def _fresh_group_for_training(proceed: bool, dist: DistEnv) -> bool:
     """Training must init its own process group: never go on with the preflight's still alive in this
     process (it may hold a hung collective). The all-reduce released it already; this is the last word."""
-    from .allreduce import release_process_group
+    from .checks.allreduce import release_process_group
 
     if proceed and not release_process_group():
         print(f"swiftslurm preflight: rank {dist.rank} on {dist.node}: the preflight's process group could not be released "

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import allreduce, bounded, iperf, local, ports, topology
+from . import bounded
+from .checks import allreduce, iperf, local, ports, topology
 from .coord import CoordinationError, Coordinator, preflight_ports
 from .results import CheckResult
 

@@ -6,7 +6,7 @@ Where a run starts (``resolve_start``), on every start, requeues included:
    from ``resume_from``;
 2. else ``train.resume_from``, prepared by rank 0 (``prepare_source``): a checkpoint of ours is verified
    (damage stops the run on every rank: CheckpointDamaged, exit 5, naming the files); another run's output
-   dir gives its newest verified one; a checkpoint we did not write is imported (``checkpoint.importer``)
+   dir gives its newest verified one; a checkpoint we did not write is imported (``checkpoint.formats.importer``)
    into ``<output_dir>/resume-source/`` and verified there. Every rank then checks it can read it;
 3. else a fresh start.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint as ck
-from ...checkpoint.importer import import_dir
+from ...checkpoint.formats.importer import import_dir
 from ...errors import CheckpointDamaged, CheckpointUnreadable, RuntimeEnvError, SwiftSlurmError
 from ...taskdir import RESUME_SOURCE_DIR as IMPORT_DIR  # under output_dir: not a checkpoint-N of the run, so never its own resume point
 from . import agree as resume

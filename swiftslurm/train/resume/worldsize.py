@@ -1,8 +1,8 @@
 """The trainer's side of resuming on another world size: one rank converts, every rank loads the universal sibling.
 
 Called on every rank after the resume point is agreed (``resume.resolve``) and before the Trainer builds the
-DeepSpeed engine. ``checkpoint.universal.plan_load`` (pure, the same on every rank) decides; on "convert",
-rank 0 runs DeepSpeed's tool (``checkpoint.universal.convert``, bounded by ``checkpoint.convert_timeout_s``)
+DeepSpeed engine. ``checkpoint.formats.universal.plan_load`` (pure, the same on every rank) decides; on "convert",
+rank 0 runs DeepSpeed's tool (``checkpoint.formats.universal.convert``, bounded by ``checkpoint.convert_timeout_s``)
 while the other ranks wait in a broadcast on a gloo group whose timeout is that bound plus a minute; then every
 rank checks it can read the sibling (``checkpoint.agree_resume_point``), and the DeepSpeed config gets
 ``"checkpoint": {"load_universal": true}``.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint as ck
-from ...checkpoint import universal as ucp
+from ...checkpoint.formats import universal as ucp
 from .agree import ProcessGroupExchange
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ import json
 import subprocess
 import time
 
-from . import bounded
+from .. import bounded
+from ..results import CheckResult, missing_tool, which
 from .ports import resolve
-from .results import CheckResult, missing_tool, which
 
 DURATION_S = 3
 STREAMS = 8
@@ -47,7 +47,7 @@ def parse_iperf3_json(text: str) -> tuple[float | None, str]:
 
 def local_address(node: str, env: dict[str, str]) -> tuple[str | None, str, CheckResult | None]:
     """(address, interface, failure) this node's iperf3 server and client use: on the interface NCCL will use."""
-    from .ifaces import IFNAME_ENV, interface_addresses, pick_address
+    from ..ifaces import IFNAME_ENV, interface_addresses, pick_address
 
     node_addr, err = resolve(node)
     addr, iface, why = pick_address(env, interface_addresses(), node_addr)

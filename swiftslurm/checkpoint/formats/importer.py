@@ -22,13 +22,13 @@ import stat
 import time
 from pathlib import Path
 
-from ..errors import CheckpointDamaged, SwiftSlurmError
-from ..fsutil import is_inside, open_regular
-from .commit import commit, prepare_staging
+from ...errors import CheckpointDamaged, SwiftSlurmError
+from ...fsutil import is_inside, open_regular
+from ..commit import commit, prepare_staging
+from ..manifest import ManifestError, read_manifest
+from ..names import final_dir, staging_dir
+from ..verify import verify
 from .foreign import Facts, NotACheckpoint, Outside, inspect_dir, source_files
-from .manifest import ManifestError, read_manifest
-from .names import final_dir, staging_dir
-from .verify import verify
 
 
 class ImportRefused(SwiftSlurmError):

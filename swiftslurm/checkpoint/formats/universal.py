@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import SwiftSlurmError
-from ..taskdir import UNIVERSAL_DIR  # under the task's output dir
-from .commit import commit, prepare_staging
-from .manifest import body_checksum, read_manifest
-from .names import STAGING_PREFIX, final_dir, step_of
-from .verify import verify
+from ...errors import SwiftSlurmError
+from ...taskdir import UNIVERSAL_DIR
+from ..commit import commit, prepare_staging
+from ..manifest import body_checksum, read_manifest
+from ..names import STAGING_PREFIX, final_dir, step_of
+from ..verify import verify
 
 _OPTIM = re.compile(r"^global_step\d+/(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_MP = re.compile(r"^global_step\d+/mp_rank_(\d+)_model_states\.pt$")

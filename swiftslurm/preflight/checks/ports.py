@@ -11,8 +11,8 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from . import bounded
-from .results import CheckResult, missing_tool, which
+from .. import bounded
+from ..results import CheckResult, missing_tool, which
 
 NC_WAIT_S = 2
 
@@ -72,7 +72,7 @@ EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
     """This node's ephemeral port range (Linux), or None where it cannot be read."""
-    from ..slurm.distenv import parse_port_range
+    from ...slurm.distenv import parse_port_range
 
     try:
         with open(path) as fh:

@@ -10,8 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
-from . import bounded
-from .results import CheckResult, missing_tool, which
+from .. import bounded
+from ..results import CheckResult, missing_tool, which
 
 FIO_RUNTIME_S = 3
 FIO_SIZE = "64M"

@@ -173,7 +173,7 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
     A rank that never reported is named with its node (that is where the fault is); the errors the
     others saw then follow from it and are folded into one result about ``all``.
     """
-    from .results import CheckResult
+    from ..results import CheckResult
 
     results = []
     expected = f"busbw >= {min_busbw_gbps:g} GB/s" if min_busbw_gbps > 0 else "all ranks complete (busbw reported only)"
@@ -227,7 +227,7 @@ def judge(per_rank: dict[int, dict[str, Any]], missing: list[int], rank_nodes: l
 def unreleased(per_rank: dict[int, dict[str, Any]], rank_nodes: list[str]) -> list:
     """A failed ``process-group`` result for each rank that could not release the preflight's group (pure).
     Fatal whatever on_failure says (results.FATAL_CHECKS): training there would inherit a hung collective."""
-    from .results import CheckResult
+    from ..results import CheckResult
 
     out = []
     for r, view in sorted(per_rank.items()):

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any, MutableMapping
 
-from ..fsutil import MIB, open_regular
-from .results import CheckResult
+from ...fsutil import MIB, open_regular
+from ..results import CheckResult
 
 NCCL_LOG_CAP = 16 * MIB  # the head of NCCL's debug log read for its transport lines
 
@@ -180,7 +180,7 @@ def read_node(node: str, gpus_per_node: int, timeout_s: float, sysfs: str | Path
     and the RDMA ports of ``sysfs``. ``combine`` judges it with NCCL's transport once the all-reduce ran."""
     import shutil
 
-    from . import bounded
+    from .. import bounded
 
     topo: dict[str, Any] = {"gpus": 0, "interconnect": "none"}
     if gpus_per_node > 0:
