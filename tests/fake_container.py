@@ -108,6 +108,10 @@ def main():
     os.makedirs(NEWROOT, exist_ok=True)
     mount("-t", "tmpfs", "fakeroot", NEWROOT)
     mounted = []
+    # the container's own /tmp first: an image path under the host's /tmp (a checkout or venv there, as in a CI clone)
+    # is then bound inside it instead of being hidden by it
+    os.makedirs(NEWROOT + "/tmp", exist_ok=True)
+    mount("-t", "tmpfs", "tmp", NEWROOT + "/tmp")  # mount points may be made in it
     for path in sorted(content, key=len):  # the image: symlinks as they are (/bin -> usr/bin), everything else read-only
         if os.path.islink(path) and os.path.dirname(path) == "/":
             os.symlink(os.readlink(path), NEWROOT + path)
@@ -115,8 +119,6 @@ def main():
             bind(path, path, True, mounted)
     for path in ("/proc", "/sys", "/dev"):
         bind(path, path, False, mounted)
-    os.makedirs(NEWROOT + "/tmp", exist_ok=True)
-    mount("-t", "tmpfs", "tmp", NEWROOT + "/tmp")  # the container's own: mount points may be made in it
     for src, dst, ro in binds:
         bind(src, dst, ro, mounted)
     with open(STATE, "a") as fh:  # one JSON line per start, under a lock (ranks start at once)
