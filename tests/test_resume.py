@@ -38,6 +38,7 @@ from swiftslurm import checkpoint as ck
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
 MAX_STEPS = int(os.environ.get("SWIFTSLURM_RESUME_TEST_STEPS", "1800"))
+MIN_STEP_S = 0.06
 
 SPEC = """
 [job]
@@ -75,10 +76,12 @@ OMP_NUM_THREADS = "1"
 """
 
 
-def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS) -> tuple[str, Path]:
+def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0) -> tuple[str, Path]:
     out = tmp / name
     spec = tmp / f"{name}.toml"
     text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=DATA, steps=steps)
+    if min_step_s:  # every step takes at least this long (the watchdog's test hook): the number of walltime stops
+        text += f'SWIFTSLURM_TEST_MIN_STEP_S = "{min_step_s}"\n'  # no longer depends on how fast this machine is
     if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)
         text = text.replace("nodes = 2", f"nodes = {nodes}").replace("[checkpoint]\n", "[checkpoint]\nallow_spec_change = true\n")
     spec.write_text(text)
@@ -109,7 +112,9 @@ def explain(out: Path) -> str:
 @pytest.mark.slow
 def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
     ref_job, ref_out = submit(tmp_path, "reference", "00:10:00")
-    req_job, req_out = submit(tmp_path, "requeued", "00:01:00")
+    # 1800 steps of at least 0.06 s: 108 s of training, more than two 1-minute slots can hold (each loses its
+    # start-up and the signal's grace), so the run is stopped and requeued at least twice on any machine
+    req_job, req_out = submit(tmp_path, "requeued", "00:01:00", min_step_s=MIN_STEP_S)
     t0 = time.monotonic()
     try:
         ref_state = wait_for_job(ref_job, timeout_s=1200)

@@ -41,6 +41,8 @@ WARMUP_STEPS = 3
 WINDOW = 50  # the median over this many recent steps
 FLOOR_ENV = "SWIFTSLURM_WATCHDOG_FLOOR_S"  # tests: a shorter floor
 STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS" makes that rank sleep after that step
+# tests: a step takes at least this long (seconds), so a walltime test needs as many requeues on any machine
+MIN_STEP_ENV = "SWIFTSLURM_TEST_MIN_STEP_S"
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # prctl(2)
 SPY_TIMEOUT_S = 60
 BACKUP_MIN_S = 30.0  # faulthandler's C-thread dump, only if the timer's thread got no GIL this long after the limit
@@ -69,11 +71,18 @@ class ProgressWatchdog:
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
         self.backup_s = float(env.get(BACKUP_ENV) or BACKUP_MIN_S)
         self.stall = _parse_stall(env.get(STALL_ENV, ""))
+        try:
+            self.min_step_s = max(0.0, float(env.get(MIN_STEP_ENV) or 0.0))
+        except ValueError:
+            self.min_step_s = 0.0
         self.durations: list[float] = []
         self._last: float | None = None
 
     def step_done(self, step: int) -> None:
         now = time.monotonic()
+        if self.min_step_s and self._last is not None and now - self._last < self.min_step_s:
+            time.sleep(self.min_step_s - (now - self._last))  # the test hook: a slower machine, the same math
+            now = time.monotonic()
         if self._last is not None:
             self.durations.append(now - self._last)
         self._last = now
