@@ -71,7 +71,7 @@ def failure_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class TaskPaths:
-    """The paths of one task dir (``root``); every property is a name above joined to it."""
+    """The paths of one task dir (``root``) that take an argument; the rest are the constants above joined to it."""
 
     root: Path
 
@@ -81,49 +81,5 @@ class TaskPaths:
     def rank_log(self, rank: int) -> Path:
         return self.root / rank_log_name(rank)
 
-    @property
-    def logs(self) -> Path:
-        return self.root / LOGS_DIR
-
-    @property
-    def submitit(self) -> Path:
-        return self.root / SUBMITIT_DIR
-
-    @property
-    def spec(self) -> Path:
-        return self.root / TASK_SPEC_FILE
-
-    @property
-    def lock(self) -> Path:
-        return self.root / LOCK_FILE
-
-    @property
-    def owner(self) -> Path:
-        return self.root / OWNER_FILE
-
-    @property
-    def preflight_report(self) -> Path:
-        return self.root / PREFLIGHT_REPORT
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / METRICS_FILE
-
-    @property
-    def summary(self) -> Path:
-        return self.root / SUMMARY_FILE
-
     def failure(self, rank: int) -> Path:
         return self.root / LOGS_DIR / failure_name(rank)
-
-    @property
-    def requeues(self) -> Path:
-        return self.root / REQUEUES_FILE
-
-    @property
-    def latest(self) -> Path:
-        return self.root / LATEST_NAME
-
-    @property
-    def resume_source(self) -> Path:
-        return self.root / RESUME_SOURCE_DIR
