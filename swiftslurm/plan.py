@@ -36,6 +36,7 @@ class Task:
     overrides: dict[str, Any]
     output_dir: str  # absolute
     spec: JobSpec
+    decisions: dict[str, str] = field(default_factory=dict)  # what plan resolved from "auto" (key -> why), for the banner
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +44,7 @@ class Task:
             "overrides": self.overrides,
             "output_dir": self.output_dir,
             "spec": self.spec.model_dump(mode="json"),
+            "decisions": self.decisions,
         }
 
 
@@ -344,7 +346,12 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         if problems:
             failing.append(_task_problems(index, overrides, problems))
             continue
-        tasks.append(Task(index, overrides, task_out, task_spec))
+        decisions: dict[str, str] = {}
+        if sizing is not None and sizing.checkpointing is not None:  # "auto": the estimate decided; the nodes get a bool
+            on, why = sizing.checkpointing
+            task_spec = task_spec.model_copy(update={"train": task_spec.train.model_copy(update={"gradient_checkpointing": on})})
+            decisions["train.gradient_checkpointing"] = why
+        tasks.append(Task(index, overrides, task_out, task_spec, decisions))
         ds_configs.append(ds)
         sizings.append(sizing)
         for w in warns:
@@ -381,5 +388,7 @@ def read_plan_task(plan_path: str | Path, index: int) -> tuple[dict[str, Any], T
     data = json.loads(Path(plan_path).read_text())
     entry = data["tasks"][index]
     spec = JobSpec.model_validate(entry["spec"], strict=False)
-    task = Task(entry["index"], entry["overrides"], entry["output_dir"], spec)
+    decisions = entry.get("decisions") or {}
+    task = Task(entry["index"], entry["overrides"], entry["output_dir"], spec,
+                {str(k): str(v) for k, v in decisions.items()} if isinstance(decisions, dict) else {})
     return data, task, data["deepspeed"][index]

@@ -94,8 +94,14 @@ def container_row(container, env: Mapping[str, str]) -> str:
     return shown
 
 
-def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
-    """What the banner shows, as (label, value) rows (pure; ``env`` is the rank's environment)."""
+def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str, env: Mapping[str, str] | None = None,
+                decisions: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """What the banner shows, as (label, value) rows (pure; ``env`` is the rank's environment; ``decisions``: what
+    ``plan`` resolved from "auto", key -> why)."""
+    trains = spec.has_training and not spec.train.command
+    ckpt = spec.train.gradient_checkpointing
+    why = (decisions or {}).get("train.gradient_checkpointing") or \
+        ("on (auto)" if ckpt == "auto" else f"{'on' if ckpt else 'off'} (set in the spec)")
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
     if not spec.has_training:
@@ -108,7 +114,8 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
         ("gpus", ",".join(dist.gpus) if dist.gpus else "none (CPU, gloo)"),
         ("mode", mode),
         ("runs", what),
-        ("deepspeed", spec.train.deepspeed if spec.has_training and not spec.train.command else "-"),
+        ("deepspeed", spec.train.deepspeed if trains else "-"),
+        *([("gradient checkpointing", why)] if trains else []),
         ("resume from", resume),
         ("output", output_dir),
         *([("container", container_row(spec.container, env or {}))] if getattr(spec, "container", None) is not None else []),
@@ -116,7 +123,8 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
     ]
 
 
-def print_banner(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str) -> None:
+def print_banner(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume: str,
+                 decisions: Mapping[str, str] | None = None) -> None:
     """Rank 0 only: a rich table on stderr."""
     if dist.rank != 0:
         return
@@ -127,6 +135,6 @@ def print_banner(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resum
     table = Table(title="swiftslurm run", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column()
-    for label, value in banner_rows(dist, spec, output_dir, mode, resume, os.environ):
+    for label, value in banner_rows(dist, spec, output_dir, mode, resume, os.environ, decisions):
         table.add_row(label, Text(value))  # values are user text: no markup
     Console(stderr=True, width=120).print(table, markup=False, highlight=False)

@@ -94,7 +94,7 @@ def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, 
         f"train.resume_from = {spec.train.resume_from}{' (weights only)' if spec.train.resume_weights_only else ''}, "
         "verified by rank 0 at train start" if spec.train.resume_from else None)
     shown = "- (train.command runs your own script)" if spec.train.command else (resume or "none (fresh start)")
-    banner.print_banner(dist, spec, out_dir, mode, shown)
+    banner.print_banner(dist, spec, out_dir, mode, shown, task.decisions)
 
     if spec.preflight.checks or mode == "preflight":
         if not _preflight(dist, spec, out_dir, mode, log, ds_config):

@@ -46,7 +46,8 @@ DESCRIPTIONS: dict[str, str] = {
     "train.deepspeed": "a preset (`zero0` ... `zero2_fast`), a path to a DeepSpeed JSON, or `\"none\"`: plain DDP, no DeepSpeed (the path for GaLore/APOLLO)",
     "train.bf16": "bf16 mixed precision",
     "train.fp16": "fp16 mixed precision (not with bf16)",
-    "train.gradient_checkpointing": "recompute activations in the backward pass",
+    "train.gradient_checkpointing": "recompute activations in the backward pass: `true`, `false`, or `\"auto\"` = off where `plan`'s memory "
+                                    "estimate without it (+10%) fits `slurm.gpu_memory_gb`, else on; on for CPU jobs and unknown model shapes",
     "train.per_device_train_batch_size": "micro-batch per rank",
     "train.gradient_accumulation_steps": "micro-batches per optimizer step",
     "train.learning_rate": "peak learning rate",

@@ -246,7 +246,7 @@ class TrainTable(_Table):
     deepspeed: str = "zero2"
     bf16: bool = False
     fp16: bool = False
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # plan resolves "auto" by its memory estimate
     per_device_train_batch_size: int = Field(1, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
     learning_rate: float = Field(1e-4, gt=0, le=10)
@@ -332,6 +332,13 @@ class TrainTable(_Table):
             hint = f" {close[0].upper()}{close[1:]}" if close else ""
             raise ValueError(f"a preset ({', '.join(presets)}), \"{NO_DEEPSPEED}\" (plain DDP) or a path to a .json file.{hint}")
         return v
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v: Any) -> Any:
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError('true, false, or "auto" (off where plan\'s memory estimate fits the GPU without it)')
 
     @field_validator("use_liger_kernel", mode="before")
     @classmethod

@@ -68,6 +68,18 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
     )
 
 
+def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobSpec:
+    """``gradient_checkpointing = "auto"`` left unresolved (a spec trained without ``plan``, e.g. in-process): the
+    same decision ``plan`` makes (``sizing.check.resolve_checkpointing``), so the trainer only ever sees a bool."""
+    if spec.train.gradient_checkpointing != "auto":
+        return spec
+    from ..sizing.check import size_task
+
+    sizing, _ = size_task(spec, ds_config or {}, read_disk=True)
+    on = sizing.checkpointing[0] if sizing is not None and sizing.checkpointing is not None else True
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"gradient_checkpointing": on})})
+
+
 def lora_config(train):
     from peft import LoraConfig
 

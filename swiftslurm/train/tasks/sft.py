@@ -114,6 +114,9 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     """
     started = time.perf_counter()
     from ...checkpoint.fingerprint import training_fingerprint
+    from ..build import resolve_auto_checkpointing
+
+    spec = resolve_auto_checkpointing(spec, ds_config)  # plan resolved it already for submitted jobs
     from ..health.shutdown import shut_down_distributed
 
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
