@@ -237,9 +237,13 @@ def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(
     assert "these would fit: ZeRO-3" in warning, warning  # 70B full FT on 8 x 80 GB: only sharded parameters fit
 
 
-def test_sp_with_packing_on_auto_attention_warns_that_the_nodes_need_flash(tmp_path):
+def test_sp_with_packing_on_auto_attention_says_what_the_nodes_need(tmp_path):
+    """GPU jobs: "auto" takes varlen_attn (torch's flash kernel, no package) on sm80+ with bf16/fp16; an fp32 spec is told
+    to set bf16, since only flash-attn would keep its packed samples apart."""
     run = cli(spec_file(tmp_path, 'model = "tiny-llama"', "sequence_parallel = 2", slurm="gpus_per_node = 4"), "validate")
-    assert run.returncode == 0 and "needs flash attention" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 0 and "varlen_attn" in run.stdout and "set bf16 = true" in run.stdout, run.stdout + run.stderr
+    run = cli(spec_file(tmp_path, 'model = "tiny-llama"\nbf16 = true', "sequence_parallel = 2", slurm="gpus_per_node = 4"), "validate")
+    assert run.returncode == 0 and "varlen_attn" in run.stdout and "set bf16" not in run.stdout, run.stdout + run.stderr
 
 
 def test_advice_names_the_smallest_sequence_parallel_degree_that_fits():

@@ -225,6 +225,9 @@ def test_the_node_and_validate_share_the_packing_rule():
     attn, _ = resolve_attention("auto", True, NodeFacts(cuda=False), 2048)
     assert not keeps_packed_apart(attn)
     assert keeps_packed_apart("flash_attention_2")
+    # a bf16 GPU node without flash-attn resolves "auto" to varlen_attn, which keeps samples apart under SP (issue #34)
+    attn, _ = resolve_attention("auto", True, NodeFacts(cuda=True, varlen=True), 2048, half=True)
+    assert attn == "varlen_attn" and keeps_packed_apart(attn)
 
 
 # 8. a local model's config.json is bounded like train.model_shape

@@ -148,6 +148,20 @@ def test_boundaries_are_every_sample_start_over_the_rows_laid_end_to_end():
         varlen.boundaries(torch.tensor([[1, 2, 0, 1]]))
 
 
+def test_under_sequence_parallel_the_boundaries_come_from_the_gathered_position_ids(kernel):
+    """Ulysses SP shards every batch tensor along the sequence, so the collator sends no boundaries there; the
+    attention wrapper hands the kernel the whole rows' position_ids, and the samples stay apart as with the
+    collator's boundaries (and as sdpa with the packed mask)."""
+    kernel(reference_kernel)
+    masked = loss_and_grads("sdpa", PackingCollator(16, 0)(rows()))
+    sp_batch = PackingCollator(16, 0, boundaries=False)(rows())
+    assert "cu_seq_lens_q" not in sp_batch and "position_ids" in sp_batch
+    ours = loss_and_grads(varlen.NAME, sp_batch)
+    assert ours[0] == pytest.approx(masked[0], abs=1e-5)
+    for name, grad in masked[1].items():
+        assert torch.allclose(ours[1][name], grad, atol=1e-5), name
+
+
 def test_without_boundaries_every_row_is_one_causal_sequence(kernel):
     """A batch that did not come from the packing collator (unpadded rows): the same as sdpa's causal mask."""
     kernel(reference_kernel)

@@ -114,9 +114,10 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                                 'use a ZeRO-2 preset (deepspeed = "zero2"), or use_liger_kernel = "auto"/false'))
     cautions = []
     if layout.sequence_parallel > 1 and packs and spec.slurm.gpus_per_node and t.attn_implementation == "auto":
-        cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs flash attention: the nodes must "
-                        "have flash-attn for attn_implementation = \"auto\" to pick it, or training refuses to start "
-                        "(set packing = false to train with sdpa)")
+        cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs a kernel that keeps samples apart: "
+                        "attn_implementation = \"auto\" takes torch's flash kernel (varlen_attn) on sm80+ GPUs (A100, H100) "
+                        "with bf16/fp16" + ("" if t.bf16 or t.fp16 else " (this spec trains in fp32: set bf16 = true)") +
+                        ", else flash-attn where installed; a node with neither refuses to start (packing = false trains with sdpa)")
     shape, shape_problems = shape_of(spec, read_disk)
     problems += shape_problems
     auto = t.gradient_checkpointing == "auto"

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from ..errors import Problem
 from .shape import ModelShape
 
-# attention kernels that keep packed samples apart under Ulysses SP: they read sample boundaries from
-# position_ids (varlen), while sdpa and flex lose the block-diagonal mask the wrapper drops. Both are CUDA
-# kernels: a CPU rank never runs one (``auto`` resolves to sdpa there, an explicit one is refused).
-SP_PACKING_ATTN = ("flash_attention_2", "flash_attention_3")
+# attention kernels that keep packed samples apart under Ulysses SP: they read sample boundaries from the
+# position_ids the wrapper gathers (flash-attn's varlen path, and our ``varlen_attn`` over torch's flash kernel,
+# no package needed on sm80+ GPUs), while sdpa and flex lose the block-diagonal mask the wrapper drops. All are
+# CUDA kernels: a CPU rank never runs one (``auto`` resolves to sdpa there, an explicit one is refused).
+SP_PACKING_ATTN = ("flash_attention_2", "flash_attention_3", "varlen_attn")
 
 
 def keeps_packed_apart(attn: str) -> bool:
@@ -97,13 +98,14 @@ def training_problems(layout: Layout, zero_stage: int, train_type: str, attn: st
                                "which runs on CUDA GPUs only: the Ulysses wrapper drops the mask that keeps packed samples apart, "
                                "and on this CPU job the ranks would resolve attention to sdpa (refused on the node)",
                                f"slurm.gpus_per_node = 0, train.packing = true, train.attn_implementation = \"{attn}\"",
-                               "set train.packing = false for a CPU run, or ask for GPUs (slurm.gpus_per_node) with flash-attn "
-                               "installed on the nodes"))
+                               "set train.packing = false for a CPU run, or ask for GPUs (slurm.gpus_per_node): on sm80+ GPUs "
+                               "with bf16/fp16, attn_implementation = \"auto\" takes torch's flash kernel (varlen_attn)"))
         elif packing and attn != "auto" and not keeps_packed_apart(attn):
             out.append(Problem(f"{where}.sequence_parallel", "with sequence parallel, packed rows need flash attention: the Ulysses "
                                f"wrapper drops the mask that keeps packed samples apart, so with {attn} samples "
                                "would attend to each other", f'train.packing = true, train.attn_implementation = "{attn}"',
-                               'set attn_implementation = "flash_attention_2" (GPU, flash-attn installed) or train.packing = false'))
+                               'set attn_implementation = "auto" or "varlen_attn" (sm80+ GPU, bf16/fp16), "flash_attention_2" '
+                               '(flash-attn installed), or train.packing = false'))
         if max_length % sp:
             out.append(Problem("train.max_length", f"with sequence_parallel = {sp}, every sequence is split into {sp} equal "
                                "shards, so max_length must be a multiple of it", f"max_length {max_length}",

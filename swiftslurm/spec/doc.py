@@ -126,7 +126,8 @@ DESCRIPTIONS: dict[str, str] = {
     "preflight.timeout_s": "bound on each check (a hung rank is reported, never waited for)",
     "parallel.sequence_parallel": "Ulysses sequence parallel degree (DeepSpeed ALST): each sequence is split over this many ranks; heads must "
                                   "divide by it, `max_length` must be a multiple of it; a ZeRO preset (not `deepspeed = \"none\"`); with packed "
-                                  "rows, flash attention on GPUs (a CPU job is refused)",
+                                  "rows, a kernel that keeps samples apart: `varlen_attn` (torch's flash kernel, sm80+ GPUs, bf16/fp16; what `auto` "
+                                  "takes there) or flash-attn (a CPU job is refused at `validate`)",
     "parallel.tensor_parallel": "DeepSpeed AutoTP degree: each Linear layer is split over this many ranks (full fine-tuning, ZeRO 0-2, not "
                                 "`deepspeed = \"none\"`); world size = data x sequence x tensor parallel",
     "parallel.tiled_mlp": "DeepSpeed's TiledMLP for long sequences: each gated MLP computes over ceil(seq / hidden) slices of the sequence and "

@@ -59,7 +59,8 @@ def parallelism_config(spec: JobSpec, attn: str):
         raise ParallelError(
             f"sequence_parallel = {sp} with packed rows needs flash attention, and this node resolved attention to {attn!r}",
             "the Ulysses wrapper drops the mask that keeps packed samples apart: with sdpa or flex_attention they would attend "
-            "to each other", 'install flash-attn on the nodes (attn_implementation = "auto" then picks it), or set train.packing = false')
+            "to each other", 'train in bf16/fp16 on sm80+ GPUs (attn_implementation = "auto" then takes torch\'s flash kernel, '
+            'varlen_attn), or install flash-attn on the nodes, or set train.packing = false')
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 

@@ -65,7 +65,7 @@ def boundaries(position_ids) -> dict[str, Any]:
     starts = torch.nonzero(flat == 0).flatten()
     if starts.numel() == 0 or int(starts[0]) != 0:
         raise ValueError("packed position_ids must start every row at 0")
-    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -124,7 +124,13 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
         raise ValueError(f"{NAME} has no attention dropout (the model asks for {dropout})")
     b, heads, s, d = query.shape
     kv_heads = key.shape[1]
-    if cu_seq_lens_q is None:  # not from the packing collator: every row is one sequence
+    position_ids = kwargs.get("position_ids")
+    if cu_seq_lens_q is None and position_ids is not None and position_ids.numel() == b * s:
+        # sequence parallel: the batch was sharded without boundaries (DeepSpeed's Ulysses adapter shards every
+        # tensor along the sequence), and its attention wrapper hands us the whole rows' gathered position_ids
+        found = boundaries(position_ids)
+        cu_seq_lens_q, max_length_q = found["cu_seq_lens_q"], found["max_length_q"]
+    elif cu_seq_lens_q is None:  # not from the packing collator: every row is one sequence
         cu_seq_lens_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         max_length_q = s
     elif max_length_q is None:

@@ -338,7 +338,9 @@ def _data(spec: JobSpec, args, tok, model, attn: str, output_dir: str):
     packing.prepare_model(model)
     rows = packing.PackedDataset(samples, t.max_length, t.seed)
     return rows, packing.PackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"),
-                                         boundaries=attn == kernels.VARLEN)
+                                         # under SP the kernel reads them from the gathered position_ids instead:
+                                         # the Ulysses adapter shards every batch tensor along the sequence
+                                         boundaries=attn == kernels.VARLEN and spec.parallel.sequence_parallel == 1)
 
 
 def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: float, rank: int,
