@@ -9,8 +9,11 @@ ver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 pure=(deepspeed hjson py-cpuinfo pydantic annotated-types typing-inspection submitit cloudpickle
       python-hostlist typer click shellingham rich markdown-it-py mdurl pygments peft tensorboard
-      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py "$@")
-binary=(pydantic-core xxhash msgpack)
+      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py datasets dill "$@")
+# datasets (TRL's trainers and our DPO/RM/KTO/GRPO data path import it) needs dill and multiprocess beyond the image,
+# which has pyarrow, pandas, fsspec, aiohttp, requests, pyyaml (device README's package list); multiprocess ships
+# per-Python wheels (py312), so it is downloaded for 3.12 like the binary ones
+binary=(pydantic-core xxhash msgpack multiprocess)
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for name in "${binary[@]}"; do

@@ -20,6 +20,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--shape", choices=["0.5b", "8b"], default="0.5b", help="8b: a Llama-3-8B-shaped model (8.03B parameters)")
     a = ap.parse_args()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,16 +28,25 @@ def main() -> None:
     from swiftslurm.train.tinymodel import build_tokenizer
 
     out = Path(a.out)
-    model_dir = out / ("tiny" if a.tiny else "qwen05b")
+    model_dir = out / ("tiny" if a.tiny else "llama8b" if a.shape == "8b" else "qwen05b")
     tok = build_tokenizer()
     if a.tiny:
         shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    elif a.shape == "8b":  # Llama-3-8B: 8.03B parameters, untied head
+        shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     vocab_size=128256)
     else:  # Qwen2.5-0.5B: 494M parameters
         shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-    config = LlamaConfig(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+    config = LlamaConfig(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=a.shape != "8b" or a.tiny,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if a.shape == "8b" and torch.cuda.is_available():  # 16 GB of random bf16 weights: initialised on the GPU, in seconds
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+        model = model.cpu()
+    else:
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     n = sum(p.numel() for p in model.parameters())

@@ -42,6 +42,8 @@ H200_BF16_TFLOPS = 989.0
 # swiftslurm arms: what each sets in [train] beyond the common keys (the first is the defaults)
 VARIANTS = {
     "swiftslurm": lambda assets: {},
+    "swiftslurm_defaults": lambda assets: {"gradient_checkpointing": None},  # None: the key left out (its default, "auto")
+    "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
     "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
@@ -110,7 +112,12 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="time each step's forward/backward/optimizer step "
                     "(probe/sitecustomize.py) into OUT/probe_<arm>.jsonl")
     ap.add_argument("--profile", default="", help="A:B: also torch.profiler over steps A..B-1 (implies --probe)")
-    ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, {', '.join(VARIANTS)}")
+    ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, trl_packed, {', '.join(VARIANTS)}")
+    ap.add_argument("--shape", choices=["0.5b", "8b"], default="0.5b", help="make_assets.py's model (8b: Llama-3-8B-shaped)")
+    ap.add_argument("--lora", action="store_true", help="LoRA r16 on every linear layer (all arms) instead of full fine-tuning")
+    ap.add_argument("--max-length", type=int, default=2048, help="tokens per row (packed rows, full rows, TRL's packing)")
+    ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch (the padded arm: 2x this many samples)")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None, help="slurm.gpu_memory_gb of the swiftslurm specs (H200: 141)")
     a = ap.parse_args()
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -119,7 +126,8 @@ def main() -> None:
         ap.error(f"--steps ({a.steps}) and --warmup ({a.warmup}) must be multiples of --logging-steps ({a.logging_steps})")
     cpu = os.environ.get("BENCH_CPU") == "1"
     if not (work / "assets.json").exists():
-        argv = [sys.executable, str(HERE / "make_assets.py"), str(work), "--samples", "512"] + (["--tiny"] if a.tiny else [])
+        argv = [sys.executable, str(HERE / "make_assets.py"), str(work), "--samples", "512", "--shape", a.shape,
+                "--seq", str(a.max_length)] + (["--tiny"] if a.tiny else [])
         res = subprocess.run(argv, capture_output=True, text=True, check=True)
         (work / "assets.json").write_text(res.stdout.strip().splitlines()[-1])
     assets = json.loads((work / "assets.json").read_text())
@@ -131,16 +139,18 @@ def main() -> None:
 
     from swiftslurm.train.data.tokens import load_dataset
 
-    lengths = load_dataset([str(data)], AutoTokenizer.from_pretrained(assets["model_dir"]), 2048).lengths()
+    lengths = load_dataset([str(data)], AutoTokenizer.from_pretrained(assets["model_dir"]), a.max_length).lengths()
     record(out, {"what": "data", "samples": len(lengths), "median_tokens": statistics.median(lengths),
                  "mean_tokens": round(statistics.mean(lengths), 1), "max_tokens": max(lengths)})
 
     def write_spec(arm: str) -> tuple[Path, Path]:
-        train = {"model": json.dumps(assets["model_dir"]), "dataset": json.dumps([str(data)]), "train_type": '"full"',
+        train = {"model": json.dumps(assets["model_dir"]), "dataset": json.dumps([str(data)]),
+                 "train_type": '"lora"' if a.lora else '"full"', **({"lora_rank": "16"} if a.lora else {}),
                  "deepspeed": '"zero2"', "bf16": "false" if cpu else "true", "gradient_checkpointing": "false",
-                 "per_device_train_batch_size": "4", "learning_rate": "1e-4", "lr_scheduler_type": '"constant"',
-                 "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": str(a.logging_steps)}
+                 "per_device_train_batch_size": str(a.micro), "learning_rate": "1e-4", "lr_scheduler_type": '"constant"',
+                 "max_length": str(a.max_length), "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": str(a.logging_steps)}
         train.update(VARIANTS[arm](assets))
+        train = {k: v for k, v in train.items() if v is not None}
         run_dir = work / "runs" / arm
         spec = work / f"{arm}.toml"
         spec.write_text(f"""
@@ -149,6 +159,7 @@ name = "{arm}"
 output_dir = "{run_dir}"
 [slurm]
 {'tasks_per_node' if cpu else 'gpus_per_node'} = 1
+{'' if a.gpu_memory_gb is None else f'gpu_memory_gb = {a.gpu_memory_gb}'}
 [train]
 """ + "".join(f"{k} = {v}\n" for k, v in train.items()) + """
 [checkpoint]
@@ -181,31 +192,52 @@ checks = []
             summary = run_dir / "train-summary.json"
             if summary.exists():
                 res["attn"] = json.loads(summary.read_text()).get("attn_implementation")
+            # plan's estimate for this arm beside the measured peak, and what "auto" checkpointing resolved to
+            arm_plan = json.loads(subprocess.run(["swiftslurm", "plan", str(spec), "--json"], capture_output=True, text=True).stdout or "{}")
+            m = (arm_plan.get("memory") or [{}])[0]
+            res.update(estimate_allocated_gib=m.get("allocated_gib"), estimate_total_gib=m.get("total_gib"),
+                       gradient_checkpointing=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing"),
+                       checkpointing_why=(m.get("gradient_checkpointing") or {}).get("why"))
+        elif arm == "trl_packed":  # TRL's SFTTrainer with its own packing (BFD, padding-free) on the same records
+            bare_dir = work / "bare" / arm
+            shutil.rmtree(bare_dir, ignore_errors=True)
+            ds = dict(plan["deepspeed"][0], train_micro_batch_size_per_gpu=a.micro, train_batch_size=a.micro, bf16={"enabled": True})
+            ds_json = work / f"ds_{arm}.json"
+            ds_json.write_text(json.dumps(ds))
+            argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trl_sft.py"), "--model", assets["model_dir"],
+                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", str(a.max_length),
+                    "--micro", str(a.micro), "--data", str(data), "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else [])
+            rc = sh(argv, out / f"pk_{arm}.log", env=env, timeout=1200)
+            res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
+            summ = bare_dir / "summary.json"
+            peak = json.loads(summ.read_text()).get("gpu_mem_peak_mb") if summ.exists() else None
+            res.update(rc=rc, peak_mb=round(peak) if peak else None)
         else:
             bare_dir = work / "bare" / arm
             shutil.rmtree(bare_dir, ignore_errors=True)
-            micro = 8 if arm == "padded" else 4
+            micro = 2 * a.micro if arm == "padded" else a.micro
             ds = dict(plan["deepspeed"][0], train_micro_batch_size_per_gpu=micro, train_batch_size=micro, bf16={"enabled": True})
             ds_json = work / f"ds_{arm}.json"
             ds_json.write_text(json.dumps(ds))
             argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trainer.py"), "--model", assets["model_dir"],
-                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", "2048",
-                    "--logging-steps", str(a.logging_steps)]
+                    "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", str(a.max_length),
+                    "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else [])
             argv += (["--data", str(data), "--hf-collator"] if arm == "padded" else ["--data", assets["data"]]) + ["--micro", str(micro)]
             rc = sh(argv, out / f"pk_{arm}.log", env=env, timeout=1200)
             res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
             summ = bare_dir / "summary.json"
             peak = json.loads(summ.read_text()).get("gpu_mem_peak_mb") if summ.exists() else None
             res.update(rc=rc, peak_mb=round(peak) if peak else None)
-        if res.get("useful_tokens_s"):
-            res["mfu"] = round(6 * params * res["useful_tokens_s"] / (H200_BF16_TFLOPS * 1e12), 4)
+        if res.get("useful_tokens_s"):  # LoRA: no weight gradients of the frozen base, 4 x params per token
+            res["mfu"] = round((4 if a.lora else 6) * params * res["useful_tokens_s"] / (H200_BF16_TFLOPS * 1e12), 4)
         if env:
             res["phases_ms"] = phases(out / f"probe_{n}_{arm}.jsonl", a.warmup)
         results[arm] = res
         record(out, {"what": "packing_e2e", "arm": arm, **res})
-    ours = results.get("swiftslurm", {}).get("useful_tokens_s")
-    ratios = {}
-    for base in ("padded", "full_rows"):
+    ours_arm = next((arm for arm in a.arms.split(",") if arm in ("swiftslurm", "swiftslurm_defaults")), "swiftslurm")
+    ours = results.get(ours_arm, {}).get("useful_tokens_s")
+    ratios = {"ours": ours_arm}
+    for base in ("padded", "full_rows", "trl_packed", "swiftslurm_ckpt"):
         theirs = results.get(base, {}).get("useful_tokens_s")
         if ours and theirs:
             ratios[f"swiftslurm_vs_{base}"] = round(ours / theirs, 3)
