@@ -9,7 +9,7 @@ ver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 pure=(deepspeed hjson py-cpuinfo pydantic annotated-types typing-inspection submitit cloudpickle
       python-hostlist typer click shellingham rich markdown-it-py mdurl pygments peft tensorboard
-      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py datasets dill "$@")
+      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py datasets dill liger-kernel==0.8.5 "$@")
 # datasets (TRL's trainers and our DPO/RM/KTO/GRPO data path import it) needs dill and multiprocess beyond the image,
 # which has pyarrow, pandas, fsspec, aiohttp, requests, pyyaml (device README's package list); multiprocess ships
 # per-Python wheels (py312), so it is downloaded for 3.12 like the binary ones

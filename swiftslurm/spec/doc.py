@@ -47,7 +47,7 @@ DESCRIPTIONS: dict[str, str] = {
     "train.bf16": "bf16 mixed precision",
     "train.fp16": "fp16 mixed precision (not with bf16)",
     "train.gradient_checkpointing": "recompute activations in the backward pass: `true`, `false`, or `\"auto\"` = off where `plan`'s memory "
-                                    "estimate without it (+10%) fits `slurm.gpu_memory_gb`, else on; on for CPU jobs and unknown model shapes",
+                                    "estimate without it (+15%) fits `slurm.gpu_memory_gb`, else on; on for CPU jobs and unknown model shapes",
     "train.per_device_train_batch_size": "micro-batch per rank",
     "train.gradient_accumulation_steps": "micro-batches per optimizer step",
     "train.learning_rate": "peak learning rate",
