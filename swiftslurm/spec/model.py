@@ -270,6 +270,7 @@ class TrainTable(_Table):
     packing: bool = True
     attn_implementation: AttnImplementation = "auto"
     use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
+    compile: bool = False  # regional torch.compile, one graph per decoder layer (train/kernels/compile.py)
     dataset_num_proc: int = Field(1, ge=1, le=256)
     dataset_scan: bool = True
     dataloader_num_workers: int = Field(0, ge=0, le=64)

@@ -263,6 +263,12 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
     if tiled and dist.rank == 0:
         log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)
+    if spec.train.compile:
+        from ..kernels.compile import compile_layers
+
+        compiled = compile_layers(model)
+        if dist.rank == 0:
+            log.warning("train.compile: %d decoder layers compiled (torch.compile, one graph per layer)", compiled)
     if spec.train.train_type == "lora" and task.name == "sft":  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
