@@ -76,10 +76,12 @@ OMP_NUM_THREADS = "1"
 """
 
 
-def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0) -> tuple[str, Path]:
+def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0,
+           data: Path = DATA, train: str = "") -> tuple[str, Path]:
+    """Submit SPEC as job ``resume-<name>`` into ``tmp/<name>``; ``train``: lines added to its [train] table."""
     out = tmp / name
     spec = tmp / f"{name}.toml"
-    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=DATA, steps=steps)
+    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=data, steps=steps).replace("[train]\n", "[train]\n" + train)
     if min_step_s:  # every step takes at least this long (the watchdog's test hook): the number of walltime stops
         text += f'SWIFTSLURM_TEST_MIN_STEP_S = "{min_step_s}"\n'  # no longer depends on how fast this machine is
     if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)
@@ -108,13 +110,17 @@ def explain(out: Path) -> str:
     return "\n".join(tails)
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
-    ref_job, ref_out = submit(tmp_path, "reference", "00:10:00")
-    # 1800 steps of at least 0.06 s: 108 s of training, more than two 1-minute slots can hold (each loses its
-    # start-up and the signal's grace), so the run is stopped and requeued at least twice on any machine
-    req_job, req_out = submit(tmp_path, "requeued", "00:01:00", min_step_s=MIN_STEP_S)
+def requeued_like_reference(tmp: Path, prefix: str = "", steps: int = MAX_STEPS, min_step_s: float = MIN_STEP_S,
+                            **spec) -> tuple[Path, Path, list[dict], float]:
+    """Submit the uninterrupted reference and the 1-minute run of the same spec (``spec``: ``submit``'s ``data`` and
+    ``train``) side by side, wait for both, and check what the requeued run must show: only walltime requeues, each
+    recorded, every logged loss bitwise the reference's at that step, and a verified 2-rank checkpoint at the last
+    step. (ref_out, req_out, the requeue records, the wall seconds.)"""
+    ref_name, req_name = f"{prefix}reference", f"{prefix}requeued"
+    ref_job, ref_out = submit(tmp, ref_name, "00:10:00", steps=steps, **spec)
+    # every step takes at least min_step_s: steps x min_step_s more than a 1-minute slot can hold (it loses its
+    # start-up and the signal's grace), so the run is stopped and requeued on any machine
+    req_job, req_out = submit(tmp, req_name, "00:01:00", steps=steps, min_step_s=min_step_s, **spec)
     t0 = time.monotonic()
     try:
         ref_state = wait_for_job(ref_job, timeout_s=1200)
@@ -122,32 +128,39 @@ def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
         req_state = wait_for_job(req_job, timeout_s=max(60, 1800 - (time.monotonic() - t0)))
         assert req_state[req_job] == "COMPLETED", f"requeued {req_state}\n{explain(req_out)}"
     finally:  # never leave this test's jobs behind on the shared cluster (the name guards against reused ids)
-        for job, name in ((ref_job, "resume-reference"), (req_job, "resume-requeued")):
+        for job, name in ((ref_job, f"resume-{ref_name}"), (req_job, f"resume-{req_name}")):
             subprocess.run(["scancel", f"--name={name}", job], capture_output=True, timeout=30)
 
     requeues = json.loads((req_out / "requeues.json").read_text())
-    assert len(requeues) >= 2 and all(r["requeued"] for r in requeues), requeues
+    assert requeues and all(r["requeued"] for r in requeues), requeues
     # exactly those: every run Slurm made of the job (sacct -D: one row per run) but the last ended in one of
     # these walltime requeues; a requeue of another cause (a node failure, a stray scontrol requeue) fails here
     runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", req_job], capture_output=True, text=True, timeout=30)
     assert runs.stdout.split() == ["REQUEUED"] * len(requeues) + ["COMPLETED"], (runs.stdout, runs.stderr, requeues)
     stops = [r["global_step"] for r in requeues]
-    assert stops == sorted(stops) and 0 < stops[0] < MAX_STEPS, stops
+    assert stops == sorted(stops) and 0 < stops[0] < steps, stops
 
     ref, req = losses(ref_out), losses(req_out)
-    assert sorted(ref) == sorted(req) == list(range(1, MAX_STEPS + 1))
+    assert sorted(ref) == sorted(req) == list(range(1, steps + 1))
     assert all(len(v) == 1 for v in ref.values())
     mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}
     assert not mismatched, f"{len(mismatched)} steps differ from the uninterrupted run, first: {sorted(mismatched.items())[:3]}"
 
-    # each stop left a verified checkpoint at the step it stopped (until retention dropped it), and the
-    # final one verifies
+    # the last stop's checkpoint was kept (retention) and the final one verifies, written by both nodes' ranks
+    newest = ck.newest_verified(req_out, log=None)
+    assert newest is not None and ck.read_manifest(newest).step == steps
+    assert ck.read_manifest(newest).meta["world_size"] == 2
+    return ref_out, req_out, requeues, time.monotonic() - t0
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
+    ref_out, req_out, requeues, wall_s = requeued_like_reference(tmp_path)
+    assert len(requeues) >= 2, requeues  # 1800 steps of at least 0.06 s: 108 s, more than two 1-minute slots hold
     runtime = [json.loads(x)["train_runtime"] for x in (ref_out / "metrics.jsonl").read_text().splitlines() if "train_runtime" in x]
     print(f"{MAX_STEPS} steps, uninterrupted training {runtime[-1]:.0f} s; requeued run: {len(requeues)} walltime "
-          f"requeues (stops at steps {stops}), {time.monotonic() - t0:.0f} s wall; all {MAX_STEPS} losses bitwise equal")
-    newest = ck.newest_verified(req_out, log=None)
-    assert newest is not None and ck.read_manifest(newest).step == MAX_STEPS
-    assert ck.read_manifest(newest).meta["world_size"] == 2
+          f"requeues (stops at steps {[r['global_step'] for r in requeues]}), {wall_s:.0f} s wall; all {MAX_STEPS} losses bitwise equal")
 
     # the queue is short of nodes: resubmit the same run on 1 node for 10 more steps. The 2-rank checkpoint is
     # converted (DeepSpeed's universal checkpoint, in the run's own dir) and the run goes on at step K+1.
