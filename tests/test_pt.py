@@ -3,8 +3,8 @@
 Fast: how a document becomes samples (every token a label, EOS at its end, a long one cut into max_length
 pieces), the token cache's own key for pt, the rows packed from them, `validate` naming the file and line of a
 record without a string `text`, and pt as SFT's trainer in the spec rules and `plan`'s sizing.
-Slurm (2 nodes x 1 CPU rank, tiny-llama, ZeRO-2): one run requeued at walltime against an uninterrupted one
-(test_resume's pair): every loss bitwise equal, the checkpoints verified, the summary says pt and packing.
+Slurm (2 nodes x 1 CPU rank, tiny-llama, ZeRO-2, test_resume's spec): a run sent the walltime signal, requeued
+and resumed, against an uninterrupted one: every loss bitwise equal, the checkpoints verified, pt and packing on.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,20 +108,60 @@ def test_pt_is_sfts_trainer_in_the_spec_rules_and_the_sizing():
         assert any("built for SFT" in p.what for p in problems) == refused, (task, problems)
 
 
+def _signal_at_step(job: str, out: Path, step: int, timeout_s: float) -> None:
+    """USR2 to every rank of ``job`` (what Slurm sends at ``--signal=USR2@grace``) once it has logged ``step``."""
+    deadline = time.monotonic() + timeout_s
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        rows = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(r).get("step", 0) >= step for r in rows if r.strip()):
+            subprocess.run(["scancel", "--signal=USR2", job], check=True, capture_output=True, timeout=30)
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} did not reach step {step} in {timeout_s:.0f} s")
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_pt_on_two_nodes_requeued_at_walltime_trains_the_losses_of_the_uninterrupted_run(tmp_path, slurm_cluster):
-    """Every step at least 0.2 s: 250 steps (50 s) do not fit in one 1-minute slot, so the run is requeued at least
-    once; test_resume's pair checks the rest (losses bitwise, verified 2-rank checkpoint at the last step)."""
-    from test_resume import requeued_like_reference
+def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_of_the_uninterrupted_run(tmp_path, slurm_cluster):
+    """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning) with task = "pt" on the demo text, twice side by
+    side: uninterrupted, and sent Slurm's walltime signal (USR2 to every rank, as ``--signal=USR2@grace`` does) at
+    step 10 or later. The signalled run saves, requeues itself, resumes on both nodes and must log every step's loss
+    bitwise as the uninterrupted run did. The signal is sent by the test, not by Slurm's clock, so a loaded machine
+    whose start-up outlasts a short time limit cannot turn the requeue into a TIMEOUT (test_resume covers the clock)."""
+    from conftest import wait_for_job
+    from test_resume import explain, losses, submit
 
     from swiftslurm import checkpoint as ck
 
-    ref_out, req_out, requeues, _ = requeued_like_reference(tmp_path, "pt-", steps=250, min_step_s=0.2, data=DEMO,
-                                                             train='task = "pt"\n')
+    steps, pt = 60, 'task = "pt"\n'
+    ref_job, ref_out = submit(tmp_path, "pt-reference", "00:10:00", steps=steps, data=DEMO, train=pt)
+    # every step at least 0.2 s (the watchdog's test hook; the losses do not change): the signal lands mid-run
+    req_job, req_out = submit(tmp_path, "pt-requeued", "00:10:00", steps=steps, min_step_s=0.2, data=DEMO, train=pt)
+    try:
+        _signal_at_step(req_job, req_out, 10, timeout_s=600)
+        ref_state = wait_for_job(ref_job, timeout_s=600)
+        assert ref_state[ref_job] == "COMPLETED", f"reference {ref_state}\n{explain(ref_out)}"
+        req_state = wait_for_job(req_job, timeout_s=600)
+        assert req_state[req_job] == "COMPLETED", f"requeued {req_state}\n{explain(req_out)}"
+    finally:  # never leave this test's jobs behind on the shared cluster (the name guards against reused ids)
+        for job, name in ((ref_job, "resume-pt-reference"), (req_job, "resume-pt-requeued")):
+            subprocess.run(["scancel", f"--name={name}", job], capture_output=True, timeout=30)
+
+    (stop,) = json.loads((req_out / "requeues.json").read_text())
+    assert stop["requeued"] and 10 <= stop["global_step"] < steps, stop
+    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", req_job], capture_output=True, text=True, timeout=30)
+    assert runs.stdout.split() == ["REQUEUED", "COMPLETED"], runs.stdout + runs.stderr
+    ref, req = losses(ref_out), losses(req_out)
+    assert sorted(ref) == sorted(req) == list(range(1, steps + 1)) and all(len(v) == 1 for v in ref.values())
+    mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}
+    assert not mismatched, f"{len(mismatched)} steps differ from the uninterrupted run, first: {sorted(mismatched.items())[:3]}"
+    assert ref[steps][0] < 0.7 * ref[1][0], (ref[1], ref[steps])  # and it learns the text (5.6 -> 2.9 here)
+
     for out in (ref_out, req_out):
         summary = json.loads((out / "train-summary.json").read_text())
         assert summary["task"] == "pt" and summary["packing"] and summary["padding_ratio"] < 0.15, summary
-        assert ck.verify(ck.newest_verified(out, log=None)).ok  # hashes re-read, not only the manifest
-    kept = sorted(req_out.glob("checkpoint-*"))
-    assert len(kept) == 2 and all(ck.verify(p).ok for p in kept), kept  # checkpoint.keep = 2, both whole
+        newest = ck.newest_verified(out, log=None)
+        assert newest is not None and ck.read_manifest(newest).step == steps and ck.read_manifest(newest).meta["world_size"] == 2
+        kept = [p for p in out.glob("checkpoint-*") if p.is_dir()]
+        assert len(kept) == 2 and all(ck.verify(p).ok for p in kept), kept  # checkpoint.keep = 2, each re-hashed

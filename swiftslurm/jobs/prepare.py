@@ -63,8 +63,7 @@ def check_scripts(plan: Plan, scripts: list[str]) -> None:
 def scan_data(plan: Plan) -> list[str]:
     """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
     SFT records, ``{"text"}`` records for ``task = "pt"``, or prompt/chosen/rejected pairs for ``task = "dpo"``;
-    a malformed record is a DataError
-    naming its file and line. One note per scan, for ``validate``."""
+    a malformed record is a DataError naming its file and line. One note per scan, for ``validate``."""
     from ..train.data import preference
     from ..train.data.tokens import scan
 
