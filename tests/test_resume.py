@@ -76,10 +76,12 @@ OMP_NUM_THREADS = "1"
 """
 
 
-def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0) -> tuple[str, Path]:
+def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0,
+           data: Path = DATA, train: str = "") -> tuple[str, Path]:
+    """Submit SPEC as job ``resume-<name>`` into ``tmp/<name>``; ``train``: lines added to its [train] table."""
     out = tmp / name
     spec = tmp / f"{name}.toml"
-    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=DATA, steps=steps)
+    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=data, steps=steps).replace("[train]\n", "[train]\n" + train)
     if min_step_s:  # every step takes at least this long (the watchdog's test hook): the number of walltime stops
         text += f'SWIFTSLURM_TEST_MIN_STEP_S = "{min_step_s}"\n'  # no longer depends on how fast this machine is
     if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)

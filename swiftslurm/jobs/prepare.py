@@ -62,8 +62,8 @@ def check_scripts(plan: Plan, scripts: list[str]) -> None:
 
 def scan_data(plan: Plan) -> list[str]:
     """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
-    SFT records, or prompt/chosen/rejected pairs for ``task = "dpo"``; a malformed record is a DataError
-    naming its file and line. One note per scan, for ``validate``."""
+    SFT records, ``{"text"}`` records for ``task = "pt"``, or prompt/chosen/rejected pairs for ``task = "dpo"``;
+    a malformed record is a DataError naming its file and line. One note per scan, for ``validate``."""
     from ..train.data import preference
     from ..train.data.tokens import scan
 
@@ -77,7 +77,12 @@ def scan_data(plan: Plan) -> list[str]:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
-        count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
+        if t.task == "pt":
+            from ..train.data import text
+
+            count = text.scan(list(t.dataset))
+        else:
+            count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
         kind = "preference pair(s)" if t.task == "dpo" else "record(s)"
         notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes

@@ -16,6 +16,7 @@ from .memory import GIB, MemoryEstimate, Settings, advice, estimate
 from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
 from .view import SpecView
 
+OWN_TRAINER = ("sft", "pt")  # the tasks our SFT Trainer runs (packing, sequence/tensor parallel, Liger); the rest go through TRL
 UNKNOWN_SHAPE = ("the model's shape is unknown (a hub id that is not on disk): no memory estimate, and the heads are "
                  "checked against the parallel degrees on the nodes. Set train.model_shape to have both at validate")
 
@@ -89,7 +90,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
         return None, problems
     stage, off_opt, off_param = _zero(ds)
     t = spec.train
-    packs = t.packing and getattr(t, "task", "sft") == "sft"  # DPO never packs (the trainer logs packing off)
+    packs = t.packing and getattr(t, "task", "sft") in OWN_TRAINER  # DPO never packs (the trainer logs packing off)
     problems += lay.training_problems(layout, stage, t.train_type, t.attn_implementation, packs, t.max_length,
                                       gpus=bool(spec.slurm.gpus_per_node))
     if layout.model_parallel > 1 and t.deepspeed == "none":
@@ -99,7 +100,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                                 f'train.deepspeed = "none" with sequence_parallel {layout.sequence_parallel}, tensor_parallel '
                                 f"{layout.tensor_parallel}", 'use a ZeRO preset (deepspeed = "zero2", or "zero1" for tensor '
                                 "parallel), or set the degrees to 1"))
-    if layout.model_parallel > 1 and getattr(t, "task", "sft") != "sft":
+    if layout.model_parallel > 1 and getattr(t, "task", "sft") not in OWN_TRAINER:
         problems.append(Problem("parallel", f"sequence/tensor parallel is built for SFT; task = {t.task!r} goes through TRL's "
                                 "trainer, whose batches the Ulysses adapter and AutoTP do not see",
                                 f"sequence_parallel {layout.sequence_parallel}, tensor_parallel {layout.tensor_parallel}",
@@ -128,7 +129,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions,
                       checkpointing=decided), problems
     problems += lay.shape_problems(layout, shape)
-    sft = getattr(t, "task", "sft") == "sft"  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
+    sft = getattr(t, "task", "sft") in OWN_TRAINER  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft)

@@ -93,7 +93,8 @@ DESCRIPTIONS: dict[str, str] = {
                          "(or a task's, or inside them). See docs/checkpoints.md",
     "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a "
                                  "model or adapter dir)",
-    "train.task": "`sft` (supervised) or `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer)",
+    "train.task": "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer) or `pt` "
+                  "(continued pretraining on raw `text` records: every token a label, packed; docs/training.md)",
     "train.dpo_beta": "DPO: how far the policy may move from the reference model (TRL's `beta`)",
     "train.dpo_loss_type": "DPO: one of TRL's loss types (`sigmoid`, `ipo`, `hinge`, `robust`, `apo_zero`, ...)",
     "train.precompute_ref_log_probs": "DPO: score the reference once before training and keep no reference model",

@@ -277,7 +277,7 @@ class TrainTable(_Table):
     dataloader_pin_memory: bool = True
     resume_from: str | None = None
     resume_weights_only: bool = False
-    task: Literal["sft", "dpo"] = "sft"
+    task: Literal["sft", "dpo", "pt"] = "sft"
     dpo_beta: float = Field(0.1, gt=0, le=1000)
     dpo_loss_type: str = "sigmoid"
     precompute_ref_log_probs: bool = False

@@ -1,12 +1,14 @@
 """Tokenize once: the encoded dataset as flat arrays on disk, memory-mapped by every rank.
 
-``cached_dataset(paths, tokenizer, max_length, cache_root, num_proc)`` returns a ``CachedDataset``
-(map-style, same items as ``data.SFTDataset``). The cache directory is named by a key over
+``cached_dataset(paths, tokenizer, max_length, cache_root, num_proc, task)`` returns a ``CachedDataset``
+(map-style, same items as ``data.SFTDataset``). ``task`` picks how records are checked and encoded (``codec``):
+SFT's records with the prompt masked (``tokens``), or raw text with every token a label (``text``, task "pt").
+The cache directory is named by a key over
 everything that changes the tokens: each file's content (sha256, not its mtime; for a ``save_to_disk``
 directory its ``state.json`` and every arrow shard), the tokenizer
-(its serialized vocabulary/rules, special tokens and chat template), ``max_length`` and the prompt
-templates of ``data``. A requeue, or a second run on the same data, finds the directory and
-tokenizes nothing; a changed file, tokenizer or ``max_length`` is a new key.
+(its serialized vocabulary/rules, special tokens and chat template), ``max_length``, the prompt
+templates of ``data`` and the task (the same file is other tokens as raw text than as SFT records). A
+requeue, or a second run on the same data, finds the directory and tokenizes nothing; a changed file, tokenizer or ``max_length`` is a new key.
 
 Layout of ``<cache_root>/<key>/``: ``input_ids.bin`` and ``labels.bin`` (int32, every example back to
 back), ``offsets.bin`` (int64, n + 1), ``meta.json`` (written last: a directory without it is not a
@@ -71,11 +73,23 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(paths: list[str], tokenizer, max_length: int) -> str:
+def codec(task: str):
+    """The module that checks and encodes the records of ``task``: raw text for "pt", else SFT's (``tokens``).
+    Each has ``checked_records``, ``encode_many``, ``no_example_error`` and ``DROPPED`` (why a record gave nothing)."""
+    if task == "pt":
+        from . import text
+
+        return text
+    return data
+
+
+def cache_key(paths: list[str], tokenizer, max_length: int, task: str = "sft") -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"format": FORMAT, "max_length": max_length, "tokenizer": tokenizer_fingerprint(tokenizer),
-                         "templates": [data.ALPACA_PROMPT, data.ALPACA_PROMPT_INPUT],
-                         "files": [_file_digest(p) for p in paths]}).encode())
+    body = {"format": FORMAT, "max_length": max_length, "tokenizer": tokenizer_fingerprint(tokenizer),
+            "templates": [data.ALPACA_PROMPT, data.ALPACA_PROMPT_INPUT], "files": [_file_digest(p) for p in paths]}
+    if task != "sft":  # SFT's key stays what it was, so caches written before tasks had keys are still found
+        body["task"] = task
+    h.update(json.dumps(body).encode())
     return h.hexdigest()[:24]
 
 
@@ -114,15 +128,16 @@ class CachedDataset:
 
 _worker_tokenizer = None
 _worker_max_length = 0
+_worker_task = "sft"
 
 
-def _init_worker(tokenizer, max_length: int) -> None:
-    global _worker_tokenizer, _worker_max_length
-    _worker_tokenizer, _worker_max_length = tokenizer, max_length
+def _init_worker(tokenizer, max_length: int, task: str = "sft") -> None:
+    global _worker_tokenizer, _worker_max_length, _worker_task
+    _worker_tokenizer, _worker_max_length, _worker_task = tokenizer, max_length, task
 
 
 def _encode_chunk(records: list[tuple[str, Any]]) -> list[dict[str, list[int]] | None]:
-    return data.encode_many(records, _worker_tokenizer, _worker_max_length)  # one tokenizer call per chunk
+    return codec(_worker_task).encode_many(records, _worker_tokenizer, _worker_max_length)  # one tokenizer call per chunk
 
 
 def _chunks(records: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
@@ -130,16 +145,16 @@ def _chunks(records: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]
         yield chunk
 
 
-def _encoded_chunks(paths: list[str], tokenizer, max_length: int, num_proc: int):
-    chunks = _chunks(data.checked_records(paths))
+def _encoded_chunks(paths: list[str], tokenizer, max_length: int, num_proc: int, task: str = "sft"):
+    chunks = _chunks(codec(task).checked_records(paths))
     if num_proc <= 1:
-        _init_worker(tokenizer, max_length)
+        _init_worker(tokenizer, max_length, task)
         yield from map(_encode_chunk, chunks)
         return
     # spawn, not fork: this process may already hold torch threads and a process group. Not pool.map:
     # it submits every chunk at once, which holds the whole dataset in this process.
     with ProcessPoolExecutor(num_proc, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(tokenizer, max_length)) as pool:
+                             initargs=(tokenizer, max_length, task)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.submit(_encode_chunk, chunk))
@@ -149,7 +164,7 @@ def _encoded_chunks(paths: list[str], tokenizer, max_length: int, num_proc: int)
             yield pending.popleft().result()
 
 
-def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_proc: int) -> None:
+def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_proc: int, task: str = "sft") -> None:
     import numpy as np
 
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +175,7 @@ def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_pr
         with ExitStack() as stack:
             ids_fh, labels_fh, offsets_fh = (stack.enter_context(open(tmp / name, "wb")) for name in names)
             offsets_fh.write(np.zeros(1, np.int64).tobytes())
-            for encoded in _encoded_chunks(paths, tokenizer, max_length, num_proc):
+            for encoded in _encoded_chunks(paths, tokenizer, max_length, num_proc, task):
                 ends = []
                 for ex in encoded:
                     if ex is None:
@@ -176,9 +191,10 @@ def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_pr
                 fh.flush()
                 os.fsync(fh.fileno())
         if not examples:
-            raise data.no_example_error(paths, dropped)
+            raise codec(task).no_example_error(paths, dropped)
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "examples": examples, "dropped": dropped,
-                                                   "tokens": tokens, "files": paths, "max_length": max_length}))
+                                                   "tokens": tokens, "files": paths, "max_length": max_length,
+                                                   "task": task}))
         try:
             os.rename(tmp, directory)
         except OSError:  # another process renamed its copy first: keep that one
@@ -189,13 +205,14 @@ def _build(directory: Path, paths: list[str], tokenizer, max_length: int, num_pr
 
 
 def cached_dataset(paths: list[str], tokenizer, max_length: int, cache_root: str | Path,
-                   num_proc: int = 1) -> CachedDataset:
+                   num_proc: int = 1, task: str = "sft") -> CachedDataset:
     """The encoded dataset from ``cache_root/<key>``, tokenizing (and caching) it first when absent."""
-    data.ensure_chat_template(tokenizer)
-    directory = Path(cache_root) / cache_key(paths, tokenizer, max_length)
+    if task == "sft":  # raw text ("pt") is tokenized without a chat template
+        data.ensure_chat_template(tokenizer)
+    directory = Path(cache_root) / cache_key(paths, tokenizer, max_length, task)
     built = False
     if not (directory / "meta.json").exists():
-        _build(directory, paths, tokenizer, max_length, num_proc)
+        _build(directory, paths, tokenizer, max_length, num_proc, task)
         built = True
     dataset = CachedDataset(directory)
     dataset.tokenized_now = built

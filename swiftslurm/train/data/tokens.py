@@ -22,6 +22,7 @@ IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+DROPPED = "no response token left after max_length={max_length} truncation"  # why an example was dropped
 
 
 def _bad(path: Path, where: str, what: str, found: str = "") -> DataError:

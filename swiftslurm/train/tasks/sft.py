@@ -1,6 +1,7 @@
 """The built-in trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
 
-SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class).
+SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class), and
+``train.task = "pt"`` ``pt.PTTask`` (SFT's trainer on raw text).
 
 Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
@@ -81,7 +82,7 @@ class SFTTask:
         return model
 
     def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
-        return _data(spec, args, tok, model, attn, output_dir)
+        return _data(spec, args, tok, model, attn, output_dir, self.name)
 
     def describe_data(self, spec: JobSpec, dataset) -> str:
         return (f"on: {len(dataset)} rows of {spec.train.max_length} tokens, {dataset.padding_ratio():.1%} padding"
@@ -98,6 +99,10 @@ def _task(spec: JobSpec):
         from .dpo import DPOTask
 
         return DPOTask()
+    if spec.train.task == "pt":
+        from .pt import PTTask
+
+        return PTTask()
     return SFTTask()
 
 
@@ -196,7 +201,7 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     from ..kernels import choose as kernels
 
     node = kernels.node_facts(cuda)
-    packs = spec.train.packing and spec.train.task == "sft"
+    packs = spec.train.packing and spec.train.task in ("sft", "pt")
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
@@ -269,7 +274,7 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         compiled = compile_layers(model)
         if dist.rank == 0:
             log.warning("train.compile: %d decoder layers compiled (torch.compile, one graph per layer)", compiled)
-    if spec.train.train_type == "lora" and task.name == "sft":  # DPO: TRL wraps it (weights-only is refused at validate)
+    if spec.train.train_type == "lora" and task.name in ("sft", "pt"):  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, tok, (total_params, trainable)
@@ -321,21 +326,21 @@ def _zero_stage(ds_config: dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0) or 0)
 
 
-def _data(spec: JobSpec, args, tok, model, attn: str, output_dir: str):
+def _data(spec: JobSpec, args, tok, model, attn: str, output_dir: str, task: str = "sft"):
     """(train dataset, collator): tokenized once into the cache (rank 0 first, the others read it), then
-    packed rows (``train.packing``) or single samples padded per micro-batch."""
-    from ..data.cache import cached_dataset
+    packed rows (``train.packing``) or single samples padded per micro-batch. ``task``: SFT records, or raw
+    text ("pt": ``data.text``)."""
+    from ..data.cache import cached_dataset, codec
     from ..data.tokens import Collator
 
     t = spec.train
     with args.main_process_first(local=False, desc="tokenizing the dataset"):
-        samples = cached_dataset(t.dataset, tok, t.max_length, Path(output_dir) / CACHE_DIR, t.dataset_num_proc)
+        samples = cached_dataset(t.dataset, tok, t.max_length, Path(output_dir) / CACHE_DIR, t.dataset_num_proc, task)
     if args.process_index == 0:
         if samples.tokenized_now:
             log.warning("tokenized %d example(s) into %s", len(samples), samples.directory)
         if samples.dropped:
-            log.warning("%d example(s) dropped: no response token left after max_length=%d truncation",
-                        samples.dropped, t.max_length)
+            log.warning("%d example(s) dropped: %s", samples.dropped, codec(task).DROPPED.format(max_length=t.max_length))
     if not t.packing:  # sequence parallel: batches of max_length (a multiple of the degree) with position_ids
         return samples, Collator(tok.pad_token_id, t.max_length if spec.parallel.sequence_parallel > 1 else None)
     from ..data import packing
