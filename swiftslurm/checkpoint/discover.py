@@ -2,7 +2,7 @@
 
 Resume = the newest checkpoint that verifies (``latest`` is never trusted over verification).
 Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one, nor the
-best one by the eval metric (``latest_best``, best.py: kept beside the ``keep`` newest). It
+best one by the eval metric (``latest_best``, best.py: kept beside the ``keep`` newest when older). It
 deletes only checkpoints of ours (a readable swiftslurm manifest): a ``checkpoint-N`` without one (an HF
 Trainer run's, a copy from another tool) or with one it cannot read is reported once and kept.
 Deleting renames first (``.deleting-checkpoint-N``), so a kill mid-delete never leaves a half
@@ -107,15 +107,14 @@ def prune(output_dir: Path | str, keep: int, log: Callable[[str], None] | None =
         elif str(ckpt) not in _reported and log is not None:
             _reported.add(str(ckpt))
             log(f"swiftslurm: keeping {ckpt.name}: not a checkpoint of ours ({why}); retention never deletes it")
-    best = best_checkpoint(out)  # the best by the eval metric: never retention's to remove, and not counted in keep
+    best = best_checkpoint(out)  # the best by the eval metric: never retention's to remove
     for ckpt in checkpoints:
-        if ckpt == best:
-            continue
         if len(kept_verified) >= keep:
-            removed.append(ckpt)  # beyond retention: verified or not, no longer needed
+            if ckpt != best:
+                removed.append(ckpt)  # beyond retention: verified or not, no longer needed
         elif verify_cached(ckpt):
             kept_verified.append(ckpt)
-        elif kept_verified:
+        elif kept_verified and ckpt != best:
             removed.append(ckpt)  # damaged and older than the newest verified
     newest_step = step_of(checkpoints[0]) if checkpoints else None
     if out.is_dir():
