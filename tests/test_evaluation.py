@@ -5,7 +5,8 @@ pointer read defensively and kept by retention, `status --sort` over planted tas
 One real run on the Slurm cluster (1 node x 2 CPU ranks, tiny-llama, LoRA, ZeRO-2) proves the rest at once: an
 ``eval_split`` run evaluates every 2 steps; a learning rate of 1e-12 leaves the weights bit-identical (each update
 is below the float32 spacing of the weights), so the first evaluation (step 2) is the best and every later one ties
-it; with ``early_stopping_patience = 3`` an uninterrupted run stops at step 8. A walltime USR2 (as Slurm sends it)
+it; with ``early_stopping_patience = 3`` an uninterrupted run stops at step 8 (each step takes at least 2 s: the
+watchdog's test hook, so the signal below lands between steps 4 and 8 on any machine). A walltime USR2 (as Slurm sends it)
 after the evaluation at step 4 stops, saves and requeues it; the resumed run must still stop at step 8 (the patience
 counter came back: without it, step 10) with ``latest_best`` still at checkpoint-2 (the best so far came back:
 without it the first evaluation after the resume would be a new best), the job COMPLETED, the reason in the summary
@@ -188,7 +189,7 @@ partition = "debug"
 nodes = 1
 tasks_per_node = 2
 cpus_per_task = 1
-time = "00:10:00"
+time = "00:30:00"
 max_requeues = 3
 [train]
 model = "tiny-llama"
@@ -211,7 +212,7 @@ forced_save_fractions = [0.5]
 checks = []
 [env]
 OMP_NUM_THREADS = "1"
-SWIFTSLURM_TEST_MIN_STEP_S = "1.0"
+SWIFTSLURM_TEST_MIN_STEP_S = "2.0"
 """
 
 
@@ -235,12 +236,12 @@ def test_a_requeued_run_keeps_its_best_checkpoint_and_patience_and_stops_early(t
     assert sent.returncode == 0, sent.stdout + sent.stderr
     job = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"][0]
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a minute on an idle machine; a loaded one starts ranks far slower
         while 4 not in eval_steps(out):  # the evaluation at step 4 (patience count 1) is logged
-            assert time.monotonic() < deadline, f"no evaluation at step 4 in 300 s: {eval_steps(out)}"
+            assert time.monotonic() < deadline, f"no evaluation at step 4 in 900 s: {eval_steps(out)}"
             time.sleep(0.2)
         subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)  # the walltime signal, as Slurm sends it
-        state = wait_for_job(job, timeout_s=420)
+        state = wait_for_job(job, timeout_s=900)
     finally:
         subprocess.run(["scancel", "--name=eval-e2e", job], capture_output=True, timeout=30)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (out / "logs").rglob("*") if p.is_file())
