@@ -233,7 +233,8 @@ def _absolute(path: str, base: str) -> str:
 def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
     """Relative dataset / deepspeed / model / resume_from paths become absolute, so every node sees the same files."""
     train = spec.train
-    updates: dict[str, Any] = {"dataset": [_absolute(d, base_dir) for d in train.dataset]}
+    updates: dict[str, Any] = {"dataset": [_absolute(d, base_dir) for d in train.dataset],
+                               "eval_dataset": [_absolute(d, base_dir) for d in train.eval_dataset]}
     if train.deepspeed.endswith(".json") or "/" in train.deepspeed:
         updates["deepspeed"] = _absolute(train.deepspeed, base_dir)
     if train.model and train.model.startswith("."):
@@ -318,7 +319,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         except SpecError as exc:
             failing.append(_task_problems(index, overrides, exc.problems))
             continue
-        files_key = task_spec.train.model_dump_json(include={"dataset", "model", "deepspeed"})
+        files_key = task_spec.train.model_dump_json(include={"dataset", "eval_dataset", "model", "deepspeed"})
         if check_disk and files_key not in checked:
             checked.add(files_key)
             try:

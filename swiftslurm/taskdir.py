@@ -24,6 +24,7 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/checkpoint-save.json            how long saves took (the deadline save)
     <task dir>/.swiftslurm-verified.json       what this job verified (retention)
     <task dir>/checkpoint-<step>/              verified checkpoints; latest names the newest
+    <task dir>/latest_best                     names the best checkpoint by the eval metric (kept by retention)
     <task dir>/.staging-checkpoint-<step>/     being written; never read as a checkpoint
     <task dir>/resume-source/checkpoint-<N>/   train.resume_from imported on the fly
     <task dir>/universal/                      universal-checkpoint conversions
@@ -54,11 +55,13 @@ STOPS_DIR = ".swiftslurm-stops"
 SAVE_FILE = "checkpoint-save.json"
 VERIFIED_CACHE_FILE = ".swiftslurm-verified.json"
 LATEST_NAME = "latest"
+LATEST_BEST_NAME = "latest_best"  # the best checkpoint by train.metric_for_best_model (checkpoint/best.py)
 RESUME_SOURCE_DIR = "resume-source"
 UNIVERSAL_DIR = "universal"
 SAVE_LINK_DIR = ".swiftslurm-save"
 TOKEN_CACHE_DIR = ".swiftslurm-cache/tokenized"
 PREFERENCE_CACHE_DIR = ".swiftslurm-cache/preference"
+SPLIT_CACHE_DIR = ".swiftslurm-cache/split"  # train.eval_split: the training and eval parts of the records
 
 
 def rank_log_name(rank: int) -> str:

@@ -36,10 +36,13 @@ VARIANTS = {
                "galore_update_proj_gap": 2, "max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5},
     # the 8-bit GaLore needs bitsandbytes on a GPU: the node refuses it before loading anything
     "galore8bit": {"train_type": "full", "deepspeed": "none", "optimizer": "galore_adamw_8bit", "max_steps": 1},
-    # DPO + LoRA on two named modules only (not peft's default for Llama), the reference scored once before training
+    # DPO + LoRA on two named modules only (not peft's default for Llama), the reference scored once before training;
+    # an eval dataset (files; the split is the cluster run's: test_evaluation.py) evaluated every step, the best
+    # checkpoint chosen by TRL's eval reward accuracy
     "dpo": {"task": "dpo", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora", "deepspeed": "zero2",
             "lora_target_modules": ["k_proj", "up_proj"], "precompute_ref_log_probs": True, "max_prompt_length": 64,
-            "max_steps": 2, "learning_rate": 1e-2},
+            "max_steps": 2, "learning_rate": 1e-2, "eval_dataset": [str(DATA / "dpo_demo.jsonl")], "eval_steps": 1,
+            "per_device_eval_batch_size": 4, "metric_for_best_model": "eval_rewards/accuracies", "greater_is_better": True},
     # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
     # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
     "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,

@@ -115,6 +115,10 @@ def test_dpo_precomputes_the_reference_and_lora_targets_the_named_modules(runs):
     assert "Computing reference log probs for train dataset" in log  # TRL scored the reference before training
     adapter = json.loads((out / "dpo" / "checkpoint-2" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["k_proj", "up_proj"]  # not peft's Llama default (q_proj, v_proj)
+    # train.eval_dataset: TRL's own eval metrics at every step, and the best checkpoint by one of them
+    evals = [r for r in map(json.loads, (out / "dpo" / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2] and all("eval_rewards/accuracies" in r and "eval_rewards/margins" in r for r in evals)
+    assert (out / "dpo" / "latest_best").read_text().strip() in ("checkpoint-1", "checkpoint-2")
 
 
 def test_convert_timeout_s_bounds_the_universal_conversion(runs):

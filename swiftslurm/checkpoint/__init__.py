@@ -14,6 +14,7 @@ See docs/checkpoints.md.
 
 from . import savetime
 from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
+from .best import best_checkpoint, point_best
 from .commit import atomic_write_text, commit, hash_own_files, prepare_staging
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
@@ -26,6 +27,8 @@ __all__ = [
     "Exchange",
     "SingleRank",
     "agree_resume_point",
+    "best_checkpoint",
+    "point_best",
     "readable_problem",
     "MANIFEST_NAME",
     "Manifest",

@@ -1,7 +1,8 @@
 """Finding checkpoints in an output dir, choosing the one to resume from, and retention.
 
 Resume = the newest checkpoint that verifies (``latest`` is never trusted over verification).
-Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one. It
+Retention keeps the newest ``keep`` verified checkpoints and never deletes the newest verified one, nor the
+best one by the eval metric (``latest_best``, best.py: kept beside the ``keep`` newest when older). It
 deletes only checkpoints of ours (a readable swiftslurm manifest): a ``checkpoint-N`` without one (an HF
 Trainer run's, a copy from another tool) or with one it cannot read is reported once and kept.
 Deleting renames first (``.deleting-checkpoint-N``), so a kill mid-delete never leaves a half
@@ -15,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from ..taskdir import LATEST_BEST_NAME
+from .best import best_checkpoint
 from .cache import CACHE_FILE, TMP_INFIX, forget, remember_verified
 from .cache import save as save_cache
 from .manifest import ManifestError, read_manifest
@@ -104,18 +107,20 @@ def prune(output_dir: Path | str, keep: int, log: Callable[[str], None] | None =
         elif str(ckpt) not in _reported and log is not None:
             _reported.add(str(ckpt))
             log(f"swiftslurm: keeping {ckpt.name}: not a checkpoint of ours ({why}); retention never deletes it")
+    best = best_checkpoint(out)  # the best by the eval metric: never retention's to remove
     for ckpt in checkpoints:
         if len(kept_verified) >= keep:
-            removed.append(ckpt)  # beyond retention: verified or not, no longer needed
+            if ckpt != best:
+                removed.append(ckpt)  # beyond retention: verified or not, no longer needed
         elif verify_cached(ckpt):
             kept_verified.append(ckpt)
-        elif kept_verified:
+        elif kept_verified and ckpt != best:
             removed.append(ckpt)  # damaged and older than the newest verified
     newest_step = step_of(checkpoints[0]) if checkpoints else None
     if out.is_dir():
         for p in out.iterdir():
             staged = _staging_step(p)
-            if p.name.startswith((DELETING_PREFIX, f".{LATEST_NAME}.tmp.", CACHE_FILE + TMP_INFIX)):
+            if p.name.startswith((DELETING_PREFIX, f".{LATEST_NAME}.tmp.", f".{LATEST_BEST_NAME}.tmp.", CACHE_FILE + TMP_INFIX)):
                 removed.append(p)
             elif staged is not None and newest_step is not None and staged <= newest_step:
                 removed.append(p)

@@ -32,6 +32,9 @@ OPERATIONAL_TRAIN_KEYS = frozenset({
     "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
     "max_steps", "num_train_epochs",  # how long: extending a run is normal (a schedule over max_steps then stretches)
     "ddp_timeout",  # how long a collective may wait: not what is learned
+    # evaluation watches the training, it does not change a step (eval_split does: it holds out training records)
+    "eval_dataset", "eval_steps", "per_device_eval_batch_size", "metric_for_best_model", "greater_is_better",
+    "early_stopping_patience",
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (

@@ -255,16 +255,20 @@ def status(
     follow: bool = typer.Option(False, "--follow", "-f",
                                 help="Follow the job until every task ended (live on a terminal, plain lines in a pipe); exit 1 if a task failed."),
     interval: Optional[float] = typer.Option(None, "--interval", min=0.0, help="Off a terminal: at most one line per task this often (seconds, default 10)."),
+    sort: Optional[str] = typer.Option(None, "--sort", metavar="METRIC",
+                                       help="Rank the tasks by a logged metric (eval_loss, loss, eval_rewards/accuracies, ...): each task's best "
+                                            "value, lowest first for a loss or a time, highest first otherwise; tasks without it last."),
 ) -> int:
     """State of every array task with its progress (step, loss, tokens/s, ETA, elapsed), restarts and the latest
-    verified checkpoint; a sweep's tasks with their overrides, best final loss first."""
+    verified checkpoint; a sweep's tasks with their overrides, best final loss first (or by --sort METRIC)."""
     from .submit_cmd import status_command
 
-    if follow and as_json:
+    if follow and (as_json or sort):
         from ..errors import SwiftSlurmError
 
-        raise SwiftSlurmError("--follow and --json do not go together", "both given", "use --json for one look, --follow to watch")
-    return status_command(console, target, as_json=as_json, follow_=follow, interval_s=interval)
+        raise SwiftSlurmError(f"--follow and {'--json' if as_json else '--sort'} do not go together", "both given",
+                              "use --json or --sort for one look, --follow to watch")
+    return status_command(console, target, as_json=as_json, follow_=follow, interval_s=interval, sort=sort)
 
 
 @app.command()

@@ -126,14 +126,16 @@ def submit_command(console: Console, plan: Plan, executor: str, wait: bool, as_j
     return follow(console, sub)
 
 
-def status_command(console: Console, target: str, as_json: bool, follow_: bool = False, interval_s: float | None = None) -> int:
-    """One look (a table with progress, or JSON); with ``follow_`` the live view until the job ends (exit 1 if a task failed)."""
+def status_command(console: Console, target: str, as_json: bool, follow_: bool = False, interval_s: float | None = None,
+                   sort: str | None = None) -> int:
+    """One look (a table with progress, or JSON; ``sort``: ranked by that metric); with ``follow_`` the live view until
+    the job ends (exit 1 if a task failed)."""
     from .watch_cmd import status_view
 
     sub = submission_of(target)
     if follow_:
         return follow(console, sub, interval_s=interval_s)
-    return status_view(console, sub, as_json)
+    return status_view(console, sub, as_json, sort=sort)
 
 
 def cancel_command(console: Console, target: str) -> int:

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from .. import slurm
 from ..jobs.record import Submission
-from ..watch.progress import Progress, Total, Watcher, override_text, rank_sweep, total_of
+from ..watch.progress import Progress, Total, Watcher, override_text, rank_by, rank_sweep, total_of
 
 _STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
 MAX_ROWS = 40  # a 1000-task array shows its first 40 unfinished (or best) tasks and a count of the rest
@@ -82,6 +82,10 @@ def plain_line(p: Progress) -> str:
     parts += [p.state, f"step {step_text(p.step, p.max_steps)}", f"loss {num(p.loss)}"]
     if p.tokens_per_s is not None:
         parts.append(f"{'useful tokens/s' if p.tokens_kind == 'useful_tokens_per_s' else 'tokens/s'} {p.tokens_per_s:.0f}")
+    if p.eval_loss is not None:
+        parts.append(f"eval_loss {num(p.eval_loss)}")
+    if p.sort_metric:
+        parts.append(f"best {p.sort_metric} {num(p.best_values.get(p.sort_metric))}")
     parts += [f"eta {eta_text(p)}", f"elapsed {hms(p.elapsed_s)}", f"restarts {p.restarts}", f"checkpoint {ckpt_name(p.checkpoint)}"]
     if p.best:
         parts.append("BEST")
@@ -106,22 +110,32 @@ def _progress_cell(step: int | None, max_steps: int | None, state: str) -> Table
     return cell
 
 
-RIGHT = ("task", "restarts", "loss", "final loss", "best loss", "tokens/s")
+RIGHT = ("task", "restarts", "loss", "final loss", "best loss", "eval_loss", "sorted by", "tokens/s")
 
 
-def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool = True, narrow: bool = False) -> Table:
-    """The tasks (a sweep: overrides, final and best loss, best first and marked), plus a total under an array.
-    ``narrow``: without the job and node columns (the title names the job)."""
+def ranked(rows: list[Progress], sort: str | None) -> list[Progress]:
+    """The rows in the order `status` shows them: by ``sort`` (a metric) when given, a sweep by final loss, else as is."""
+    if sort:
+        return rank_by(rows, sort)
+    return rank_sweep(rows) if is_sweep(rows) else rows
+
+
+def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool = True, narrow: bool = False,
+                   sort: str | None = None) -> Table:
+    """The tasks (a sweep: overrides, final and best loss, best first and marked; ``sort``: by that metric's best
+    value, in its own column), plus a total under an array. ``narrow``: without the job and node columns."""
     sweep = is_sweep(rows)
-    if sweep:
-        rows = rank_sweep(rows)
-    cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "tokens/s", "eta", "elapsed", "restarts", "checkpoint"]
+    rows = ranked(rows, sort)
+    cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "eval_loss", "sorted by", "tokens/s",
+            "eta", "elapsed", "restarts", "checkpoint"]
     drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()),
-            *(() if with_checkpoint else ("checkpoint",))}
+            *(() if with_checkpoint else ("checkpoint",)), *(() if any(r.eval_loss is not None for r in rows) else ("eval_loss",)),
+            *(() if sort else ("sorted by",))}
     cols = [c for c in cols if c not in drop]
     table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     for col in cols:
-        table.add_column("ckpt" if narrow and col == "checkpoint" else col, justify="right" if col in RIGHT else "left",
+        name = "ckpt" if narrow and col == "checkpoint" else f"best {sort}" if col == "sorted by" else col
+        table.add_column(name, justify="right" if col in RIGHT else "left",
                          no_wrap=col == "step", min_width=14 if col == "step" else None)
     shown = rows if len(rows) <= MAX_ROWS else ([r for r in rows if r.state != "COMPLETED"] if not sweep else rows)[:MAX_ROWS]
     for r in shown:
@@ -130,7 +144,8 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
             "task": f"{r.task}" + (" best" if r.best else ""), "overrides": override_text(r.overrides), "job": r.job_id,
             "state": f"[{style}]{r.state}[/]" if style else r.state, "node(s)": r.nodes or "-",
             "step": _progress_cell(r.step, r.max_steps, r.state), "loss": num(r.loss), "final loss": num(r.final_loss),
-            "best loss": num(r.best_loss), "tokens/s": speed(r, r.tokens_kind), "eta": eta_text(r), "elapsed": hms(r.elapsed_s),
+            "best loss": num(r.best_loss), "eval_loss": num(r.eval_loss), "sorted by": num(r.best_values.get(sort or "")),
+            "tokens/s": speed(r, r.tokens_kind), "eta": eta_text(r), "elapsed": hms(r.elapsed_s),
             "restarts": str(r.restarts), "checkpoint": ckpt_name(r.checkpoint).removeprefix("checkpoint-" if narrow else ""),
         }
         table.add_row(*(cells[c] for c in cols), style="bold" if r.best else None)
@@ -188,9 +203,8 @@ def failure_text(sub: Submission, task: int) -> str | None:
     return found.text if found else None
 
 
-def status_json(sub: Submission, rows: list[Progress]) -> dict:
-    if is_sweep(rows):
-        rows = rank_sweep(rows)
+def status_json(sub: Submission, rows: list[Progress], sort: str | None = None) -> dict:
+    rows = ranked(rows, sort)
     failed = set(failed_tasks(rows))
     return {
         "executor": sub.executor,
@@ -263,19 +277,19 @@ def follow_progress(console: Console, sub: Submission, interval_s: float | None 
     return states
 
 
-def status_view(console: Console, sub: Submission, as_json: bool) -> int:
+def status_view(console: Console, sub: Submission, as_json: bool, sort: str | None = None) -> int:
     rows = progress_rows(sub) if sub.output_dir else Watcher("", []).rows(sub.statuses())
     if as_json:
-        sys.stdout.write(json.dumps(status_json(sub, rows), indent=2) + "\n")
+        sys.stdout.write(json.dumps(status_json(sub, rows, sort), indent=2) + "\n")
         return 0
     if not console.is_terminal:  # a pipe: a line per task, nothing cropped to 80 columns
         console.print(job_title(sub), highlight=False, markup=False)
-        for r in rank_sweep(rows) if is_sweep(rows) else rows:
+        for r in ranked(rows, sort):
             console.print(plain_line(r), highlight=False, markup=False, soft_wrap=True)
         if len(rows) > 1:
             console.print(plain_total(total_of(rows)), highlight=False, markup=False, soft_wrap=True)
     else:
-        console.print(progress_table(rows, job_title(sub), with_checkpoint=bool(sub.output_dir), narrow=console.width < 120))
+        console.print(progress_table(rows, job_title(sub), with_checkpoint=bool(sub.output_dir), narrow=console.width < 120, sort=sort))
     print_notes(console, rows)
     print_failures(console, sub, failed_tasks(rows))
     return 0

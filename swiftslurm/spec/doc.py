@@ -106,6 +106,18 @@ DESCRIPTIONS: dict[str, str] = {
     "train.model_shape": "a hub model not on disk: "
                          "`{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim }` for `plan`'s "
                          "memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none)",
+    "train.eval_dataset": "files to evaluate on (formats as `dataset`): tokenized, cached and packed like the training data; not with `eval_split`",
+    "train.eval_split": "hold out this fraction of `dataset`'s records for evaluation (at least one), drawn with a fixed seed (the same records "
+                        "for every run and sweep task, whatever `seed` is); `0` = no split",
+    "train.eval_steps": "evaluate every this many steps, on all ranks, one `eval_loss` (unset: `save_steps`); an evaluation that beats the best "
+                        "so far also saves a checkpoint",
+    "train.per_device_eval_batch_size": "eval micro-batch per rank (packed rows with `packing`); unset: `per_device_train_batch_size`",
+    "train.metric_for_best_model": "the logged eval metric that picks the best checkpoint (`latest_best`, kept by retention) and drives early "
+                                   "stopping: `eval_loss`, or for DPO `eval_rewards/accuracies`, `eval_rewards/margins`, ...",
+    "train.greater_is_better": "whether a higher `metric_for_best_model` is better; unset: lower for names ending in `loss` (or a time), "
+                               "higher otherwise",
+    "train.early_stopping_patience": "stop (COMPLETED, the reason in the summary and `status`) after this many evaluations in a row without "
+                                     "a new best; the count survives a requeue; unset = never",
     "train.command": "run your own script instead of the built-in trainer, e.g. `[\"python\", \"train.py\"]`, with the same env, preflight and requeue",
     "checkpoint.keep": "verified checkpoints kept (at least 2)",
     "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",

@@ -302,6 +302,11 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
         p = Path(ds) if Path(ds).is_absolute() else base / ds
         if not (p.is_file() or p.is_dir()):  # a directory: datasets' save_to_disk (its layout is checked by the scan)
             problems.append(Problem(f"train.dataset[{i}]", "dataset file not found", str(p), "paths are relative to the directory you run swiftslurm from"))
+    for i, ds in enumerate(spec.train.eval_dataset):
+        p = Path(ds) if Path(ds).is_absolute() else base / ds
+        if not (p.is_file() or p.is_dir()):
+            problems.append(Problem(f"train.eval_dataset[{i}]", "eval dataset file not found", str(p),
+                                    "paths are relative to the directory you run swiftslurm from"))
     model = spec.train.model
     if model and model not in TINY_MODELS and (model.startswith((".", "/")) or Path(model).exists()):
         p = Path(model) if Path(model).is_absolute() else base / model

@@ -287,13 +287,21 @@ class TrainTable(_Table):
     galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
     galore_scale: float | None = Field(None, gt=0, le=1000)  # None: the library default (GaLore 0.25, APOLLO 1.0)
     model_shape: ModelShapeTable | None = None  # a hub model not on disk: its shape, for `plan`'s memory estimate
+    # evaluation, the best checkpoint and early stopping (train/evaluation.py; rules in spec/eval_rules.py)
+    eval_dataset: list[str] = Field(default_factory=list)
+    eval_split: float = Field(0.0, ge=0, lt=1)
+    eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT)  # None: save_steps
+    per_device_eval_batch_size: int | None = Field(None, ge=1, le=4096)  # None: per_device_train_batch_size
+    metric_for_best_model: str = "eval_loss"
+    greater_is_better: bool | None = None  # None: inferred from the metric's name (eval_rules.greater_is_better)
+    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)
 
-    @field_validator("dataset", mode="before")
+    @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _one_dataset(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    @field_validator("dataset")
+    @field_validator("dataset", "eval_dataset")
     @classmethod
     def _paths(cls, v: list[str]) -> list[str]:
         return [_path(item) for item in v]
@@ -361,9 +369,10 @@ class TrainTable(_Table):
 
     @model_validator(mode="after")
     def _cross(self) -> "TrainTable":
+        from .eval_rules import eval_problems
         from .training_rules import train_problems
 
-        for message in train_problems(self):
+        for message in train_problems(self) + eval_problems(self):
             raise ValueError(message)
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (bf16 on Ampere or newer GPUs)")

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SwiftSlurmError
+from .evaluation import eval_arguments
 from .kernels.varlen import NAME as VARLEN
 from .kernels.varlen import register as register_varlen
 
@@ -156,6 +157,7 @@ def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], c
         ddp_find_unused_parameters=False,  # plain DDP (deepspeed = "none"): every trainable weight gets a gradient
         parallelism_config=parallelism_config,  # [parallel] sequence_parallel: Accelerate's DeepSpeed Ulysses (train/parallel.py)
         **optimizer_arguments(t),
+        **eval_arguments(spec),  # train.eval_*: evaluation steps, batch, the metric of the best checkpoint
     )
 
 

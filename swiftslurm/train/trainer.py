@@ -176,6 +176,8 @@ class SFTTrainer(Trainer):
             self.committed.append(str(final))
         _barrier()
         if self.args.process_index == 0:
+            if self.args.metric_for_best_model:  # the best evaluation's checkpoint, before retention sees the dir
+                ck.point_best(out, self.state.best_global_step)
             t_prune = time.perf_counter()
             for path in ck.prune(out, self.job["keep"]):
                 log.info("pruned old checkpoint %s", path)

@@ -1,4 +1,5 @@
-"""`swiftslurm plot`: loss and throughput against step, one line per task, requeue points marked.
+"""`swiftslurm plot`: loss and throughput against step, one line per task, requeue points marked; a task's
+``eval_loss`` (``train.eval_*``) dashed in its colour, so a sweep's tasks compare on one chart.
 
 ``figure(series)`` is pure over the metrics rows (matplotlib's Agg backend, no display needed); the CLI
 saves it. Throughput is useful (non-padding) tokens/s where the trainer logs it, else tokens/s.
@@ -50,6 +51,9 @@ def figure(series: list[Series], title: str = ""):
     for s in series:
         xs, ys = _points(s.rows, "loss")
         (line,) = loss_ax.plot(xs, ys, label=s.label)
+        ex, ey = _points(s.rows, "eval_loss")  # train.eval_*: the held-out loss, dashed, in the task's colour
+        if ex:
+            loss_ax.plot(ex, ey, linestyle="--", marker="o", markersize=3, color=line.get_color(), label=f"{s.label} eval_loss")
         points = list(zip(xs, ys, strict=True))
         before = [max((pt for pt in points if pt[0] <= step), default=None) for step in restart_steps(s.rows, s.requeues)]
         marks = [m for m in before if m is not None][:50]  # each requeue on the last logged loss before it
@@ -61,6 +65,6 @@ def figure(series: list[Series], title: str = ""):
     loss_ax.set_title(title or "training loss (x: requeued here)")
     speed_ax.set_ylabel("useful tokens/s" if speed_key == "useful_tokens_per_s" else "tokens/s")
     speed_ax.set_xlabel("step")
-    if len(series) > 1:
+    if len(series) > 1 or any("eval_loss" in r for s in series for r in s.rows):
         loss_ax.legend(fontsize="small", loc="best")
     return fig

@@ -58,6 +58,9 @@ class Progress:
     best: bool = False  # the lowest final loss of a sweep
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: the last save's phases, grace advice
+    eval_loss: float | None = None  # the last logged eval_loss (train.eval_*)
+    best_values: dict[str, float] = field(default_factory=dict)  # every logged metric's best value (`status --sort`)
+    sort_metric: str = ""  # the metric `status --sort` ranked by ("" = the sweep's final loss)
 
     @property
     def fraction(self) -> float | None:
@@ -170,6 +173,11 @@ def progress_of(task: int, state: str, rows: list[dict[str, Any]], *, max_steps:
         p.loss = float(losses[-1][1])
         finite = [v for _, v in losses if math.isfinite(v)]
         p.best_loss = float(min(finite)) if finite else None
+    evals = [v for r in rows if (v := _finite(r.get("eval_loss"))) is not None]
+    p.eval_loss = evals[-1] if evals else None
+    p.best_values = best_values(rows)
+    if not p.stop_reason and isinstance(summary.get("stop_reason"), str) and summary["stop_reason"]:
+        p.stop_reason = summary["stop_reason"]  # an early stop (train.early_stopping_patience), in the trainer's words
     if state == "COMPLETED":
         final = summary.get("final_loss")
         p.final_loss = float(final) if isinstance(final, (int, float)) and not isinstance(final, bool) else p.loss
@@ -224,6 +232,42 @@ def rank_sweep(rows: list[Progress]) -> list[Progress]:
     for p in ranked:
         p.best = False
     if ranked and _finite(ranked[0].final_loss) is not None:
+        ranked[0].best = True
+    return ranked
+
+
+def best_values(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each numeric metric's best logged value: the lowest of a loss or a time, the highest of the rest
+    (``spec.eval_rules.greater_is_better``, the rule the trainer's best checkpoint uses). Pure."""
+    from ..spec.eval_rules import greater_is_better
+
+    out: dict[str, float] = {}
+    for row in rows:
+        for key, raw in row.items():
+            value = _finite(raw)
+            if value is None or key in ("step", "time", "epoch"):
+                continue
+            old = out.get(key)
+            if old is None or (value > old if greater_is_better(key) else value < old):
+                out[key] = value
+    return out
+
+
+def rank_by(rows: list[Progress], metric: str) -> list[Progress]:
+    """The tasks best first by ``metric`` (each task's best logged value of it: lowest for a loss or a time,
+    highest otherwise), tasks that never logged it last; the first with a value is marked ``best``."""
+    from ..spec.eval_rules import greater_is_better
+
+    sign = -1.0 if greater_is_better(metric) else 1.0
+
+    def key(p: Progress) -> tuple:
+        value = p.best_values.get(metric)
+        return (value is None, sign * value if value is not None else 0.0, p.task)
+
+    ranked = sorted(rows, key=key)
+    for p in ranked:
+        p.best, p.sort_metric = False, metric
+    if ranked and metric in ranked[0].best_values:
         ranked[0].best = True
     return ranked
 

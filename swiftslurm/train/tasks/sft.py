@@ -62,12 +62,27 @@ class TrainResult:
     packing: bool = False
     task: str = "sft"
     reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies
+    stop_reason: str = ""  # why it ended before max_steps/epochs, other than a walltime stop (early stopping)
+    eval_loss: float | None = None  # train.eval_*: the last eval_loss
+    metric_for_best_model: str = ""
+    best_metric: float | None = None  # the best value of metric_for_best_model, at best_step
+    best_step: int | None = None
+    best_checkpoint: str | None = None  # what latest_best names
 
 
 class SFTTask:
     """What differs between tasks, behind one seam: the arguments, the data and the Trainer class.
     ``dpo.DPOTask`` is the other one; everything else in ``train`` (resume, callbacks, checkpoints,
-    metrics, the summary) is shared."""
+    metrics, the summary) is shared.
+
+    Evaluation (``train.eval_dataset`` / ``train.eval_split``, ``train/evaluation.py``) comes through the same
+    seam: ``data()`` is called once more for the eval set, with a copy of the spec whose ``train.dataset`` names
+    the eval files (for a split: the held-out records, split off in shared code before any task reads them), and
+    its dataset goes to ``trainer(..., eval_dataset=...)``. A task gets evaluation by (1) reading its records from
+    ``spec.train.dataset`` only in ``data()`` and (2) passing ``**kwargs`` (``eval_dataset`` among them) on to its
+    Trainer; one whose eval set is built otherwise adds ``eval_data(spec, args, tok, model, attn, output_dir)``
+    returning the eval dataset. What its evaluation logs (``eval_loss``, ...) is listed in
+    ``spec/eval_rules.TASK_METRICS``, which ``metric_for_best_model`` is checked against."""
 
     name = "sft"
 
@@ -146,22 +161,27 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
         start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
         model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
-        dataset, collator = task.data(spec, args, tok, model, kern.attn, output_dir)
+        from .. import evaluation
+
+        dataset, collator, eval_dataset = evaluation.task_data(task, spec, args, tok, model, kern.attn, output_dir)
         if dist.rank == 0:
             from ..kernels import choose as kernels
 
             log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", kern.attn, kern.attn_why,
                         kernels.liger_names(kern.liger), kern.liger_why, task.describe_data(spec, dataset))
         tools = _instruments(spec, dist, output_dir, should_stop, stack)
+        tools.callbacks += evaluation.callbacks(spec)  # train.eval_*: the best checkpoint's save, early stopping
         job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
                "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
                "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": kern.packs,
                "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
-        trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config)
+        trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
+                                 eval_dataset)
         trainer.train(resume_from_checkpoint=resume_from)
     from ..kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
+    kernels_used.update(stop_reason=evaluation.stop_reason(trainer), **evaluation.best_of(trainer, output_dir))
     result = _result(trainer, tools.schedule, output_dir, tools.metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
     # `del`: engine.destroy() (through accelerate) removes them, so the collection below frees it and the groups.
@@ -308,11 +328,11 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
 
 
 def _build_trainer(spec: JobSpec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
-                   job: dict[str, Any], params: tuple[int, int], ds_config: dict[str, Any]):
+                   job: dict[str, Any], params: tuple[int, int], ds_config: dict[str, Any], eval_dataset=None):
     from ..health.metrics import flops_per_token
 
     trainer = task.trainer(
-        spec, cuda, attn, model=model, args=args, train_dataset=dataset, data_collator=collator,
+        spec, cuda, attn, model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
         processing_class=tok, callbacks=tools.callbacks, meter=tools.meter, job=job,
         flops_per_token=flops_per_token(*params), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
@@ -411,7 +431,8 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     def fmt(x, spec=".4f"):
         return "n/a" if x is None else format(x, spec)
 
-    how = "stopped for requeue (walltime signal)" if result.stopped_for_requeue else "finished"
+    how = ("stopped for requeue (walltime signal)" if result.stopped_for_requeue
+           else "stopped early" if result.stop_reason else "finished")
     lines = [
         f"swiftslurm: training {how} at step {result.global_step} in {result.wall_s:.1f} s",
         f"  loss: first {fmt(first_loss)} -> final {fmt(result.final_loss)}",
@@ -425,6 +446,12 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     ]
     if result.task == "dpo":
         lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}")
+    if result.stop_reason:
+        lines.insert(1, f"  {result.stop_reason}")
+    if result.metric_for_best_model:
+        best = Path(result.best_checkpoint).name if result.best_checkpoint else "none"
+        lines.append(f"  evaluation: last eval_loss {fmt(result.eval_loss)}; best {result.metric_for_best_model} {fmt(result.best_metric)} "
+                     f"at step {result.best_step if result.best_step is not None else 'n/a'} ({best}; {output_dir}/latest_best names it)")
     if result.tensorboard_dir:
         lines.append(f"  TensorBoard: tensorboard --logdir {result.tensorboard_dir}")
     if result.metrics_file:
