@@ -73,27 +73,27 @@ def _missing_text(missing: list[str]) -> tuple[str, str]:
             ", ".join(PACKAGES[t] for t in missing) + " not importable")
 
 
-def job_dir(spec: JobSpec, task_dir: str | Path) -> Path:
+def job_dir(task_dir: str | Path, task: int | None) -> Path:
     """``job.output_dir`` as the plan resolved it: a sweep's task dirs are ``<job.output_dir>/<index>`` (plan.py)."""
-    return Path(task_dir).parent if spec.sweep else Path(task_dir)
+    return Path(task_dir).parent if task is not None else Path(task_dir)
 
 
-def identity(spec: JobSpec, task_dir: str | Path, env: Mapping[str, str]) -> RunIdentity:
-    task = int(Path(task_dir).name) if spec.sweep and Path(task_dir).name.isdigit() else None
+def identity(spec: JobSpec, task: int | None, env: Mapping[str, str]) -> RunIdentity:
+    """``task``: the sweep task index (``runfile.sweep_task``), None outside a sweep."""
     name = spec.job.name if task is None else f"{spec.job.name}/{task}"
-    return RunIdentity(name=name, group=spec.job.name if spec.sweep else None,
+    return RunIdentity(name=name, group=spec.job.name if task is not None else None,
                        project=env.get("WANDB_PROJECT") or spec.job.name,
                        experiment=env.get("MLFLOW_EXPERIMENT_NAME") or spec.job.name, task=task)
 
 
-def env_defaults(spec: JobSpec, task_dir: str | Path, env: Mapping[str, str]) -> dict[str, str]:
+def env_defaults(spec: JobSpec, task_dir: str | Path, task: int | None, env: Mapping[str, str]) -> dict[str, str]:
     """What rank 0 exports before a tracker starts, where the user's environment ([env]) says nothing: the MLflow
     store is a file store under ``job.output_dir`` (every task of a sweep in one; no server needed on the nodes),
     which MLflow 3 uses only with ``MLFLOW_ALLOW_FILE_STORE``. W&B's mode, project and key are the user's
     (``WANDB_MODE=offline`` on nodes without internet); its run dirs go to the task dir (``wandb.init(dir=...)``)."""
     out: dict[str, str] = {}
     if "mlflow" in wanted(spec):
-        uri = env.get("MLFLOW_TRACKING_URI") or f"file:{job_dir(spec, task_dir) / MLFLOW_STORE_DIR}"
+        uri = env.get("MLFLOW_TRACKING_URI") or f"file:{job_dir(task_dir, task) / MLFLOW_STORE_DIR}"
         if not env.get("MLFLOW_TRACKING_URI"):
             out["MLFLOW_TRACKING_URI"] = uri
         if is_file_store(uri) and not env.get("MLFLOW_ALLOW_FILE_STORE"):

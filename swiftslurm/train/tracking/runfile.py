@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ...fsutil import METRICS_CAP, TAG_CAP, Unreadable, atomic_write_text, json_lines, read_json, read_tail
-from ...taskdir import METRICS_FILE, SWEEP_TRACKER_FILE, SWEEP_TRACKER_LOCK, TRACKER_FILE
+from ...taskdir import METRICS_FILE, PLAN_FILE, SWEEP_TRACKER_FILE, SWEEP_TRACKER_LOCK, TRACKER_FILE
 from .identity import TRACKERS, valid_run_id
 
 log = logging.getLogger("swiftslurm.train")
@@ -49,6 +49,15 @@ def read_ids(path: str | Path) -> dict[str, str] | None:
 
 def write_ids(path: str | Path, ids: dict[str, str]) -> None:
     atomic_write_text(Path(path), json.dumps(ids, sort_keys=True) + "\n")
+
+
+def sweep_task(task_dir: str | Path) -> int | None:
+    """The sweep task index of a task dir, None outside a sweep. The task's spec no longer holds [sweep]; the plan's
+    layout tells: a sweep's task dir is ``<job.output_dir>/<index>``, the plan file in its parent, none in it."""
+    task_dir = Path(task_dir)
+    if not (task_dir.name.isascii() and task_dir.name.isdigit()) or (task_dir / PLAN_FILE).exists():
+        return None
+    return int(task_dir.name) if (task_dir.parent / PLAN_FILE).is_file() else None
 
 
 def task_file(task_dir: str | Path) -> Path:

@@ -87,8 +87,9 @@ def open_trackers(spec: JobSpec, dist: DistEnv, task_dir: str, resumed_own_check
 def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple[str, ...], resumed_own: bool,
                     stack: contextlib.ExitStack) -> TrackerCallback:
     idt.check_installed(spec)  # the node checked before training (node/runtime.py); a direct caller of train() too
-    os.environ.update(idt.env_defaults(spec, task_dir, os.environ))  # the one export step of the trackers' defaults
-    ident = idt.identity(spec, task_dir, os.environ)
+    task = runfile.sweep_task(task_dir)
+    os.environ.update(idt.env_defaults(spec, task_dir, task, os.environ))  # the one export step of the trackers' defaults
+    ident = idt.identity(spec, task, os.environ)
     config = idt.config(spec, dist.world_size, ident.task)
     kept = runfile.read_ids(runfile.task_file(task_dir))
     carry_on = idt.continues(kept, resumed_own, dist.requeue_id or dist.job_id)
@@ -103,7 +104,7 @@ def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple
             sinks.append(WandbSink.open(ids["wandb"], ident, config, task_dir))
         else:
             sink = MlflowSink.open(ids.get("mlflow"), ident, config, os.environ["MLFLOW_TRACKING_URI"],
-                                   lambda client, experiment: _sweep_parent(spec, task_dir, client, experiment, ident))
+                                   lambda client, experiment: _sweep_parent(idt.job_dir(task_dir, task), client, experiment, ident))
             ids["mlflow"] = sink.run_id
             sinks.append(sink)
     ids["job_id"] = dist.requeue_id or dist.job_id
@@ -113,10 +114,9 @@ def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple
     return callback
 
 
-def _sweep_parent(spec: JobSpec, task_dir: str, client: Any, experiment: str, ident: idt.RunIdentity) -> str | None:
+def _sweep_parent(job_dir: Path, client: Any, experiment: str, ident: idt.RunIdentity) -> str | None:
     """The sweep's MLflow parent run id, read or created under the sweep lock (the array's tasks start together)."""
     assert ident.group is not None  # only asked for in a sweep
-    job_dir = idt.job_dir(spec, task_dir)
     with runfile.sweep_lock(job_dir):
         kept = runfile.read_ids(runfile.sweep_file(job_dir)) or {}
         parent = parent_run(client, experiment, ident.group, kept.get("mlflow"))
