@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for_job
+from test_login_imports import HEAVY, modules_at_exit, recorder  # noqa: F401 (recorder: the fixture)
 from wandb_records import run_facts
 
 from swiftslurm.errors import SpecError
@@ -123,6 +124,12 @@ def test_a_missing_tracker_library_is_refused_at_validate_and_on_the_node(tmp_pa
     prepare(spec, base_dir=str(tmp_path))
     with pytest.raises(idt.TrackerUnavailable, match="report_to names mlflow"):
         idt.check_installed(sweep_tasks(tmp_path)[0].spec)
+
+
+def test_validate_checks_the_tracker_libraries_without_importing_them(recorder, tmp_path):  # noqa: F811
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SWEEP.format(out=tmp_path / "out", data=DATA))
+    assert not modules_at_exit(recorder, tmp_path, "validate", str(spec)) & {*HEAVY, "wandb", "mlflow"}
 
 
 class _State:
