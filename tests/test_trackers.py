@@ -27,7 +27,7 @@ from wandb_records import run_facts
 from swiftslurm.errors import SpecError
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from swiftslurm.taskdir import MLFLOW_STORE_DIR, METRICS_FILE, TRACKER_FILE, WANDB_RUNS_DIR
+from swiftslurm.taskdir import METRICS_FILE, MLFLOW_STORE_DIR, TRACKER_FILE, WANDB_RUNS_DIR
 from swiftslurm.train.tracking import identity as idt
 from swiftslurm.train.tracking import runfile
 
