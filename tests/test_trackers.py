@@ -70,18 +70,18 @@ def test_a_sweeps_tasks_share_a_group_and_a_store_and_each_has_its_own_name(tmp_
     first, second = sweep_tasks(tmp_path)
     indices = [runfile.sweep_task(t.output_dir) for t in (first, second)]
     assert indices == [0, 1] and runfile.sweep_task(tmp_path / "out") is None  # the job's own dir is no task of it
-    names = [idt.identity(t.spec, i, {}) for t, i in zip((first, second), indices)]
+    names = [idt.identity(t.spec, i, {}) for t, i in zip((first, second), indices, strict=True)]
     assert [(n.name, n.group, n.project, n.experiment, n.task) for n in names] == [
         ("trk-sweep/0", "trk-sweep", "trk-sweep", "trk-sweep", 0), ("trk-sweep/1", "trk-sweep", "trk-sweep", "trk-sweep", 1)]
     store = f"file:{tmp_path / 'out' / MLFLOW_STORE_DIR}"  # one file store for the whole sweep, under job.output_dir
-    assert [idt.env_defaults(t.spec, t.output_dir, i, {}) for t, i in zip((first, second), indices)] == [
+    assert [idt.env_defaults(t.spec, t.output_dir, i, {}) for t, i in zip((first, second), indices, strict=True)] == [
         {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}] * 2
     assert idt.env_defaults(first.spec, first.output_dir, 0, {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}) == {}
     mine = idt.identity(first.spec, 0, {"WANDB_PROJECT": "p", "MLFLOW_EXPERIMENT_NAME": "e"})
     assert (mine.project, mine.experiment) == ("p", "e")
     alone = idt.identity(first.spec, None, {})  # no sweep: the job name, no group
     assert (alone.name, alone.group) == ("trk-sweep", None)
-    configs = [idt.config(t.spec, 2, n.task) for t, n in zip((first, second), names)]
+    configs = [idt.config(t.spec, 2, n.task) for t, n in zip((first, second), names, strict=True)]
     assert [c["train.learning_rate"] for c in configs] == [1e-4, 3e-4] and [c["sweep.task"] for c in configs] == [0, 1]
     assert configs[0]["world_size"] == 2 and not any("not-a-config-value" in str(v) for v in configs[0].values())
     assert idt.wanted(first.spec) == ("wandb", "mlflow")
@@ -208,7 +208,7 @@ def test_a_sweep_nests_under_one_parent_and_a_restart_continues_each_run_sending
 
 # ---------------------------------------------------------------- on the Slurm cluster
 
-MAX_STEPS = 30
+MAX_STEPS = 16
 STOP_AFTER = 4  # the walltime signal is sent once rank 0 logged this step
 CLUSTER_SPEC = """
 [job]
@@ -219,7 +219,7 @@ partition = "debug"
 nodes = 1
 tasks_per_node = 2
 cpus_per_task = 1
-time = "00:10:00"
+time = "00:20:00"
 signal_grace_s = 60
 [train]
 model = "tiny-llama"
@@ -274,10 +274,10 @@ def test_one_training_requeued_at_walltime_is_one_tracker_run_with_every_step_on
         subprocess.run(["scancel", "--name=trk-requeue", job], capture_output=True, timeout=30)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").rglob("*.err")))
     assert state[job] == "COMPLETED", f"{state}\n{logs}"
-    requeues = json.loads((out / "requeues.json").read_text())
-    assert [r["requeued"] for r in requeues] == [True], requeues
-    stop = requeues[0]["global_step"]
-    assert STOP_AFTER <= stop < MAX_STEPS, requeues
+    requeues = json.loads((out / "requeues.json").read_text())  # ours, and on a slow machine the time limit's too
+    assert requeues and all(r["requeued"] for r in requeues), requeues
+    stops = [r["global_step"] for r in requeues]
+    assert STOP_AFTER <= stops[0] and stops == sorted(stops) and stops[-1] < MAX_STEPS, requeues
 
     ids = json.loads((out / TRACKER_FILE).read_text())
     store = out / MLFLOW_STORE_DIR  # the default: a file store under job.output_dir
@@ -285,11 +285,12 @@ def test_one_training_requeued_at_walltime_is_one_tracker_run_with_every_step_on
     assert mlflow_runs(store)[ids["mlflow"]]["status"] == "FINISHED"
     assert [s for s, _ in mlflow_metric(store, ids["mlflow"], "loss")] == list(range(1, MAX_STEPS + 1))
     save_steps = [s for s, _ in mlflow_metric(store, ids["mlflow"], "checkpoint_save_s")]
-    assert save_steps == [stop, MAX_STEPS]  # the walltime save and the last one, each once
+    assert save_steps == [*stops, MAX_STEPS]  # each walltime save and the last one, each once
 
     starts = wandb_runs(out)
-    assert [r["id"] for r in starts] == [ids["wandb"]] * 2, starts  # one offline dir per start, one run id
-    assert [r["name"] for r in starts] == ["trk-requeue"] * 2
+    assert [r["id"] for r in starts] == [ids["wandb"]] * (len(stops) + 1), starts  # one offline dir per start, one run id
+    assert {r["name"] for r in starts} == {"trk-requeue"}
     steps = [s for r in starts for s, rows in sorted(r["history"].items()) if any("train/loss" in row for row in rows)]
     assert steps == list(range(1, MAX_STEPS + 1))
-    assert max(starts[0]["history"]) == stop and min(starts[1]["history"]) == stop + 1  # the axis goes on where it stopped
+    # the axis goes on where each start stopped
+    assert [(min(r["history"]), max(r["history"])) for r in starts] == list(zip([1] + [s + 1 for s in stops], [*stops, MAX_STEPS], strict=True))

@@ -109,8 +109,8 @@ def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple
             sinks.append(sink)
     ids["job_id"] = dist.requeue_id or dist.job_id
     runfile.write_ids(runfile.task_file(task_dir), ids)
-    how = f"continued from step {sent_through + 1}" if carry_on else "new"
-    log.warning("trackers: %s (%s run%s)", ", ".join(f"{t} run {ids[t]}" for t in trackers), how, _where(trackers, task_dir))
+    how = f"continued after step {sent_through}" if carry_on else "new"
+    log.warning("trackers: %s (%s%s)", ", ".join(f"{t} run {ids[t]}" for t in trackers), how, _where(trackers, task_dir))
     return callback
 
 
