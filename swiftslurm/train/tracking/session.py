@@ -93,7 +93,7 @@ def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple
     config = idt.config(spec, dist.world_size, ident.task)
     kept = runfile.read_ids(runfile.task_file(task_dir))
     carry_on = idt.continues(kept, resumed_own, dist.requeue_id or dist.job_id)
-    ids = dict(kept or {}) if carry_on else {}
+    ids = {**(kept if carry_on and kept else {}), "job_id": dist.requeue_id or dist.job_id}
     sent_through = runfile.logged_through(task_dir) if carry_on else -1
     sinks: list[_Sink] = []
     callback = TrackerCallback(sinks, sent_through)
@@ -107,8 +107,7 @@ def _open_on_rank_0(spec: JobSpec, dist: DistEnv, task_dir: str, trackers: tuple
                                    lambda client, experiment: _sweep_parent(idt.job_dir(task_dir, task), client, experiment, ident))
             ids["mlflow"] = sink.run_id
             sinks.append(sink)
-    ids["job_id"] = dist.requeue_id or dist.job_id
-    runfile.write_ids(runfile.task_file(task_dir), ids)
+        runfile.write_ids(runfile.task_file(task_dir), ids)  # kept as soon as it exists: a later failure keeps it
     how = f"continued after step {sent_through}" if carry_on else "new"
     log.warning("trackers: %s (%s%s)", ", ".join(f"{t} run {ids[t]}" for t in trackers), how, _where(trackers, task_dir))
     return callback
