@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(PY) -m pip install -q -e ".[train,dev]"
+	$(PY) -m pip install -q -e ".[train,dev,tracking]"
 	touch $@
 
 setup: $(VENV)/.installed system-deps

@@ -29,6 +29,10 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/resume-source/checkpoint-<N>/   train.resume_from imported on the fly
     <task dir>/universal/                      universal-checkpoint conversions
     <task dir>/.swiftslurm-cache/              tokenized data, preference data
+    <task dir>/.swiftslurm-tracker.json        the W&B / MLflow run ids this task's training continues
+    <task dir>/wandb/                          W&B's own run dirs (unless WANDB_DIR says elsewhere)
+    <job.output_dir>/mlruns/                   the MLflow file store (unless MLFLOW_TRACKING_URI says elsewhere)
+    <job.output_dir>/.swiftslurm-tracker-sweep.json   a sweep's MLflow parent run (its .lock beside it)
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ SAVE_LINK_DIR = ".swiftslurm-save"
 TOKEN_CACHE_DIR = ".swiftslurm-cache/tokenized"
 PREFERENCE_CACHE_DIR = ".swiftslurm-cache/preference"
 SPLIT_CACHE_DIR = ".swiftslurm-cache/split"  # train.eval_split: the training and eval parts of the records
+TRACKER_FILE = ".swiftslurm-tracker.json"
+WANDB_RUNS_DIR = "wandb"  # wandb.init(dir=<task dir>) writes its run dirs (offline-run-*) here
+MLFLOW_STORE_DIR = "mlruns"  # under job.output_dir: one store for every task of a sweep
+SWEEP_TRACKER_FILE = ".swiftslurm-tracker-sweep.json"  # under job.output_dir
+SWEEP_TRACKER_LOCK = ".swiftslurm-tracker-sweep.lock"  # under job.output_dir
 
 
 def rank_log_name(rank: int) -> str:

@@ -7,6 +7,7 @@ the queue wait is refused here.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ def prepare(spec_path: str | os.PathLike[str], *, training: bool = False, limits
     if training:
         require_training(spec, source)
     plan = make_plan(spec, load_raw(spec_path), base_dir=base_dir or os.getcwd(), source=source, check_disk=True)
+    check_trackers(plan)
     scripts = render_all(plan, limits=limits)  # also what must go on #SBATCH lines, and the container's mounts
     check_scripts(plan, scripts)
     return Prepared(plan, scripts, scan_data(plan))
@@ -56,6 +58,23 @@ def check_scripts(plan: Plan, scripts: list[str]) -> None:
             problems += script_problems(script)
             if problems:
                 break
+    if problems:
+        raise SpecError(plan.source, problems)
+
+
+def check_trackers(plan: Plan) -> None:
+    """``report_to = ["wandb"]`` / ``"mlflow"``: a library missing here is missing on the nodes when the ranks run this
+    very interpreter (no container, no other slurm.python); elsewhere the node checks before training (SpecError)."""
+    from ..train.tracking.identity import login_problem
+
+    problems: list[Problem] = []
+    for task in plan.tasks:
+        s = task.spec
+        if not s.has_training or s.train.command:
+            continue
+        problem = login_problem(s, same_interpreter=s.container is None and s.slurm.python in (None, sys.executable))
+        if problem is not None and problem not in problems:
+            problems.append(problem)
     if problems:
         raise SpecError(plan.source, problems)
 

@@ -246,6 +246,9 @@ def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | 
     if missing:
         raise RuntimeEnvError("the built-in trainer needs packages that are not installed", ", ".join(missing),
                               "pip install 'swiftslurm[train]' on every node, or set train.command to run your own script")
+    from ..train.tracking.identity import check_installed
+
+    check_installed(spec)  # report_to = wandb / mlflow: their libraries, on every rank before anything loads
     os.environ.clear()
     os.environ.update(the_env)  # the one export step, for the in-process trainer
     # Slurm sends the walltime USR2 to every process of the step, children included: a `ninja` building a

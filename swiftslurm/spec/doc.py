@@ -68,7 +68,8 @@ DESCRIPTIONS: dict[str, str] = {
     "train.lora_alpha": "LoRA alpha",
     "train.lora_dropout": "LoRA dropout",
     "train.lora_target_modules": "`all-linear` or a list of module names",
-    "train.report_to": "`tensorboard` and/or `none`",
+    "train.report_to": "`tensorboard`, `wandb`, `mlflow` (the `tracking` extra; one run per training across requeues: "
+                       "docs/training.md) and/or `none`",
     "train.packing": "pack whole samples into rows of exactly `max_length` tokens (`per_device_train_batch_size` then counts packed rows); "
                      "attention and labels never cross a sample",
     "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else on GPUs `varlen_attn` "

@@ -28,7 +28,7 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "
 # The preflight check names: the one list (the spec's field type, the preflight-only default, the README)
 CheckName = Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]
 CHECKS: tuple[str, ...] = get_args(CheckName)
-ReportTarget = Literal["tensorboard", "none"]
+ReportTarget = Literal["tensorboard", "wandb", "mlflow", "none"]
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")

@@ -13,6 +13,7 @@ from ..errors import SwiftSlurmError
 from .evaluation import eval_arguments
 from .kernels.varlen import NAME as VARLEN
 from .kernels.varlen import register as register_varlen
+from .tracking.identity import TRACKERS
 
 if TYPE_CHECKING:
     from ..spec.model import JobSpec
@@ -120,7 +121,7 @@ def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], c
     """The TrainingArguments of every task (DPO's config adds its own keys): batch, schedule, saving, precision,
     DeepSpeed (none when ``ds_config`` is empty: ``train.deepspeed = "none"``, plain DDP) and the optimizer."""
     t = spec.train
-    report = [r for r in t.report_to if r != "none"]
+    report = [r for r in t.report_to if r != "none" and r not in TRACKERS]  # W&B, MLflow: train/tracking's callback
     return dict(
         output_dir=output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,

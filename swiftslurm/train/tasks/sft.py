@@ -171,6 +171,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
                         kernels.liger_names(kern.liger), kern.liger_why, task.describe_data(spec, dataset))
         tools = _instruments(spec, dist, output_dir, should_stop, stack)
         tools.callbacks += evaluation.callbacks(spec)  # train.eval_*: the best checkpoint's save, early stopping
+        tools.callbacks += _open_trackers(spec, dist, output_dir, start, stack)  # after metrics.jsonl's: a tracker never holds a step metrics.jsonl lacks
         job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
                "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
                "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": kern.packs,
@@ -261,6 +262,15 @@ def _start_point(resume_from: str | bool | None, spec: JobSpec, dist: DistEnv, o
     resume_from = worldsize.adapt(resume_from, output_dir, dist, args, spec.checkpoint.checksum,  # another DP size: convert
                                   spec.checkpoint.convert_timeout_s)
     return start, resume_from
+
+
+def _open_trackers(spec: JobSpec, dist: DistEnv, output_dir: str, start, stack: contextlib.ExitStack) -> list[Any]:
+    """The W&B / MLflow callback (train/tracking/): a resume from this task's own checkpoint continues its run."""
+    from ...fsutil import is_inside
+    from ..tracking.session import open_trackers
+
+    own = start.source == "own" or (start.source == "explicit" and bool(start.path) and is_inside(output_dir, start.path))
+    return open_trackers(spec, dist, output_dir, own, stack)
 
 
 def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv):
