@@ -43,6 +43,10 @@ VARIANTS = {
             "lora_target_modules": ["k_proj", "up_proj"], "precompute_ref_log_probs": True, "max_prompt_length": 64,
             "max_steps": 2, "learning_rate": 1e-2, "eval_dataset": [str(DATA / "dpo_demo.jsonl")], "eval_steps": 1,
             "per_device_eval_batch_size": 4, "metric_for_best_model": "eval_rewards/accuracies", "greater_is_better": True},
+    # the sources of tests/test_export.py: a LoRA run under ZeRO-2 (fp32, so a merge compares at 1e-4) and a full bf16 run
+    # under ZeRO-3 (its fp32 master weights live only in the shards)
+    "export_lora": {"train_type": "lora", "deepspeed": "zero2", "max_steps": 1, "learning_rate": 1e-2},
+    "export_zero3": {"train_type": "full", "deepspeed": "zero3", "bf16": True, "max_steps": 1, "learning_rate": 1e-2},
     # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
     # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
     "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,

@@ -24,6 +24,7 @@ LAYERS = {
     "preflight": 5, "train": 5,
     "node": 6,
     "jobs": 7,
+    "export": 8,
     "watch": 9,
     "doctor": 10,
     "cli": 11,

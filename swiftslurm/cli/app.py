@@ -377,6 +377,49 @@ def import_(
     return import_command(console, path, into, as_json)
 
 
+class ExportDtype(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class ExportWhere(str, Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+@app.command()
+@guarded
+def export(
+    source: str = typer.Argument(..., metavar="SOURCE", help="A checkpoint-N dir, a run's output dir (its best, else newest verified checkpoint) or a job id."),
+    to: Path = typer.Option(..., "--to", help="New or empty dir for the model (never overwritten)."),
+    task: Optional[int] = typer.Option(None, "--task", "-t", min=0, help="The task of a sweep's output dir."),
+    merge_lora: bool = typer.Option(True, "--merge-lora/--adapter-only", help="A LoRA run: merge the adapter into its base (default), or keep it alone."),
+    dtype: ExportDtype = typer.Option(ExportDtype.auto, "--dtype", help="Weights dtype; auto = what the run trained in."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard (an index names them)."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="The model a LoRA adapter was trained on (default: the run's train.model)."),
+    executor: ExportWhere = typer.Option(ExportWhere.local, "--executor", "-e", help="local: in this process, on the CPU; slurm: a one-node Slurm job."),
+    wait: bool = typer.Option(False, "--wait", "-w", help="With --executor slurm: wait for the job to end."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="With --executor slurm: the partition."),
+    account: Optional[str] = typer.Option(None, "--account", help="With --executor slurm: the account."),
+    time_limit: str = typer.Option("02:00:00", "--time", help="With --executor slurm: the job's time limit."),
+    cpus: int = typer.Option(8, "--cpus", min=1, help="With --executor slurm: CPUs of the job."),
+    mem: Optional[str] = typer.Option(None, "--mem", help="With --executor slurm: memory of the job (sbatch --mem)."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written (or the job submitted) as JSON."),
+) -> int:
+    """Write a Hugging Face model dir (safetensors shards + index, config, tokenizer, chat template) that transformers
+    and vLLM load: ZeRO shards gathered, a LoRA adapter merged, our manifest inside (`swiftslurm verify DIR`).
+    Exit 5 if the checkpoint is damaged or not ours, 2 if --to is not new or empty."""
+    from ..export.job import ExportRequest
+    from .export_cmd import export_command
+
+    source_text = source if not Path(source).exists() else str(Path(source).absolute())
+    req = ExportRequest(source_text, to.absolute(), task, not merge_lora, dtype.value, max_shard_size, base_model, partition, account,
+                        time_limit, cpus, mem)
+    return export_command(console, err_console, req, executor.value, wait, as_json)
+
+
 @app.command()
 @guarded
 def run(
