@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from conftest import wait_for_job
-from test_train import quickstart_spec, tensorboard_scalars, to_toml
+from test_train import quickstart_spec, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 RM_EXAMPLE = ROOT / "examples" / "rm_lora.toml"
@@ -205,6 +205,19 @@ def cluster_runs(tmp_path_factory, slurm_cluster):
     return {"states": states, "ref": ref[1], "req": req[1], "kto": kto[1], "jobs": jobs}
 
 
+def tensorboard_steps(out: Path) -> dict[str, set[int]]:
+    """The steps of every scalar, over every run dir (a requeued job writes one per start)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps: dict[str, set[int]] = {}
+    for run_dir in (out / "runs").iterdir():
+        acc = EventAccumulator(str(run_dir))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            steps.setdefault(tag, set()).update(e.step for e in acc.Scalars(tag))
+    return steps
+
+
 def verify(out: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swiftslurm", "verify", str(out)], capture_output=True, text=True, timeout=120)
 
@@ -219,7 +232,8 @@ def test_rm_requeued_at_a_walltime_signal_resumes_to_the_uninterrupted_losses(cl
     assert cluster_runs["states"]["rm-ref"] == cluster_runs["states"]["rm-req"] == "COMPLETED", cluster_runs["states"]
     ref, req = cluster_runs["ref"], cluster_runs["req"]
     requeues = json.loads((req / "requeues.json").read_text())
-    assert len(requeues) == 1 and requeues[0]["requeued"] and RM_STOP_AFTER <= requeues[0]["global_step"] < RM_STEPS, requeues
+    # our USR2 made the last stop (a shared cluster may add one of its own: each must have been requeued too)
+    assert all(r["requeued"] for r in requeues) and RM_STOP_AFTER <= requeues[-1]["global_step"] < RM_STEPS, requeues
     whole, again = losses(ref), losses(req)
     assert sorted(whole) == sorted(again) == list(range(1, RM_STEPS + 1))
     for step, values in again.items():
@@ -238,8 +252,8 @@ def test_rm_requeued_at_a_walltime_signal_resumes_to_the_uninterrupted_losses(cl
     accuracy = [r["accuracy"] for r in rows(ref) if "accuracy" in r]
     margin = [r["margin"] for r in rows(ref) if "margin" in r]
     assert len(accuracy) == len(margin) == RM_STEPS and accuracy[-1] > 0.8 and margin[-1] > margin[0], (accuracy, margin)
-    scalars = tensorboard_scalars(ref)
-    assert len(scalars["train/accuracy"]) == len(scalars["train/margin"]) == RM_STEPS, sorted(scalars)
+    scalars = tensorboard_steps(req)
+    assert scalars["train/accuracy"] == scalars["train/margin"] == set(range(1, RM_STEPS + 1)), sorted(scalars)
     summary = json.loads((ref / "train-summary.json").read_text())
     assert summary["task"] == "rm" and summary["reward_accuracy"] == accuracy[-1] and summary["reward_margin"] == margin[-1]
     assert f"reward accuracy (chosen scored above rejected, last logged step): {accuracy[-1]:.3f}; margin {margin[-1]:.3f}" in summary["text"]
