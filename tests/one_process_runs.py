@@ -47,6 +47,10 @@ VARIANTS = {
     # under ZeRO-3 (its fp32 master weights live only in the shards)
     "export_lora": {"train_type": "lora", "deepspeed": "zero2", "max_steps": 1, "learning_rate": 1e-2},
     "export_zero3": {"train_type": "full", "deepspeed": "zero3", "bf16": True, "max_steps": 1, "learning_rate": 1e-2},
+    # a reward model, full fine-tuning under ZeRO-3 in bf16 (the score head sharded with the rest), on the separable DPO pairs
+    "rm": {"task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "full", "deepspeed": "zero3", "bf16": True,
+           "gradient_checkpointing": False, "per_device_train_batch_size": 4, "max_steps": 12, "learning_rate": 1e-3,
+           "lr_scheduler_type": "constant"},
     # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
     # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
     "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,

@@ -81,9 +81,10 @@ def check_trackers(plan: Plan) -> None:
 
 def scan_data(plan: Plan) -> list[str]:
     """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
-    SFT records, ``{"text"}`` records for ``task = "pt"``, or prompt/chosen/rejected pairs for ``task = "dpo"``;
-    a malformed record is a DataError naming its file and line. One note per scan, for ``validate``."""
-    from ..train.data import preference
+    SFT records, ``{"text"}`` records for ``task = "pt"``, prompt/chosen/rejected pairs for ``task = "dpo"`` and
+    ``"rm"``, prompt/completion/label records for ``task = "kto"``; a malformed record is a DataError naming its file
+    and line. One note per scan, for ``validate``."""
+    from ..train.data import preference, unpaired
     from ..train.data.tokens import scan
 
     notes, seen = [], set()
@@ -96,12 +97,15 @@ def scan_data(plan: Plan) -> list[str]:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
-        if t.task == "pt":
+        if t.task == "kto":  # prompt/completion/label records
+            count, kind = unpaired.check_files(list(t.dataset))[0], "labelled completion(s)"
+        elif t.task in ("dpo", "rm"):
+            count, kind = preference.check_files(list(t.dataset))[0], "preference pair(s)"
+        elif t.task == "pt":
             from ..train.data import text
 
-            count = text.scan(list(t.dataset))
+            count, kind = text.scan(list(t.dataset)), "record(s)"
         else:
-            count = preference.check_files(list(t.dataset))[0] if t.task == "dpo" else scan(t.dataset)
-        kind = "preference pair(s)" if t.task == "dpo" else "record(s)"
+            count, kind = scan(t.dataset), "record(s)"
         notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes

@@ -14,6 +14,7 @@ from ..errors import Problem
 from . import layout as lay
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
 from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
+from .tasks import holds_reference_copy
 from .view import SpecView
 
 OWN_TRAINER = ("sft", "pt")  # the tasks our SFT Trainer runs (packing, sequence/tensor parallel, Liger); the rest go through TRL
@@ -132,7 +133,8 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     sft = getattr(t, "task", "sft") in OWN_TRAINER  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
-                        fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft)
+                        fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
+                        reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs))
     decided = None
     if auto:
         decided = resolve_checkpointing(shape, settings, layout, gpus)

@@ -25,6 +25,7 @@ from typing import Any
 
 from .layout import Layout
 from .shape import ModelShape
+from .tasks import extra_trainable, head_params_delta, logits_per_token, sequences_per_sample
 
 GIB = 1 << 30
 ZERO_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for the CPU side
@@ -88,6 +89,8 @@ class Settings:
     ranks_per_node: int
     fused_loss: bool = False  # train.use_liger_kernel = true: Liger's fused linear cross-entropy, no logits tensor
     fused_loss_allowed: bool = True  # whether advice may name it (SFT; TRL's DPO scores with its own pass)
+    task: str = "sft"  # rm: a score head, pairs; kto: the reference copy (tasks.py)
+    reference_copy: bool = False  # a frozen copy of the starting weights (KTO full fine-tuning: tasks.py)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class MemoryEstimate:
 def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int) -> tuple[int, int, int]:
     """(weights bytes, grads + optimizer bytes, cpu bytes per node) on one rank."""
     tp, n = layout.tensor_parallel, layout.zero_partitions
-    total = shape.num_layers * shape.layer_params // tp + shape.embedding_params + shape.hidden_size
+    total = shape.num_layers * shape.layer_params // tp + shape.embedding_params + shape.hidden_size + head_params_delta(shape, s.task)
     if s.train_type == "full":
         trainable = total
     frozen = total - trainable
@@ -150,7 +153,7 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
 
 def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
     """(activation bytes, logits/loss bytes) on one rank at the peak of a step."""
-    tokens = layout.micro_batch * s.max_length // layout.sequence_parallel
+    tokens = layout.micro_batch * sequences_per_sample(s.task) * s.max_length // layout.sequence_parallel
     b = 2 if s.half_precision else 4
     h, tp = shape.hidden_size, layout.tensor_parallel
     kv_width = shape.num_kv_heads * shape.dim_per_head
@@ -163,7 +166,7 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     if s.fused_loss:
         logits = _fused_loss_bytes(shape, s, tokens, b)
     else:
-        logits = tokens * shape.vocab_size * (b + LOGIT_BYTES_EXTRA)
+        logits = tokens * logits_per_token(shape, s.task) * (b + LOGIT_BYTES_EXTRA)
     return acts, logits
 
 
@@ -180,20 +183,24 @@ def _fused_loss_bytes(shape: ModelShape, s: Settings, tokens: int, b: int) -> in
 
 
 def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
-    total = shape.total_params
+    total = shape.total_params + head_params_delta(shape, s.task)
     notes: list[str] = []
     if s.train_type == "full":
         trainable = total
     else:
         trainable, exact = shape.lora_params(s.lora_rank, s.lora_targets)
+        trainable += extra_trainable(shape, s.task, s.train_type)
         if not exact:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
     weights, states, cpu = _model_states(shape, s, layout, trainable)
     acts, logits = _activations(shape, s, layout)
-    allocated = weights + states + acts + logits
+    # a frozen reference copy (KTO full fine-tuning): the model's dtype, sharded like the policy under ZeRO-3
+    ref = (2 if s.half_precision else 4) * total // (layout.zero_partitions if s.zero_stage == 3 else 1) if s.reference_copy else 0
+    allocated = weights + ref + states + acts + logits
     frag = int(FRAGMENTATION * allocated)
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
-    parts = {"weights": weights, "gradients_optimizer": states, "activations": acts, "logits_loss": logits, "overhead": overhead}
+    parts = {"weights": weights, **({"reference": ref} if ref else {}), "gradients_optimizer": states, "activations": acts,
+             "logits_loss": logits, "overhead": overhead}
     return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
 
 

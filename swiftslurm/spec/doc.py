@@ -94,11 +94,16 @@ DESCRIPTIONS: dict[str, str] = {
                          "(or a task's, or inside them). See docs/checkpoints.md",
     "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a "
                                  "model or adapter dir)",
-    "train.task": "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer) or `pt` "
-                  "(continued pretraining on raw `text` records: every token a label, packed; docs/training.md)",
-    "train.dpo_beta": "DPO: how far the policy may move from the reference model (TRL's `beta`)",
+    "train.task": "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer), `pt` "
+                  "(continued pretraining on raw `text` records: every token a label, packed; docs/training.md), `rm` (a reward "
+                  "model with a 1-output score head, on the same pairs, through TRL's RewardTrainer) or `kto` (unpaired "
+                  "`prompt`/`completion`/`label` records, through TRL's KTOTrainer)",
+    "train.dpo_beta": "DPO and KTO: how far the policy may move from the reference model (TRL's `beta`)",
     "train.dpo_loss_type": "DPO: one of TRL's loss types (`sigmoid`, `ipo`, `hinge`, `robust`, `apo_zero`, ...)",
-    "train.precompute_ref_log_probs": "DPO: score the reference once before training and keep no reference model",
+    "train.precompute_ref_log_probs": "DPO and KTO: score the reference once before training and keep no reference model",
+    "train.kto_desirable_weight": "KTO: weight of the loss of desirable completions (`label = true`); raise the rarer label's weight "
+                                  "when the counts differ (TRL's `desirable_weight`)",
+    "train.kto_undesirable_weight": "KTO: weight of the loss of undesirable completions (`label = false`; TRL's `undesirable_weight`)",
     "train.max_prompt_length": "DPO: keep at most this many prompt tokens (the end of the prompt); below `max_length`",
     "train.optimizer": "`adamw`, or `galore_adamw` / `galore_adamw_8bit` / `apollo_adamw` (full FT with `deepspeed = \"none\"`)",
     "train.galore_rank": "GaLore/APOLLO: rank of the gradient projection",

@@ -277,11 +277,13 @@ class TrainTable(_Table):
     dataloader_pin_memory: bool = True
     resume_from: str | None = None
     resume_weights_only: bool = False
-    task: Literal["sft", "dpo", "pt"] = "sft"
+    task: Literal["sft", "dpo", "pt", "rm", "kto"] = "sft"
     dpo_beta: float = Field(0.1, gt=0, le=1000)
     dpo_loss_type: str = "sigmoid"
     precompute_ref_log_probs: bool = False
     max_prompt_length: int | None = Field(None, ge=1, le=1_048_576)
+    kto_desirable_weight: float = Field(1.0, gt=0, le=1000)  # KTO: the weight of a desirable (label = true) example's loss
+    kto_undesirable_weight: float = Field(1.0, gt=0, le=1000)
     optimizer: Literal["adamw", "galore_adamw", "galore_adamw_8bit", "apollo_adamw"] = "adamw"
     galore_rank: int = Field(128, ge=1, le=65536)
     galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
@@ -388,8 +390,8 @@ class TrainTable(_Table):
                              "script, which loads its own checkpoints: drop one of them")
         if self.resume_weights_only and self.resume_from is None:
             raise ValueError("train.resume_weights_only = true needs train.resume_from (the checkpoint whose weights to start from)")
-        if self.resume_weights_only and self.task == "dpo" and self.train_type == "lora":
-            raise ValueError("train.resume_weights_only with task = \"dpo\" and train_type = \"lora\" is not supported (TRL wraps the "
+        if self.resume_weights_only and self.task in ("dpo", "kto") and self.train_type == "lora":
+            raise ValueError(f"train.resume_weights_only with task = \"{self.task}\" and train_type = \"lora\" is not supported (TRL wraps the "
                              "adapter itself): merge the adapter into a model dir and set train.model to it, or resume fully")
         return self
 

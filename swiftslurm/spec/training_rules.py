@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .reward_rules import reward_problems
+
 LOW_RANK = ("galore_adamw", "galore_adamw_8bit", "apollo_adamw")
 
 
@@ -63,4 +65,5 @@ def train_problems(t: Any) -> list[str]:
         if dpo_keys:
             out.append(f"{', '.join(dpo_keys)} set with task = {json.dumps(t.task)}: these keys only apply to preference "
                        "training. HINT: set task = \"dpo\", or drop them")
+    out += reward_problems(t)  # task = "rm" / "kto" (reward_rules.py)
     return out

@@ -34,20 +34,23 @@ def _prepare_device_env() -> bool:
 
 
 def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
-    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first)."""
+    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first).
+    ``task = "rm"``: the same backbone with a 1-output score head (``AutoModelForSequenceClassification``,
+    ``num_labels = 1``) in place of the LM head; a causal LM checkpoint's head is dropped and the score head starts fresh."""
     import torch
 
     train = spec.train
+    reward = train.task == "rm"
     if attn_implementation == VARLEN:
         register_varlen()
     if train.model == "tiny-llama":
         from .tinymodel import build_model, build_tokenizer
 
         tok = build_tokenizer()
-        model = build_model(len(tok), train.max_length, train.seed)
+        model = build_model(len(tok), train.max_length, train.seed, reward_head=reward)
         model.set_attn_implementation(attn_implementation)
         return model, tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
@@ -57,8 +60,9 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
     for local_only in (True, False) if not offline else (True,):
         try:
             tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
-            model = AutoModelForCausalLM.from_pretrained(train.model, dtype=dtype, local_files_only=local_only,
-                                                         attn_implementation=attn_implementation)
+            head = {"num_labels": 1} if reward else {}
+            model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
+                train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation, **head)
             return model, tok
         except (OSError, ValueError) as exc:
             last = exc
@@ -82,11 +86,13 @@ def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobS
     return spec.model_copy(update={"train": spec.train.model_copy(update={"gradient_checkpointing": on})})
 
 
-def lora_config(train):
+def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None):
+    """peft's LoraConfig of the spec; a reward model passes ``task_type = "SEQ_CLS"`` and its score head in
+    ``modules_to_save`` (trained whole and saved in the adapter)."""
     from peft import LoraConfig
 
     return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
-                      target_modules=train.lora_target_modules, task_type="CAUSAL_LM")
+                      target_modules=train.lora_target_modules, task_type=task_type, modules_to_save=modules_to_save)
 
 
 def _apply_lora(model, train):

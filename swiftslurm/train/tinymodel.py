@@ -34,10 +34,11 @@ def build_tokenizer():
     return fast
 
 
-def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 64, layers: int = 2):
-    """A freshly initialised tiny Llama; the same seed gives the same weights."""
+def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 64, layers: int = 2, reward_head: bool = False):
+    """A freshly initialised tiny Llama; the same seed gives the same weights. ``reward_head``: a
+    LlamaForSequenceClassification with one output (a reward model's score) instead of the LM head."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -54,4 +55,7 @@ def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 
     )
     with torch.random.fork_rng(devices=[]):  # built on the CPU: leave every GPU untouched
         torch.manual_seed(seed)
+        if reward_head:  # one score per sequence; through from_config: under ZeRO-3 its zero.Init covers the score head too, not only the backbone
+            config.num_labels = 1
+            return LlamaForSequenceClassification._from_config(config)
         return LlamaForCausalLM(config)

@@ -61,7 +61,8 @@ class TrainResult:
     liger: str = "off"  # kernels.liger_names: "off", "all", or the kernels on ("rope+rms_norm+swiglu")
     packing: bool = False
     task: str = "sft"
-    reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies
+    reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies; rm: the last logged accuracy
+    reward_margin: float | None = None  # rm: the last logged margin; KTO: the last logged rewards/margins
     stop_reason: str = ""  # why it ended before max_steps/epochs, other than a walltime stop (early stopping)
     eval_loss: float | None = None  # train.eval_*: the last eval_loss
     metric_for_best_model: str = ""
@@ -118,6 +119,11 @@ def _task(spec: JobSpec):
         from .pt import PTTask
 
         return PTTask()
+    if spec.train.task in ("rm", "kto"):
+        from .kto import KTOTask
+        from .rm import RewardTask
+
+        return RewardTask() if spec.train.task == "rm" else KTOTask()
     return SFTTask()
 
 
@@ -226,8 +232,8 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
-    if task.name == "dpo" and liger is not None:  # TRL scores DPO with its own log-prob pass; Liger was measured for SFT only
-        liger, liger_why = None, "not used by DPO"
+    if task.name in ("dpo", "rm", "kto") and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
+        liger, liger_why = None, f"not used by {task.name}"
     return _Kernels(attn, attn_why, liger, liger_why, packs)
 
 
@@ -389,7 +395,10 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     speeds = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
-    accuracies = [h["rewards/accuracies"] for h in history if "rewards/accuracies" in h]
+    accuracies = [h["rewards/accuracies"] for h in history if "rewards/accuracies" in h] or \
+        [h["accuracy"] for h in history if "accuracy" in h]  # TRL's RewardTrainer logs "accuracy"
+    margins = [h["rewards/margins"] for h in history if "rewards/margins" in h] or \
+        [h["margin"] for h in history if "margin" in h]  # ... and "margin"
     useful = int(sum(h.get("useful_tokens", 0) for h in history))
     total = int(sum(h.get("total_tokens", 0) for h in history))
     step_s = sum(h["useful_tokens"] / h["useful_tokens_per_s"] for h in history
@@ -411,6 +420,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         useful_tokens_per_s=useful / step_s if step_s > 0 else None,
         padding_ratio=1.0 - useful / total if total else None,
         reward_accuracy=accuracies[-1] if accuracies else None,
+        reward_margin=margins[-1] if margins else None,
         **kernels_used,
     )
     if rank == 0:
@@ -456,6 +466,11 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     ]
     if result.task == "dpo":
         lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}")
+    elif result.task == "rm":
+        lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}; "
+                        f"margin {fmt(result.reward_margin, '.3f')}")
+    elif result.task == "kto":
+        lines.insert(2, f"  reward margin (desirable minus undesirable, last logged step): {fmt(result.reward_margin, '.3f')}")
     if result.stop_reason:
         lines.insert(1, f"  {result.stop_reason}")
     if result.metric_for_best_model:

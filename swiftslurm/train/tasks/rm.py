@@ -1,0 +1,92 @@
+"""Reward models (``train.task = "rm"``) through TRL's ``RewardTrainer``, behind ``sft.train``'s task seam.
+
+Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
+measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTrainer``). This module adds:
+
+- the model: ``build.load_model_and_tokenizer`` gives the backbone a 1-output score head
+  (``AutoModelForSequenceClassification``, ``num_labels = 1``) when ``task = "rm"``;
+- the arguments: TRL's ``RewardConfig`` = the SFT ``TrainingArguments`` keys + ``max_length`` (longer pairs are
+  dropped by TRL, never cut: a cut answer would be scored as another answer);
+- the data: ``preference.load``, the DPO pairs (prompt/chosen/rejected); TRL tokenizes prompt + chosen and
+  prompt + rejected and scores both in one forward (its ``DataCollatorForPreference``);
+- LoRA: TRL wraps the model from a SEQ_CLS ``LoraConfig`` whose ``modules_to_save`` holds the score head, so the
+  head trains whole and is saved in the adapter;
+- the metrics: TRL's ``accuracy`` (chosen scored above rejected) and ``margin`` (mean chosen - rejected score),
+  ``min_reward``/``mean_reward``/``max_reward``, logged by the same ``log`` that feeds TensorBoard and metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data and TRL's tokens
+
+if TYPE_CHECKING:
+    from ...spec.model import JobSpec
+
+SCORE_HEAD = "score"  # transformers' name of the sequence-classification head of decoder models (Llama, Qwen, Mistral, ...)
+
+
+def rm_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None):
+    from trl import RewardConfig
+
+    from ..build import training_kwargs
+
+    t = spec.train
+    return RewardConfig(
+        **training_kwargs(spec, output_dir, ds_config, cuda, liger),
+        max_length=t.max_length,
+        dataset_num_proc=t.dataset_num_proc if t.dataset_num_proc > 1 else None,
+    )
+
+
+def trainer_class():
+    """``SwiftRewardTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``RewardTrainer`` in the MRO."""
+    from trl import RewardTrainer
+
+    from ..health.metrics import flops_per_token
+    from ..trainer import SFTTrainer
+
+    class SwiftRewardTrainer(SFTTrainer, RewardTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # TRL applied LoRA (peft_config) inside __init__: count what it made trainable
+            assert self.model is not None  # TRL's __init__ set it
+            total = sum(p.numel() for p in self.model.parameters())
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.flops_per_token = flops_per_token(total, trainable)
+
+    return SwiftRewardTrainer
+
+
+class RewardTask:
+    """``sft.train``'s task seam for reward models (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
+
+    name = "rm"
+
+    def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
+        return rm_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with rm is refused at validate
+
+    def prepare_model(self, model, spec: JobSpec):
+        return model  # LoRA: TRL wraps it from peft_config
+
+    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
+        from ..data import preference
+        from ..data.tokens import ensure_chat_template
+
+        ensure_chat_template(tok)
+        with args.main_process_first(local=False, desc="reading the preference data"):
+            dataset = preference.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
+        return dataset, None  # TRL's DataCollatorForPreference
+
+    def describe_data(self, spec: JobSpec, dataset) -> str:
+        return f"off (reward model: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
+
+    def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
+        from ..build import lora_config
+
+        t = spec.train
+        peft_config = lora_config(t, "SEQ_CLS", [SCORE_HEAD]) if t.train_type == "lora" else None
+        kwargs.pop("data_collator", None)
+        return trainer_class()(peft_config=peft_config, **kwargs)
