@@ -32,6 +32,7 @@ OPERATIONAL_TRAIN_KEYS = frozenset({
     "attn_implementation", "use_liger_kernel",  # kernels: the same math, chosen per node
     "max_steps", "num_train_epochs",  # how long: extending a run is normal (a schedule over max_steps then stretches)
     "ddp_timeout",  # how long a collective may wait: not what is learned
+    "straggler_window", "straggler_factor",  # who is named slow: not what is learned
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (
