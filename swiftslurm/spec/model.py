@@ -254,7 +254,7 @@ class TrainTable(_Table):
     max_grad_norm: float = Field(1.0, ge=0, le=1e6)
     ddp_timeout: int | None = Field(None, ge=10, le=7 * 24 * 3600)
     straggler_window: int = Field(50, ge=0, le=MAX_COUNT)  # steps per straggler window; 0 = off (train/health/straggler.py)
-    straggler_factor: float = Field(1.5, gt=1, le=1000)
+    straggler_factor: float = Field(2.0, gt=1, le=1000)  # measured: docs/runtime.md, "Stragglers"
     weight_decay: float = Field(0.0, ge=0, le=10)
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"

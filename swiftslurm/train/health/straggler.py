@@ -14,7 +14,8 @@ synchronous). On GPUs NCCL's collectives return once queued, so the wait for a s
 and the shared time is close to the whole step on every rank: there a straggler is seen only when it is slow on the
 host side (its data loading, its Python), not when its GPU is.
 
-``decide`` and ``ratios`` are pure; ``StragglerCallback`` is the trainer's seam (the one all-gather per window).
+``decide`` and ``ratios`` are pure; ``StragglerWatch`` holds the window (the one all-gather per window), behind the
+trainer's seam ``trainer.StragglerCallback``.
 """
 
 from __future__ import annotations
@@ -79,14 +80,9 @@ def _slow_hook(environ: Any, rank: int) -> float:
         return 0.0
 
 
-try:  # the trainer's callback needs transformers; the pure part above must import without it
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - the login side never builds the callback
-    TrainerCallback = object  # type: ignore[assignment,misc]
-
-
-class StragglerCallback(TrainerCallback):
-    """Every ``window`` steps: one all-gather of each rank's seconds outside collectives; rank 0 names stragglers."""
+class StragglerWatch:
+    """Every ``window`` steps: one all-gather of each rank's seconds outside collectives; rank 0 names stragglers.
+    The trainer's ``StragglerCallback`` (train/trainer.py) calls ``step_begin``/``step_end``."""
 
     def __init__(self, window: int, factor: float, meter: Any, rank: int, node: str, job_id: str, executor: str,
                  out_dir: str, metrics: Any = None, environ: Any = None) -> None:
@@ -99,16 +95,16 @@ class StragglerCallback(TrainerCallback):
         self.nodes: list[str] | None = None
         self.state = StragglerState()
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def step_begin(self) -> None:
         if self.sleep_s:
             time.sleep(self.sleep_s)  # the test hook: inside the measured step, outside any collective
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def step_end(self, step: int, device: Any) -> None:
         step_s = self.meter.last_step_s or 0.0
         self.own_s += max(0.0, step_s - getattr(self.meter, "last_comm_s", 0.0))
         self.steps += 1
-        if state.global_step % self.window == 0 and self.steps:
-            self._window(state.global_step, args.device)
+        if step % self.window == 0:
+            self._window(step, device)
 
     def _window(self, step: int, device: Any) -> None:
         import torch
