@@ -70,7 +70,7 @@ partition = "debug"
 nodes = 2
 tasks_per_node = 1
 cpus_per_task = 1
-time = "00:05:00"
+time = "00:15:00"
 [train]
 model = "tiny-llama"
 dataset = ["{data}"]

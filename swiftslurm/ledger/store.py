@@ -23,9 +23,9 @@ LEDGER_ENV = "SWIFTSLURM_LEDGER"  # a file path; tests point it into their tmp d
 DEFAULT_LEDGER = "~/.swiftslurm/ledger.json"
 MAX_WHEN = 1e11  # epoch seconds: year 5138; a later "when" is not a time
 REASONS = ("preflight", "hang", "node_failure", "slow")
-# the reasons that make a node bad: `submit` excludes it. "slow" (a straggler: train/health/straggler.py) is a mark to
-# look at, not a verdict: the node still works, and excluding it could leave a job pending for want of nodes.
-BAD_REASONS = ("preflight", "hang", "node_failure")
+# "slow" (a straggler: train/health/straggler.py) is a mark to look at, not a verdict: the node still works, and
+# excluding it could leave a job pending for want of nodes. Every other reason makes a node bad: `submit` excludes it.
+MARK_REASONS = ("slow",)
 # a Slurm node name as sinfo prints one (no hostlist brackets or commas, no spaces): "gpu[07" from a torn log line
 # would break every `plan` that excludes it
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -168,11 +168,11 @@ def clear(nodes: Iterable[str] | None, path: Path | None = None) -> list[Entry]:
     return [e for e in before if e not in after]
 
 
-def recent(entries: Iterable[Entry], now: float, ttl_h: float, reasons: tuple[str, ...] = BAD_REASONS) -> dict[str, list[Entry]]:
-    """Each node with a failure (an entry of one of ``reasons``: a ``slow`` mark is none) in the last ``ttl_h``
-    hours: its entries, newest first (pure)."""
+def recent(entries: Iterable[Entry], now: float, ttl_h: float) -> dict[str, list[Entry]]:
+    """Each node with a failure (an entry of any reason but the ``MARK_REASONS``: a ``slow`` mark is none) in the last
+    ``ttl_h`` hours: its entries, newest first (pure)."""
     out: dict[str, list[Entry]] = {}
     for e in sorted(entries, key=lambda e: -e.when):
-        if e.reason in reasons and now - e.when <= ttl_h * 3600.0:
+        if e.reason not in MARK_REASONS and now - e.when <= ttl_h * 3600.0:
             out.setdefault(e.node, []).append(e)
     return out
