@@ -180,11 +180,11 @@ def test_refused_requeue_continues_as_a_singleton_chain_to_the_end(tmp_path, slu
     try:
         wait_until(lambda: last_step(out) >= 3, 900, f"job {first} logged no step")
         subprocess.run(["scancel", "--signal=USR2", first], check=True, timeout=30)  # what --signal=USR2@grace sends
-        assert wait_for_job(first, timeout_s=300)[first] == "COMPLETED"
+        assert wait_for_job(first, timeout_s=600)[first] == "COMPLETED"
         links = chain.read_chains(str(out))
         assert len(links) == 1 and links[0][0] == first and len(links[0]) == 2, links
         second = links[0][1]
-        state = wait_for_job(second, timeout_s=600)
+        state = wait_for_job(second, timeout_s=1500)
     finally:
         subprocess.run(["scancel", "--name=chain-train"], capture_output=True, timeout=30)
     logs = "\n".join(p.read_text(errors="replace") for p in (out / "logs").rglob("*") if p.suffix in (".err", ".out"))
