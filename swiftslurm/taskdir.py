@@ -20,6 +20,7 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/train-summary.json              the end-of-training summary
     <task dir>/logs/failure-rank-<r>.json      why rank r gave up (a failed preflight, an exception)
     <task dir>/requeues.json                   one record per walltime stop
+    <task dir>/chain.json                      the singleton chain's job ids (slurm.continue_with = "singleton")
     <task dir>/.swiftslurm-stops/              per-job stop markers
     <task dir>/checkpoint-save.json            how long saves took (the deadline save)
     <task dir>/.swiftslurm-verified.json       what this job verified (retention)
@@ -55,6 +56,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "train-summary.json"
 FAILURE_GLOB = "failure-rank-*.json"  # under LOGS_DIR
 REQUEUES_FILE = "requeues.json"
+CHAIN_FILE = "chain.json"
 STOPS_DIR = ".swiftslurm-stops"
 SAVE_FILE = "checkpoint-save.json"
 VERIFIED_CACHE_FILE = ".swiftslurm-verified.json"

@@ -35,6 +35,10 @@ OPERATIONAL_TRAIN_KEYS = frozenset({
     # evaluation watches the training, it does not change a step (eval_split does: it holds out training records)
     "eval_dataset", "eval_steps", "per_device_eval_batch_size", "metric_for_best_model", "greater_is_better",
     "early_stopping_patience",
+    "straggler_window", "straggler_factor",  # who is named slow: not what is learned
+    # recomputing activations and compiling the layers compute the same step ("auto" checkpointing may resolve
+    # otherwise on a resubmission with another slurm.gpu_memory_gb: that must not refuse the resume)
+    "gradient_checkpointing", "compile",
 })
 # what of the resolved DeepSpeed config changes the training (train_batch_size scales with the world size: not here)
 DS_ESSENTIALS = (

@@ -18,6 +18,7 @@ CODES = (
     "nan_grad_norm",  # grad_norm or loss NaN/inf for NAN_STEPS consecutive logged steps
     "diverged",  # loss (or grad norm) ended far above its first logged values, all finite
     "walltime_loop",  # requeued at walltime again and again without progress
+    "straggler",  # a rank slower than the others' median for several windows in a row (train/health/straggler.py)
     "low_gpu_util",  # speed, step 1: GPUs idle more than 15% of the time
     "comm_bound",  # speed, step 2: collectives take over 30% of a step
     "data_bound",  # speed, step 3: the data loader keeps the GPUs waiting

@@ -110,29 +110,44 @@ class Submission:
 
     # ---------------------------------------------------------------- status
 
+    def current_job_ids(self) -> list[str]:
+        """Per task, the job running its training now: the newest link of a singleton chain (node/chain.py) that
+        began with the submitted job, else the submitted job itself."""
+        if self.executor != "slurm":
+            return list(self.job_ids)
+        from ..node.chain import newest, read_chains
+
+        return [newest(read_chains(d), jid)[-1] if d else jid for jid, d in zip(self.job_ids, self.task_dirs, strict=False)]
+
     def statuses(self) -> list[TaskStatus]:
         rows = self._slurm_statuses() if self.executor == "slurm" else self._local_statuses()
-        for row in rows:
+        for row, first in zip(rows, self.job_ids, strict=False):
             requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
             row.restarts = max(row.restarts, requeues)
+            if row.job_id != first:  # a singleton chain: its earlier links are continuations too
+                from ..node.chain import newest, read_chains
+
+                row.restarts += len(newest(read_chains(row.output_dir), first)) - 1
             row.last_save = _last_save(row.output_dir)  # a small JSON: cheap
         return rows
 
     def _slurm_statuses(self) -> list[TaskStatus]:
-        records = slurm.job_records(self.slurm_job_ids)
+        current = self.current_job_ids()
+        records = slurm.job_records(sorted({*self.slurm_job_ids, *(j.split("_")[0] for j in current)}))
         self._refresh_cancelled()
-        return self._rows_from(records)
+        return self._rows_from(records, current)
 
     def _refresh_cancelled(self) -> None:
         """`swiftslurm cancel DIR` from another process marks the record: a killed rank's error means CANCELLED."""
         if not self.cancelled and self.output_dir:
             self.cancelled = any(r.get("folder") == self.folder and r.get("cancelled") for r in load_records(self.output_dir))
 
-    def _rows_from(self, records: dict[str, slurm.JobRecord]) -> list[TaskStatus]:
-        """Task rows from sacct/squeue records; where they have none, from the result files the ranks left."""
+    def _rows_from(self, records: dict[str, slurm.JobRecord], job_ids: list[str] | None = None) -> list[TaskStatus]:
+        """Task rows from sacct/squeue records; where they have none, from the result files the ranks left.
+        ``job_ids``: each task's current job (``current_job_ids``), the submitted ones by default."""
         unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
         rows = []
-        for index, (jid, task_dir) in enumerate(zip(self.job_ids, self.task_dirs, strict=False)):
+        for index, (jid, task_dir) in enumerate(zip(job_ids or self.job_ids, self.task_dirs, strict=False)):
             rec = records.get(jid)
             if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
                 rec = None  # the id now belongs to another job: Slurm forgot ours
@@ -185,7 +200,7 @@ class Submission:
         this record launched (``_why_not_ours``). CancelRefused, before anything is signalled or written,
         when a recorded pid is alive but cannot be proven ours; a pid no longer running needs no signal."""
         if self.executor == "slurm":
-            slurm.scancel(self.slurm_job_ids)
+            slurm.scancel(sorted({j.split("_")[0] for j in self.current_job_ids()}))  # a chain's newest links
         else:
             import signal
 

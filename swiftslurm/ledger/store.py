@@ -22,7 +22,10 @@ from ..fsutil import LEDGER_CAP, Unreadable, atomic_write_text, loads_json, read
 LEDGER_ENV = "SWIFTSLURM_LEDGER"  # a file path; tests point it into their tmp dir
 DEFAULT_LEDGER = "~/.swiftslurm/ledger.json"
 MAX_WHEN = 1e11  # epoch seconds: year 5138; a later "when" is not a time
-REASONS = ("preflight", "hang", "node_failure")
+REASONS = ("preflight", "hang", "node_failure", "slow")
+# "slow" (a straggler: train/health/straggler.py) is a mark to look at, not a verdict: the node still works, and
+# excluding it could leave a job pending for want of nodes. Every other reason makes a node bad: `submit` excludes it.
+MARK_REASONS = ("slow",)
 # a Slurm node name as sinfo prints one (no hostlist brackets or commas, no spaces): "gpu[07" from a torn log line
 # would break every `plan` that excludes it
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -35,7 +38,7 @@ def valid_node_name(name: str) -> bool:
 @dataclass(frozen=True)
 class Entry:
     node: str
-    reason: str  # preflight | hang | node_failure
+    reason: str  # preflight | hang | node_failure (bad: excluded) | slow (a straggler: shown, never excluded)
     detail: str  # what was seen, one line (the failed checks, the rank and how it ended)
     job: str = ""  # the Slurm job id
     when: float = 0.0  # epoch seconds
@@ -166,9 +169,10 @@ def clear(nodes: Iterable[str] | None, path: Path | None = None) -> list[Entry]:
 
 
 def recent(entries: Iterable[Entry], now: float, ttl_h: float) -> dict[str, list[Entry]]:
-    """Each node with a failure in the last ``ttl_h`` hours: its entries, newest first (pure)."""
+    """Each node with a failure (an entry of any reason but the ``MARK_REASONS``: a ``slow`` mark is none) in the last
+    ``ttl_h`` hours: its entries, newest first (pure)."""
     out: dict[str, list[Entry]] = {}
     for e in sorted(entries, key=lambda e: -e.when):
-        if now - e.when <= ttl_h * 3600.0:
+        if e.reason not in MARK_REASONS and now - e.when <= ttl_h * 3600.0:
             out.setdefault(e.node, []).append(e)
     return out

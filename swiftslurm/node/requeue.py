@@ -142,6 +142,11 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     # half the grace: what is left of it after the save must still hold the requeue
     await_other_ranks(dist, out_dir, max(10.0, spec.slurm.signal_grace_s / 2), log)
     done = walltime_requeues(read_requeues(out_dir), dist.requeue_id, dist.restart_count)
+    singleton = spec.slurm.continue_with == "singleton" and dist.executor == "slurm"
+    if singleton:  # max_requeues bounds the chain's links and requeues together
+        from .chain import links_before, read_chains
+
+        done += links_before(read_chains(out_dir), dist.requeue_id)
     decision = decide_requeue(done, spec.slurm.max_requeues, dist.executor)
     entry = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": dist.requeue_id, "restart_count": dist.restart_count,
@@ -156,6 +161,8 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     from .. import slurm
     from ..errors import SwiftSlurmError
 
+    if singleton:
+        return _continue_as_singleton(dist, spec, out_dir, log, entry)
     try:
         slurm.requeue(dist.requeue_id)
     except SwiftSlurmError as exc:
@@ -167,6 +174,30 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
         return NOT_REQUEUED_EXIT
     entry.update(outcome=REQUEUED)
     _record(out_dir, entry)
+    return 0
+
+
+def _continue_as_singleton(dist: DistEnv, spec: JobSpec, out_dir: str, log, entry: dict[str, Any]) -> int:
+    """Rank 0, slurm.continue_with = "singleton": submit the next link of the chain (node/chain.py) instead of a requeue."""
+    import os
+
+    from ..errors import SwiftSlurmError
+    from .chain import continue_job, record_entry
+
+    name = os.environ.get("SLURM_JOB_NAME") or spec.job.name
+    try:
+        new_id = continue_job(dist.requeue_id, name, out_dir, os.environ, os.getcwd())
+    except (SwiftSlurmError, ValueError, OSError) as exc:
+        why = f"{exc.what}: {exc.found}" if isinstance(exc, SwiftSlurmError) else str(exc)
+        entry.update(requeued=False, outcome=REFUSED,
+                     message=f"stopped at walltime, the singleton continuation was refused: {why}; "
+                     "resubmit the same spec to continue from the newest verified checkpoint")
+        _record(out_dir, entry)
+        log.error("%s", entry["message"])
+        return NOT_REQUEUED_EXIT
+    entry = record_entry(entry, new_id)
+    _record(out_dir, entry)
+    log.warning("%s", entry["message"])
     return 0
 
 

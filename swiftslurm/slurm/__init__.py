@@ -13,6 +13,7 @@ from .commands import (
     SQUEUE_FORMAT,
     JobRecord,
     array_limits,
+    batch_script,
     exclude_and_requeue,
     expand_job_ids,
     have_slurm,
@@ -23,6 +24,7 @@ from .commands import (
     merge_records,
     normalize_state,
     parse_array_limits,
+    parse_batch_script,
     parse_exc_node_list,
     parse_req_node_list,
     parse_sacct,
@@ -75,4 +77,6 @@ __all__ = [
     'partition_nodes',
     'exclude_and_requeue',
     'job_paths',
+    'parse_batch_script',
+    'batch_script',
 ]

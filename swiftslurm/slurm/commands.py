@@ -17,7 +17,8 @@ from ..plan import ArrayLimits
 SLURM_TIMEOUT_S = 60
 
 
-def _run(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+def _run(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S, check: bool = True,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     if shutil.which(argv[0]) is None:
         raise ToolMissing(
             f"'{argv[0]}' is not on PATH",
@@ -25,7 +26,7 @@ def _run(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S, check: bool = True
             "run on a Slurm login node, or use --executor local",
         )
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise SwiftSlurmError(f"'{argv[0]}' did not answer within {timeout_s:.0f} s", " ".join(argv[:3]), "is slurmctld up? try `sinfo`") from None
     if check and proc.returncode != 0:
@@ -209,9 +210,10 @@ def merge_records(sacct: dict[str, JobRecord], squeue: dict[str, JobRecord]) -> 
 # ---------------------------------------------------------------- calls
 
 
-def sbatch(script_path: str, extra: list[str] | None = None) -> str:
-    """``sbatch --parsable [extra] FILE`` -> job id; a refusal is a SubmissionError with Slurm's reason."""
-    proc = _run(["sbatch", "--parsable", *(extra or []), script_path], check=False)
+def sbatch(script_path: str, extra: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+    """``sbatch --parsable [extra] FILE`` -> job id; a refusal is a SubmissionError with Slurm's reason. ``env``: the
+    environment sbatch runs in (and the job inherits); None = this process's."""
+    proc = _run(["sbatch", "--parsable", *(extra or []), script_path], check=False, env=env)
     if proc.returncode != 0:
         raise refusal(proc.stderr or proc.stdout)
     return parse_sbatch_parsable(proc.stdout)
@@ -411,6 +413,20 @@ def partition_nodes(partition: str | None) -> list[str] | None:
 
 
 # ---------------------------------------------------------------- where a job wrote (doctor JOB_ID)
+
+
+def parse_batch_script(show_job: str) -> str:
+    """``Command`` (the batch script's path as sbatch was given it, absolute) from ``scontrol show job -o`` output;
+    "" when none is shown (pure)."""
+    jobs = parse_scontrol_job(show_job)
+    value = jobs[0].get("Command", "") if jobs else ""
+    return "" if value in ("(null)", "") else value
+
+
+def batch_script(job_id: str) -> str:
+    """The path of the batch script job ``job_id`` was submitted from (the singleton chain resubmits it); "" when
+    slurmctld does not say."""
+    return parse_batch_script(_run(["scontrol", "show", "job", "-o", job_id]).stdout)
 
 
 def job_paths(job_id: str) -> list[str]:

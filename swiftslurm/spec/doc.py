@@ -27,6 +27,9 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.time": "sbatch `--time` syntax (`30`, `01:00:00`, `1-12:00:00`)",
     "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
     "slurm.max_requeues": "walltime requeues per submitted job before it gives up; a stop not requeued fails the job (exit 75) and `status` says why",
+    "slurm.continue_with": "after a walltime stop: `requeue` (`scontrol requeue`, the same job id) or `singleton`, for sites that refuse "
+                           "requeue: the same batch script is submitted again with `--dependency=singleton` and `status` follows the chain "
+                           "(`max_requeues` counts its links; docs/runtime.md)",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.gpu_memory_gb": "memory of one GPU; `plan` warns when its per-rank estimate exceeds it and names a ZeRO setting that fits",
     "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets "
@@ -55,6 +58,10 @@ DESCRIPTIONS: dict[str, str] = {
                            "`nan_grad_norm` suggests 0.5",
     "train.ddp_timeout": "seconds a collective may wait for the other ranks before the process group aborts (TrainingArguments' `ddp_timeout`, and "
                          "`DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 minutes",
+    "train.straggler_window": "every this many steps the ranks share their time outside collectives; a rank over `straggler_factor` x "
+                              "the others' median for 3 windows in a row is named (log, metrics, `doctor`, the ledger as slow); 0 = off",
+    "train.straggler_factor": "how much slower than the other ranks' median a rank's window must be to count as slow (docs/runtime.md, "
+                              "Stragglers)",
     "train.weight_decay": "AdamW weight decay",
     "train.warmup_ratio": "fraction of the steps spent warming up",
     "train.lr_scheduler_type": "`linear`, `cosine`, `constant`, `constant_with_warmup`",

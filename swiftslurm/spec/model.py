@@ -149,6 +149,7 @@ class SlurmTable(_Table):
     signal_grace_s: int = Field(120, ge=10, le=3600)
     gpu_memory_gb: float = Field(80.0, gt=0, le=100_000)  # per GPU: `plan` warns when the estimate exceeds it
     max_requeues: int = Field(20, ge=0, le=1000)
+    continue_with: Literal["requeue", "singleton"] = "requeue"  # after a walltime stop (node/chain.py)
     array_parallelism: int | None = Field(None, ge=1, le=100_000)
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
@@ -252,6 +253,8 @@ class TrainTable(_Table):
     learning_rate: float = Field(1e-4, gt=0, le=10)
     max_grad_norm: float = Field(1.0, ge=0, le=1e6)
     ddp_timeout: int | None = Field(None, ge=10, le=7 * 24 * 3600)
+    straggler_window: int = Field(50, ge=0, le=MAX_COUNT)  # steps per straggler window; 0 = off (train/health/straggler.py)
+    straggler_factor: float = Field(2.0, gt=1, le=1000)  # measured: docs/runtime.md, "Stragglers"
     weight_decay: float = Field(0.0, ge=0, le=10)
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"

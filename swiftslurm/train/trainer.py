@@ -262,3 +262,16 @@ class MetricsFileCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             self.file.write(state.global_step, logs)
+
+
+class StragglerCallback(TrainerCallback):
+    """The straggler watch (health/straggler.py) at the step boundaries; after ScheduleCallback, which ends the meter's step."""
+
+    def __init__(self, watch: Any) -> None:
+        self.watch = watch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.watch.step_begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.watch.step_end(state.global_step, args.device)

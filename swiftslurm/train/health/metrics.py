@@ -147,6 +147,7 @@ class StepMeter:
         self._step_start: float | None = None
         self._comm_start = 0.0
         self.last_step_s: float | None = None
+        self.last_comm_s = 0.0  # the host's seconds inside collectives of the last step (the straggler watch)
 
     def reset(self) -> None:
         self.steps = 0
@@ -184,7 +185,8 @@ class StepMeter:
         self.step_s += self.last_step_s
         if self.comm:
             self.comm.in_step = False
-            self.comm_s += self.comm.seconds - self._comm_start
+            self.last_comm_s = self.comm.seconds - self._comm_start
+            self.comm_s += self.last_comm_s
         self.steps += 1
         self._step_start = None
 

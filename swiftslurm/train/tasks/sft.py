@@ -340,6 +340,14 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
     metrics_path = Path(output_dir) / METRICS_FILE
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))
+    if spec.train.straggler_window:  # after the schedule: its on_step_end has ended the meter's step
+        from ..health.metrics import MetricsFile
+        from ..health.straggler import StragglerWatch
+        from ..trainer import StragglerCallback
+
+        callbacks.append(StragglerCallback(StragglerWatch(
+            spec.train.straggler_window, spec.train.straggler_factor, meter, dist.rank, dist.node, dist.requeue_id or dist.job_id,
+            dist.executor, output_dir, MetricsFile(metrics_path) if dist.rank == 0 else None)))
     return _Instruments(meter, watchdog, watch, schedule, callbacks, metrics_path)
 
 
