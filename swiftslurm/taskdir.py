@@ -59,6 +59,7 @@ UNIVERSAL_DIR = "universal"
 SAVE_LINK_DIR = ".swiftslurm-save"
 TOKEN_CACHE_DIR = ".swiftslurm-cache/tokenized"
 PREFERENCE_CACHE_DIR = ".swiftslurm-cache/preference"
+PROMPT_CACHE_DIR = ".swiftslurm-cache/prompts"  # task = "grpo": the Arrow copy of the prompts
 
 
 def rank_log_name(rank: int) -> str:

@@ -61,6 +61,7 @@ class TrainResult:
     packing: bool = False
     task: str = "sft"
     reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies
+    rewards: tuple[float | None, float | None] = (None, None)  # GRPO: the first and last logged mean reward
 
 
 class SFTTask:
@@ -98,6 +99,10 @@ def _task(spec: JobSpec):
         from .dpo import DPOTask
 
         return DPOTask()
+    if spec.train.task == "grpo":
+        from .grpo import GRPOTask
+
+        return GRPOTask()
     return SFTTask()
 
 
@@ -197,8 +202,8 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
-    if task.name == "dpo" and liger is not None:  # TRL scores DPO with its own log-prob pass; Liger was measured for SFT only
-        liger, liger_why = None, "not used by DPO"
+    if task.name in ("dpo", "grpo") and liger is not None:  # TRL scores DPO with its own log-prob pass; Liger was measured for SFT only
+        liger, liger_why = None, f"not used by {task.name.upper()}"
     return _Kernels(attn, attn_why, liger, liger_why, packs)
 
 
@@ -344,6 +349,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
     losses = [h["loss"] for h in history if "loss" in h]
     speeds = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
     accuracies = [h["rewards/accuracies"] for h in history if "rewards/accuracies" in h]
+    rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     useful = int(sum(h.get("useful_tokens", 0) for h in history))
     total = int(sum(h.get("total_tokens", 0) for h in history))
     step_s = sum(h["useful_tokens"] / h["useful_tokens_per_s"] for h in history
@@ -365,6 +371,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         useful_tokens_per_s=useful / step_s if step_s > 0 else None,
         padding_ratio=1.0 - useful / total if total else None,
         reward_accuracy=accuracies[-1] if accuracies else None,
+        rewards=(rewards[0], rewards[-1]) if rewards else (None, None),
         **kernels_used,
     )
     if rank == 0:
@@ -409,6 +416,8 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
     ]
     if result.task == "dpo":
         lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}")
+    if result.task == "grpo":
+        lines.insert(2, f"  mean reward: first {fmt(result.rewards[0])} -> last {fmt(result.rewards[-1])} (logged steps)")
     if result.tensorboard_dir:
         lines.append(f"  TensorBoard: tensorboard --logdir {result.tensorboard_dir}")
     if result.metrics_file:
