@@ -122,7 +122,17 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     sft = getattr(t, "task", "sft") == "sft"  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
-                        fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft)
+                        fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, **grpo_settings(t))
     memory = estimate(shape, settings, layout)
     return Sizing(layout, shape, memory, advice(shape, settings, layout), list(memory.notes), bool(spec.slurm.gpus_per_node),
                   cautions), problems
+
+
+def grpo_settings(t: Any) -> dict[str, Any]:
+    """What GRPO adds to a step's memory (``task = "grpo"``): the reference model, a frozen copy of the weights,
+    when the KL term is on and the adapter cannot stand in for it (full fine-tuning); and the KV cache of the
+    sequences a rank generates at once (its micro-batch x accumulation steps, each up to max_length)."""
+    if getattr(t, "task", "sft") != "grpo":
+        return {}
+    return {"reference_weights": t.grpo_beta > 0 and t.train_type == "full",
+            "generation_sequences": t.per_device_train_batch_size * t.gradient_accumulation_steps}

@@ -88,6 +88,8 @@ class Settings:
     ranks_per_node: int
     fused_loss: bool = False  # train.use_liger_kernel = true: Liger's fused linear cross-entropy, no logits tensor
     fused_loss_allowed: bool = True  # whether advice may name it (SFT; TRL's DPO scores with its own pass)
+    reference_weights: bool = False  # GRPO with a KL term, full fine-tuning: a frozen copy of the model's weights
+    generation_sequences: int = 0  # GRPO: sequences one rank generates at once (their KV cache at max_length)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,20 @@ def _fused_loss_bytes(shape: ModelShape, s: Settings, tokens: int, b: int) -> in
     return chunk * vocab * b + tokens * h * b + head_grad
 
 
+def _rl_parts(shape: ModelShape, s: Settings, layout: Layout) -> dict[str, int]:
+    """GRPO's additions (none for other tasks): the reference model's 16/32-bit weights (ZeRO-3: sharded as the
+    policy's are), and the KV cache of generation: keys and values of every layer for each generated sequence."""
+    b = 2 if s.half_precision else 4
+    out: dict[str, int] = {}
+    if s.reference_weights:
+        total = shape.num_layers * shape.layer_params // layout.tensor_parallel + shape.embedding_params
+        out["reference_model"] = b * total // (layout.zero_partitions if s.zero_stage == 3 else 1)
+    if s.generation_sequences:
+        kv_width = shape.num_kv_heads * shape.dim_per_head
+        out["generation_kv_cache"] = 2 * b * shape.num_layers * kv_width * s.generation_sequences * s.max_length
+    return out
+
+
 def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     total = shape.total_params
     notes: list[str] = []
@@ -190,10 +206,11 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
     weights, states, cpu = _model_states(shape, s, layout, trainable)
     acts, logits = _activations(shape, s, layout)
-    allocated = weights + states + acts + logits
+    rl = _rl_parts(shape, s, layout)
+    allocated = weights + states + acts + logits + sum(rl.values())
     frag = int(FRAGMENTATION * allocated)
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
-    parts = {"weights": weights, "gradients_optimizer": states, "activations": acts, "logits_loss": logits, "overhead": overhead}
+    parts = {"weights": weights, "gradients_optimizer": states, "activations": acts, "logits_loss": logits, **rl, "overhead": overhead}
     return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
 
 

@@ -94,6 +94,10 @@ def grpo_problems(t: Any) -> list[str]:
         out.append("use_liger_kernel = true with task = \"grpo\": TRL's GRPOTrainer scores completions with its own "
                    "log-probability pass; Liger's fused loss was measured for SFT only. HINT: drop use_liger_kernel "
                    "(\"auto\" leaves it off for GRPO)")
+    if t.model == "tiny-llama" and t.train_type == "full" and t.grpo_beta > 0:
+        out.append("grpo_beta > 0 with train_type = \"full\" and model = \"tiny-llama\": TRL loads the reference model "
+                   "from the model's path, and the built-in test model has none. HINT: train_type = \"lora\" (the "
+                   "reference is the adapter switched off), or grpo_beta = 0")
     if t.resume_weights_only and t.train_type == "lora":
         out.append("train.resume_weights_only with task = \"grpo\" and train_type = \"lora\" is not supported (TRL wraps "
                    "the adapter itself): merge the adapter into a model dir and set train.model to it, or resume fully")
