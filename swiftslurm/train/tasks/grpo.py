@@ -80,7 +80,6 @@ def trainer_class():
     from trl import GRPOTrainer
 
     from ..health.metrics import flops_per_token
-    from ..health.shutdown import shut_down_distributed
     from ..trainer import SFTTrainer
     from . import rewards
 
@@ -122,8 +121,7 @@ def trainer_class():
             if failure is not None:
                 if self.args.process_index == 0:
                     log.error("stopping: %s (%s)", failure.message(), failure.sample)
-                shut_down_distributed()  # every rank raises the same verdict: leave together (train/health/shutdown.py)
-                raise rewards.failed_error(failure)
+                raise rewards.failed_error(failure)  # on every rank: sft.train leaves the process groups together
             return scored
 
     return SwiftGRPOTrainer

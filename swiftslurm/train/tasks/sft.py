@@ -1,6 +1,7 @@
 """The built-in trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
 
-SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class).
+SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask``, ``"grpo"`` ``grpo.GRPOTask``, at one seam (arguments, data,
+Trainer class).
 
 Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
@@ -155,7 +156,18 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
                "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": kern.packs,
                "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config)
-        trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from)
+        except SwiftSlurmError as exc:
+            if not exc.agreed:
+                raise
+            # one verdict raised alike on every rank (a GRPO reward function failed): leave the groups together, as
+            # after a finished run; the traceback's frames hold the trainer, and with it the groups' threads
+            exc.__traceback__ = None
+            trainer.accelerator.free_memory()
+            del trainer, model
+            shut_down_distributed()
+            raise exc from None
     from ..kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
