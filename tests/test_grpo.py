@@ -127,6 +127,18 @@ tie_word_embeddings = false
 """
 
 
+def test_the_generation_keys_reach_trls_config(tmp_path):
+    from swiftslurm.spec import load_spec
+    from swiftslurm.train.tasks.grpo import grpo_arguments
+
+    spec, _ = example_spec(tmp_path, "args", temperature=0.7, grpo_beta=0.2, per_device_train_batch_size=2,
+                           num_generations=2, max_completion_length=16, reward_weights=[1.0, 0.5])
+    args = grpo_arguments(load_spec(spec), str(tmp_path / "out"), {}, cuda=False)
+    assert (args.temperature, args.beta, args.num_generations, args.max_completion_length, args.reward_weights) == \
+        (0.7, 0.2, 2, 16, [1.0, 0.5])
+    assert not args.use_vllm and not args.log_completions
+
+
 def test_vllm_is_refused_where_it_is_absent():
     from swiftslurm.train.tasks.grpo import GenerationUnavailable, check_vllm
 
