@@ -230,11 +230,16 @@ def _absolute(path: str, base: str) -> str:
     return str(p if p.is_absolute() else PurePosixPath(base) / p)
 
 
-def _resolve_paths(spec: JobSpec, base_dir: str) -> JobSpec:
-    """Relative dataset / deepspeed / model / resume_from paths become absolute, so every node sees the same files."""
+def _resolve_paths(spec: JobSpec, base_dir: str, spec_dir: str | None = None) -> JobSpec:
+    """Relative dataset / deepspeed / model / resume_from paths become absolute, so every node sees the same files;
+    a reward function's ``file.py:function`` is found next to the spec (``spec_dir``)."""
+    from .spec.grpo_rules import resolve_reward_file
+
     train = spec.train
     updates: dict[str, Any] = {"dataset": [_absolute(d, base_dir) for d in train.dataset],
                                "eval_dataset": [_absolute(d, base_dir) for d in train.eval_dataset]}
+    if train.reward_funcs:
+        updates["reward_funcs"] = [resolve_reward_file(r, spec_dir or base_dir) for r in train.reward_funcs]
     if train.deepspeed.endswith(".json") or "/" in train.deepspeed:
         updates["deepspeed"] = _absolute(train.deepspeed, base_dir)
     if train.model and train.model.startswith("."):
@@ -326,7 +331,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
                 check_files(task_spec, Path(base_dir), source)
             except SpecError as exc:
                 problems += exc.problems
-        task_spec = _resolve_paths(task_spec, base_dir)
+        task_spec = _resolve_paths(task_spec, base_dir, os.path.normpath(_absolute(os.path.dirname(source) or ".", base_dir)))
         ds: dict[str, Any] | None = None
         warns: list[str] = []
         if task_spec.has_training and not task_spec.train.command:  # no [train]: no DeepSpeed either

@@ -73,6 +73,7 @@ WANDB_RUNS_DIR = "wandb"  # wandb.init(dir=<task dir>) writes its run dirs (offl
 MLFLOW_STORE_DIR = "mlruns"  # under job.output_dir: one store for every task of a sweep
 SWEEP_TRACKER_FILE = ".swiftslurm-tracker-sweep.json"  # under job.output_dir
 SWEEP_TRACKER_LOCK = ".swiftslurm-tracker-sweep.lock"  # under job.output_dir
+PROMPT_CACHE_DIR = ".swiftslurm-cache/prompts"  # task = "grpo": the Arrow copy of the prompts
 
 
 def rank_log_name(rank: int) -> str:

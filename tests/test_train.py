@@ -265,7 +265,7 @@ def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.slurm
-def submit_on_two_nodes(spec: str, out: Path, job_name: str) -> list[str]:
+def submit_on_two_nodes(spec: str, out: Path, job_name: str, timeout_s: int = 400) -> list[str]:
     """`swiftslurm submit --wait` of ``spec`` as 2 nodes x 1 rank on the test cluster; the hosts it ran on."""
     import subprocess
 
@@ -275,7 +275,7 @@ def submit_on_two_nodes(spec: str, out: Path, job_name: str) -> list[str]:
     data["preflight"] = {"checks": []}
     Path(spec).write_text(to_toml(data))
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", spec, "--executor", "slurm", "--wait"],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"]
     nodelist = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "NodeList"],

@@ -92,12 +92,16 @@ def scan_data(plan: Plan) -> list[str]:
         t = task.spec.train
         if not task.spec.has_training or t.command or (t.task, tuple(t.dataset)) in seen:
             continue
+        if t.task == "grpo":
+            check_reward_files(plan.source, t.reward_funcs)  # even without the scan: a missing file fails every rank
         seen.add((t.task, tuple(t.dataset)))
         if not t.dataset_scan:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
-        if t.task == "kto":  # prompt/completion/label records
+        if t.task == "grpo":
+            count, kind = scan_prompts(t), "prompt(s)"
+        elif t.task == "kto":  # prompt/completion/label records
             count, kind = unpaired.check_files(list(t.dataset))[0], "labelled completion(s)"
         elif t.task in ("dpo", "rm"):
             count, kind = preference.check_files(list(t.dataset))[0], "preference pair(s)"
@@ -109,3 +113,24 @@ def scan_data(plan: Plan) -> list[str]:
             count, kind = scan(t.dataset), "record(s)"
         notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes
+
+
+def scan_prompts(t) -> int:
+    """``task = "grpo"``: every prompt record checked, with the ``solution`` column the built-in ``accuracy`` reads."""
+    from ..train.data import prompts
+
+    return prompts.check_files(list(t.dataset), ("solution",) if "accuracy" in t.reward_funcs else ())[0]
+
+
+def check_reward_files(source: str, reward_funcs: list[str]) -> None:
+    """Each ``file.py:function`` reward (made absolute by the plan) names a file; its code is not imported here."""
+    from ..spec.grpo_rules import FILE_REWARD_RE
+
+    problems = []
+    for i, name in enumerate(reward_funcs):
+        m = FILE_REWARD_RE.fullmatch(name)
+        if m and not os.path.isfile(m.group(1)):
+            problems.append(Problem(f"train.reward_funcs[{i}]", "the reward function's file does not exist", m.group(1),
+                                    "a file.py:function is found relative to the spec's directory"))
+    if problems:
+        raise SpecError(source, problems)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import PreflightFailed, RuntimeEnvError
+from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
 from ..slurm import distenv
 from . import banner, failure, ownership, signals
 from .requeue import walltime_exit
@@ -76,8 +76,19 @@ def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tu
     try:
         return _run_claimed(data, task, ds_config, dist, mode)
     except Exception as exc:
-        failure.write_failure(task.output_dir, failure.from_exception(exc, dist.rank, dist.node, dist.job_id))
+        why = failure.from_exception(exc, dist.rank, dist.node, dist.job_id)
+        failure.write_failure(task.output_dir, why)
+        if isinstance(exc, SwiftSlurmError) and _ends_with_its_code(exc):
+            return exc.exit_code, why
         raise
+
+
+def _ends_with_its_code(exc: SwiftSlurmError) -> bool:
+    """A failure every rank agreed on whose exit code says what happened (a GRPO reward function raised: 70): the
+    rank exits with that code, as after a failed preflight, instead of a traceback."""
+    from ..train.tasks.rewards import RewardFailed
+
+    return isinstance(exc, RewardFailed)
 
 
 def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, failure.Failure | None]:

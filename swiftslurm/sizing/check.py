@@ -134,7 +134,8 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
-                        reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs))
+                        reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
+                        **grpo_settings(t))
     decided = None
     if auto:
         decided = resolve_checkpointing(shape, settings, layout, gpus)
@@ -166,3 +167,13 @@ def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gp
     if need <= s.gpu_memory_gb * GIB:
         return False, f"off (auto): {found}; recomputing activations would only cost speed"
     return True, f"on (auto): {found}; it does not fit without"
+
+
+def grpo_settings(t: Any) -> dict[str, Any]:
+    """What GRPO adds to a step's memory (``task = "grpo"``): the reference model, a frozen copy of the weights,
+    when the KL term is on and the adapter cannot stand in for it (full fine-tuning); and the KV cache of the
+    sequences a rank generates at once (its micro-batch x accumulation steps, each up to max_length)."""
+    if getattr(t, "task", "sft") != "grpo":
+        return {}
+    return {"reference_weights": t.grpo_beta > 0 and t.train_type == "full",
+            "generation_sequences": t.per_device_train_batch_size * t.gradient_accumulation_steps}

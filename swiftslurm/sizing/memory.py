@@ -91,6 +91,8 @@ class Settings:
     fused_loss_allowed: bool = True  # whether advice may name it (SFT; TRL's DPO scores with its own pass)
     task: str = "sft"  # rm: a score head, pairs; kto: the reference copy (tasks.py)
     reference_copy: bool = False  # a frozen copy of the starting weights (KTO full fine-tuning: tasks.py)
+    reference_weights: bool = False  # GRPO with a KL term, full fine-tuning: a frozen copy of the model's weights
+    generation_sequences: int = 0  # GRPO: sequences one rank generates at once (their KV cache at max_length)
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,20 @@ def _fused_loss_bytes(shape: ModelShape, s: Settings, tokens: int, b: int) -> in
     return chunk * vocab * b + tokens * h * b + head_grad
 
 
+def _rl_parts(shape: ModelShape, s: Settings, layout: Layout) -> dict[str, int]:
+    """GRPO's additions (none for other tasks): the reference model's 16/32-bit weights (ZeRO-3: sharded as the
+    policy's are), and the KV cache of generation: keys and values of every layer for each generated sequence."""
+    b = 2 if s.half_precision else 4
+    out: dict[str, int] = {}
+    if s.reference_weights:
+        total = shape.num_layers * shape.layer_params // layout.tensor_parallel + shape.embedding_params
+        out["reference_model"] = b * total // (layout.zero_partitions if s.zero_stage == 3 else 1)
+    if s.generation_sequences:
+        kv_width = shape.num_kv_heads * shape.dim_per_head
+        out["generation_kv_cache"] = 2 * b * shape.num_layers * kv_width * s.generation_sequences * s.max_length
+    return out
+
+
 def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     total = shape.total_params + head_params_delta(shape, s.task)
     notes: list[str] = []
@@ -196,11 +212,12 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     acts, logits = _activations(shape, s, layout)
     # a frozen reference copy (KTO full fine-tuning): the model's dtype, sharded like the policy under ZeRO-3
     ref = (2 if s.half_precision else 4) * total // (layout.zero_partitions if s.zero_stage == 3 else 1) if s.reference_copy else 0
-    allocated = weights + ref + states + acts + logits
+    rl = _rl_parts(shape, s, layout)
+    allocated = weights + ref + states + acts + logits + sum(rl.values())
     frag = int(FRAGMENTATION * allocated)
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
     parts = {"weights": weights, **({"reference": ref} if ref else {}), "gradients_optimizer": states, "activations": acts,
-             "logits_loss": logits, "overhead": overhead}
+             "logits_loss": logits, **rl, "overhead": overhead}
     return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
 
 

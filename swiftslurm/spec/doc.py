@@ -103,8 +103,9 @@ DESCRIPTIONS: dict[str, str] = {
                                  "model or adapter dir)",
     "train.task": "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer), `pt` "
                   "(continued pretraining on raw `text` records: every token a label, packed; docs/training.md), `rm` (a reward "
-                  "model with a 1-output score head, on the same pairs, through TRL's RewardTrainer) or `kto` (unpaired "
-                  "`prompt`/`completion`/`label` records, through TRL's KTOTrainer)",
+                  "model with a 1-output score head, on the same pairs, through TRL's RewardTrainer), `kto` (unpaired "
+                  "`prompt`/`completion`/`label` records, through TRL's KTOTrainer) or `grpo` (online RL: prompts scored by "
+                  "`reward_funcs`, through TRL's GRPOTrainer; docs/training.md)",
     "train.dpo_beta": "DPO and KTO: how far the policy may move from the reference model (TRL's `beta`)",
     "train.dpo_loss_type": "DPO: one of TRL's loss types (`sigmoid`, `ipo`, `hinge`, `robust`, `apo_zero`, ...)",
     "train.precompute_ref_log_probs": "DPO and KTO: score the reference once before training and keep no reference model",
@@ -112,6 +113,19 @@ DESCRIPTIONS: dict[str, str] = {
                                   "when the counts differ (TRL's `desirable_weight`)",
     "train.kto_undesirable_weight": "KTO: weight of the loss of undesirable completions (`label = false`; TRL's `undesirable_weight`)",
     "train.max_prompt_length": "DPO: keep at most this many prompt tokens (the end of the prompt); below `max_length`",
+    "train.reward_funcs": "GRPO: what scores each completion, in order: built-ins `length`, `format`, `accuracy` (against the `solution` column), "
+                          "`file.py:function` (a file next to the spec, or a path relative to it) or `module:function` (importable on the nodes); "
+                          "called as `f(prompts, completions, completion_ids, **columns)` -> one float per completion. One that raises stops "
+                          "every rank with exit code 70, naming it and the sample",
+    "train.reward_weights": "GRPO: one weight per `reward_funcs` entry (unset: all 1.0); the reward is their weighted sum",
+    "train.reward_length_target": "GRPO, built-in `length`: the completion length in tokens that scores 1.0 (0 at none or twice as many)",
+    "train.reward_format_regex": "GRPO, built-in `format`: 1.0 when the completion matches this Python regular expression in full (`re.DOTALL`)",
+    "train.num_generations": "GRPO: completions per prompt, compared with each other; must divide micro-batch x world size x accumulation steps",
+    "train.max_completion_length": "GRPO: tokens generated per completion at most; below `max_length`",
+    "train.temperature": "GRPO: sampling temperature of the generation",
+    "train.grpo_beta": "GRPO: weight of the KL to the starting model (TRL's `beta`); 0 = no reference model, LoRA scores it with the adapter off",
+    "train.use_vllm": "GRPO: generate with vLLM in TRL's colocate mode (GPUs, vLLM installed on the nodes; refused otherwise); false = HF "
+                      "`generate` with the model on each rank",
     "train.optimizer": "`adamw`, or `galore_adamw` / `galore_adamw_8bit` / `apollo_adamw` (full FT with `deepspeed = \"none\"`)",
     "train.galore_rank": "GaLore/APOLLO: rank of the gradient projection",
     "train.galore_update_proj_gap": "GaLore/APOLLO: steps between projection updates",

@@ -280,13 +280,23 @@ class TrainTable(_Table):
     dataloader_pin_memory: bool = True
     resume_from: str | None = None
     resume_weights_only: bool = False
-    task: Literal["sft", "dpo", "pt", "rm", "kto"] = "sft"
+    task: Literal["sft", "dpo", "pt", "rm", "kto", "grpo"] = "sft"
     dpo_beta: float = Field(0.1, gt=0, le=1000)
     dpo_loss_type: str = "sigmoid"
     precompute_ref_log_probs: bool = False
     max_prompt_length: int | None = Field(None, ge=1, le=1_048_576)
     kto_desirable_weight: float = Field(1.0, gt=0, le=1000)  # KTO: the weight of a desirable (label = true) example's loss
     kto_undesirable_weight: float = Field(1.0, gt=0, le=1000)
+    # task = "grpo" (spec/grpo_rules.py: what each key needs; train/tasks/grpo.py, rewards.py)
+    reward_funcs: list[str] = Field(default_factory=list)
+    reward_weights: list[float] | None = None
+    reward_length_target: int | None = Field(None, ge=1, le=1_048_576)
+    reward_format_regex: str | None = None
+    num_generations: int = Field(8, ge=2, le=4096)
+    max_completion_length: int = Field(256, ge=1, le=1_048_576)
+    temperature: float = Field(1.0, gt=0, le=100)
+    grpo_beta: float = Field(0.0, ge=0, le=1000)
+    use_vllm: bool = False
     optimizer: Literal["adamw", "galore_adamw", "galore_adamw_8bit", "apollo_adamw"] = "adamw"
     galore_rank: int = Field(128, ge=1, le=65536)
     galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
@@ -378,6 +388,10 @@ class TrainTable(_Table):
         from .training_rules import train_problems
 
         for message in train_problems(self) + eval_problems(self):
+            raise ValueError(message)
+        from .grpo_rules import grpo_problems
+
+        for message in grpo_problems(self):
             raise ValueError(message)
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (bf16 on Ampere or newer GPUs)")
@@ -576,6 +590,15 @@ class JobSpec(_Table):
     @property
     def world_size(self) -> int:
         return self.slurm.nodes * self.slurm.ranks_per_node
+
+    @model_validator(mode="after")
+    def _grpo_groups(self) -> "JobSpec":
+        from .grpo_rules import generation_batch_problem
+
+        problem = generation_batch_problem(self.train, self.world_size, self.parallel) if self.has_training else None
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @property
     def has_training(self) -> bool:

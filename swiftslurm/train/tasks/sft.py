@@ -1,7 +1,8 @@
 """The built-in trainer: ``train(spec, dist, ds_config, output_dir, resume_from, should_stop)``.
 
-SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class), and
-``train.task = "pt"`` ``pt.PTTask`` (SFT's trainer on raw text).
+SFT here; ``train.task = "dpo"`` swaps in ``dpo.DPOTask`` at one seam (arguments, data, Trainer class),
+``"pt"`` ``pt.PTTask`` (SFT's trainer on raw text), ``"rm"``/``"kto"`` ``rm.RewardTask``/``kto.KTOTask`` and
+``"grpo"`` ``grpo.GRPOTask``.
 
 Called in-process on every rank by ``swiftslurm.node.runtime.run_task`` after MASTER_ADDR/MASTER_PORT/
 RANK/WORLD_SIZE/LOCAL_RANK were exported. HF ``Trainer`` with its DeepSpeed integration (the dict from
@@ -69,6 +70,7 @@ class TrainResult:
     best_metric: float | None = None  # the best value of metric_for_best_model, at best_step
     best_step: int | None = None
     best_checkpoint: str | None = None  # what latest_best names
+    rewards: tuple[float | None, float | None] = (None, None)  # GRPO: the first and last logged mean reward
 
 
 class SFTTask:
@@ -124,6 +126,10 @@ def _task(spec: JobSpec):
         from .rm import RewardTask
 
         return RewardTask() if spec.train.task == "rm" else KTOTask()
+    if spec.train.task == "grpo":
+        from .grpo import GRPOTask
+
+        return GRPOTask()
     return SFTTask()
 
 
@@ -184,7 +190,18 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
                "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
                                  eval_dataset)
-        trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from)
+        except SwiftSlurmError as exc:
+            if not exc.agreed:
+                raise
+            # one verdict raised alike on every rank (a GRPO reward function failed): leave the groups together, as
+            # after a finished run; the traceback's frames hold the trainer, and with it the groups' threads
+            exc.__traceback__ = None
+            trainer.accelerator.free_memory()
+            del trainer, model
+            shut_down_distributed()
+            raise exc from None
     from ..kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
@@ -232,7 +249,7 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
-    if task.name in ("dpo", "rm", "kto") and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
+    if task.name in ("dpo", "rm", "kto", "grpo") and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
         liger, liger_why = None, f"not used by {task.name}"
     return _Kernels(attn, attn_why, liger, liger_why, packs)
 
@@ -407,6 +424,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         [h["accuracy"] for h in history if "accuracy" in h]  # TRL's RewardTrainer logs "accuracy"
     margins = [h["rewards/margins"] for h in history if "rewards/margins" in h] or \
         [h["margin"] for h in history if "margin" in h]  # ... and "margin"
+    rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     useful = int(sum(h.get("useful_tokens", 0) for h in history))
     total = int(sum(h.get("total_tokens", 0) for h in history))
     step_s = sum(h["useful_tokens"] / h["useful_tokens_per_s"] for h in history
@@ -429,6 +447,7 @@ def _result(trainer, schedule, output_dir: str, metrics_path: Path, wall_s: floa
         padding_ratio=1.0 - useful / total if total else None,
         reward_accuracy=accuracies[-1] if accuracies else None,
         reward_margin=margins[-1] if margins else None,
+        rewards=(rewards[0], rewards[-1]) if rewards else (None, None),
         **kernels_used,
     )
     if rank == 0:
@@ -479,6 +498,8 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
                         f"margin {fmt(result.reward_margin, '.3f')}")
     elif result.task == "kto":
         lines.insert(2, f"  reward margin (desirable minus undesirable, last logged step): {fmt(result.reward_margin, '.3f')}")
+    elif result.task == "grpo":
+        lines.insert(2, f"  mean reward: first {fmt(result.rewards[0])} -> last {fmt(result.rewards[-1])} (logged steps)")
     if result.stop_reason:
         lines.insert(1, f"  {result.stop_reason}")
     if result.metric_for_best_model:
