@@ -21,6 +21,8 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/logs/failure-rank-<r>.json      why rank r gave up (a failed preflight, an exception)
     <task dir>/requeues.json                   one record per walltime stop
     <task dir>/.swiftslurm-stops/              per-job stop markers
+    <task dir>/restarts.json                   one record per in-job restart decision (time, cause, nodes, step)
+    <task dir>/logs/hang.json                  the watchdog's verdict that ended a hung step (to be restarted)
     <task dir>/checkpoint-save.json            how long saves took (the deadline save)
     <task dir>/.swiftslurm-verified.json       what this job verified (retention)
     <task dir>/checkpoint-<step>/              verified checkpoints; latest names the newest
@@ -51,6 +53,8 @@ SUMMARY_FILE = "train-summary.json"
 FAILURE_GLOB = "failure-rank-*.json"  # under LOGS_DIR
 REQUEUES_FILE = "requeues.json"
 STOPS_DIR = ".swiftslurm-stops"
+RESTARTS_FILE = "restarts.json"
+HANG_FILE = "logs/hang.json"
 SAVE_FILE = "checkpoint-save.json"
 VERIFIED_CACHE_FILE = ".swiftslurm-verified.json"
 LATEST_NAME = "latest"

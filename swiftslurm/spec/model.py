@@ -149,6 +149,8 @@ class SlurmTable(_Table):
     signal_grace_s: int = Field(120, ge=10, le=3600)
     gpu_memory_gb: float = Field(80.0, gt=0, le=100_000)  # per GPU: `plan` warns when the estimate exceeds it
     max_requeues: int = Field(20, ge=0, le=1000)
+    max_restarts: int = Field(0, ge=0, le=100)  # in-job restarts of the training step after a failure or a hang
+    spare_nodes: int = Field(0, ge=0, le=64)  # allocated beyond `nodes`; a failed node's replacement at a restart
     array_parallelism: int | None = Field(None, ge=1, le=100_000)
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
@@ -231,6 +233,9 @@ class SlurmTable(_Table):
             if self.mem is not None and option in MEM_CONFLICTS:
                 raise ValueError(f"extra_sbatch {opt!r} and slurm.mem = {self.mem!r} both set the memory (sbatch refuses both). "
                                  "HINT: drop one of them")
+        if self.spare_nodes and not self.max_restarts:
+            raise ValueError(f"spare_nodes = {self.spare_nodes} only matters when a failed training step is restarted inside the job. "
+                             "HINT: set slurm.max_restarts (e.g. 3), or drop it")
         if self.signal_grace_s >= self.time_limit_s:
             raise ValueError(
                 f"signal_grace_s ({self.signal_grace_s}) must be shorter than the time limit "
