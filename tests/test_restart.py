@@ -164,3 +164,17 @@ def test_submitit_script_hands_its_srun_line_to_the_supervisor(tmp_path):
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert "'srun', '--unbuffered', '--output', 'x', 'python'" in out.stdout, out.stderr
     assert "no-kill" not in slurm_parameters(plan_of(tmp_path))["additional_parameters"]
+
+
+def test_doctor_names_the_restarts_and_a_run_it_stopped(tmp_path):
+    from swiftslurm.doctor.diagnose import diagnose_task
+    from swiftslurm.doctor.evidence import TaskRun
+
+    hang = {"job_id": "7", "attempt": 0, "cause": "hang", "detail": "no training step for 5 s (watchdog; rank 1 on node2)",
+            "restarted": True, "dropped": ["node2"], "resume_step": 8, "message": "restart 1 of at most 1"}
+    lost = {"job_id": "7", "attempt": 1, "cause": "node_failure", "detail": "node(s) node3 failed", "restarted": False,
+            "dropped": ["node3"], "resume_step": 16, "message": "not restarted: ... no spare left. HINT: give the job spares"}
+    found = {f.code: f for f in diagnose_task(TaskRun(0, str(tmp_path), in_job=[hang, lost]))}
+    assert found["hang"].nodes == ("node2",) and "restarted in place 1 time(s)" in found["hang"].what
+    assert found["node_failure"].what.endswith("then the run stopped") and found["node_failure"].fix.startswith("not restarted")
+    assert diagnose_task(TaskRun(0, str(tmp_path))) == []

@@ -27,6 +27,11 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.time": "sbatch `--time` syntax (`30`, `01:00:00`, `1-12:00:00`)",
     "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
     "slurm.max_requeues": "walltime requeues per submitted job before it gives up; a stop not requeued fails the job (exit 75) and `status` says why",
+    "slurm.max_restarts": "in-job restarts per job: a failed or hung training step (a killed rank, a lost node, the watchdog's stall) starts again "
+                          "inside the same allocation (`--no-kill`) from the newest verified checkpoint, each recorded in `restarts.json`; "
+                          "0 = a failure ends the job, as before (docs/runtime.md, Failure model)",
+    "slurm.spare_nodes": "nodes allocated beyond `nodes` (needs `max_restarts`): a node that failed is dropped, recorded in the node-health "
+                         "ledger, and a spare takes its place at the restart; with none left the run stops with the reason",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.gpu_memory_gb": "memory of one GPU; `plan` warns when its per-rank estimate exceeds it and names a ZeRO setting that fits",
     "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets "
