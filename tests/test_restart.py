@@ -178,3 +178,20 @@ def test_doctor_names_the_restarts_and_a_run_it_stopped(tmp_path):
     assert found["hang"].nodes == ("node2",) and "restarted in place 1 time(s)" in found["hang"].what
     assert found["node_failure"].what.endswith("then the run stopped") and found["node_failure"].fix.startswith("not restarted")
     assert diagnose_task(TaskRun(0, str(tmp_path))) == []
+
+
+def test_shrink_on_failure_restarts_on_fewer_nodes_only_where_the_spec_allows(tmp_path):
+    lost = restart.Cause("node_failure", "node(s) node2 failed", ("node2",), ("node2",))
+    args = (0, 2, lost, ("node1", "node2", "node3"), ("node1", "node2", "node3"), (), 3)
+    assert not restart.decide_restart(*args).restart
+    d = restart.decide_restart(*args, shrink=True)
+    assert d.restart and d.nodes == ("node1", "node3") and d.dropped == ("node2",) and "2 of 3 node(s)" in d.message
+    # the ranks of the shrunk step check their allocation against the smaller world, and only then
+    spec = validate_spec({"slurm": {"nodes": 3, "max_restarts": 2, "shrink_on_failure": True}})
+    assert restart.step_spec(spec, {"SWIFTSLURM_STEP_NODES": "2"}).slurm.nodes == 2
+    assert restart.step_spec(spec, {}).slurm.nodes == 3 and restart.step_spec(spec, {"SWIFTSLURM_STEP_NODES": "4"}).slurm.nodes == 3
+    rigid = validate_spec({"slurm": {"nodes": 3, "max_restarts": 2}})
+    assert restart.step_spec(rigid, {"SWIFTSLURM_STEP_NODES": "2"}).slurm.nodes == 3
+    with pytest.raises(Exception) as exc:
+        validate_spec({"slurm": {"nodes": 2, "max_restarts": 1, "shrink_on_failure": True}, "parallel": {"tensor_parallel": 2}})
+    assert "data parallel" in str(exc.value) and "spare_nodes" in str(exc.value)

@@ -22,10 +22,13 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import RESTARTS_FILE
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
 
 # srun's own line when a task ends badly: "srun: error: node2: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
 SRUN_ERROR = re.compile(r"^srun: error: (?P<node>[A-Za-z0-9][A-Za-z0-9._-]*): tasks? (?P<tasks>[0-9][0-9,\-]*): (?P<msg>.+?)\s*$")
@@ -117,11 +120,12 @@ class RestartDecision:
 
 
 def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable[str], allocation: Iterable[str],
-                   excluded: Iterable[str], need: int) -> RestartDecision:
+                   excluded: Iterable[str], need: int, shrink: bool = False) -> RestartDecision:
     """Restart again unless ``max_restarts`` were made already or too few usable nodes are left (pure).
 
     ``current``: the failed step's nodes; ``allocation``: the job's (spares included); ``excluded``: dropped earlier.
-    Surviving nodes keep their place; a dropped one is replaced by the first unused node of the allocation.
+    Surviving nodes keep their place; a dropped one is replaced by the first unused node of the allocation. With
+    ``shrink`` (slurm.shrink_on_failure) and no spare left, the step restarts on the nodes that remain.
     """
     current, allocation = tuple(current), tuple(allocation)
     out = set(excluded)
@@ -132,12 +136,28 @@ def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable
     drop = tuple(dict.fromkeys([*cause.gone, *(n for n in cause.suspects if len(spare) >= len(set(cause.suspects) | set(cause.gone)))]))
     keep = [n for n in current if n not in drop]
     nodes = tuple(keep + spare[: max(0, need - len(keep))])
+    if len(nodes) < need and shrink and nodes:
+        return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts} on {len(nodes)} of {need} node(s) "
+                               f"({', '.join(nodes)}; dropped {', '.join(drop)}; no spare left, slurm.shrink_on_failure): fewer "
+                               f"data-parallel ranks from here on, after: {cause.detail}")
     if len(nodes) < need:
         return RestartDecision(False, (), drop, f"not restarted: {cause.detail}; {len(nodes)} usable node(s) left of the {need} "
                                f"training needs (no spare left). HINT: give the job spares (slurm.spare_nodes), or resubmit; "
                                f"the run continues from the newest verified checkpoint")
     how = f" on {', '.join(nodes)}" + (f" (dropped {', '.join(drop)})" if drop else "")
     return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts}{how} after: {cause.detail}")
+
+
+STEP_NODES_ENV = "SWIFTSLURM_STEP_NODES"  # the step's environment after a shrink: how many nodes it runs on
+
+
+def step_spec(spec: JobSpec, environ: Mapping[str, str]) -> JobSpec:
+    """The spec a rank of a shrunk step checks its allocation against: ``slurm.nodes`` from the supervisor (pure).
+    Only fewer nodes, and only where the spec allows it; otherwise the spec as it is."""
+    raw = environ.get(STEP_NODES_ENV, "")
+    if not (raw.isascii() and raw.isdigit()) or not spec.slurm.shrink_on_failure or not 0 < int(raw) < spec.slurm.nodes:
+        return spec
+    return spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"nodes": int(raw)})})
 
 
 # ---------------------------------------------------------------- restarts.json

@@ -99,6 +99,8 @@ class Supervisor:
 
     def run_step(self, nodes: tuple[str, ...], attempt: int) -> int:
         env = {**self.environ, ATTEMPT_ENV: str(attempt), HANG_RESTART_ENV: "1"}
+        if len(nodes) != self.spec.slurm.nodes:  # shrunk (slurm.shrink_on_failure): the ranks check against this
+            env[restart.STEP_NODES_ENV] = str(len(nodes))
         self.srun_errors = []
         proc = steps.start_step(self._argv(nodes), env)
         reader = threading.Thread(target=self._tee, args=(proc.stderr,), daemon=True)
@@ -160,7 +162,8 @@ class Supervisor:
                 return rc
             end = self.step_end(rc, nodes, since)
             cause = restart.cause_of(end)
-            decision = restart.decide_restart(attempt, self.spec.slurm.max_restarts, cause, nodes, self.allocation, self.excluded, self.need)
+            decision = restart.decide_restart(attempt, self.spec.slurm.max_restarts, cause, nodes, self.allocation, self.excluded, self.need,
+                                              self.spec.slurm.shrink_on_failure)
             if decision.restart:
                 decision = self._probe(decision, cause, attempt)
             self._remember(decision.dropped, cause)
@@ -173,6 +176,7 @@ class Supervisor:
                 return rc or 1
             log.warning("training step ended with %d: %s", rc, decision.message)
             nodes, attempt = decision.nodes, attempt + 1
+            self.need = min(self.need, len(nodes))  # after a shrink: the smaller world is the one to keep
 
     def _probe(self, decision: restart.RestartDecision, cause: restart.Cause, attempt: int) -> restart.RestartDecision:
         """The next step's nodes, each running one short check; a node that fails it is dropped and replaced."""
@@ -186,7 +190,8 @@ class Supervisor:
                                         tuple(bad), tuple(bad))
             self._remember(tuple(bad), probe_cause)
             gone = self.excluded | set(dropped)
-            decision = restart.decide_restart(attempt, self.spec.slurm.max_restarts, probe_cause, decision.nodes, self.allocation, gone, self.need)
+            decision = restart.decide_restart(attempt, self.spec.slurm.max_restarts, probe_cause, decision.nodes, self.allocation, gone, self.need,
+                                              self.spec.slurm.shrink_on_failure)
             dropped += list(decision.dropped)
             if not decision.restart:
                 return restart.RestartDecision(False, (), tuple(dropped), f"{decision.message} (first: {cause.detail})")

@@ -32,6 +32,8 @@ DESCRIPTIONS: dict[str, str] = {
                           "0 = a failure ends the job, as before (docs/runtime.md, Failure model)",
     "slurm.spare_nodes": "nodes allocated beyond `nodes` (needs `max_restarts`): a node that failed is dropped, recorded in the node-health "
                          "ledger, and a spare takes its place at the restart; with none left the run stops with the reason",
+    "slurm.shrink_on_failure": "with no spare left, restart on the nodes that remain (needs `max_restarts`; data parallel only): the run "
+                                "resumes on fewer ranks from the newest verified checkpoint (converted to the smaller world) instead of stopping",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.gpu_memory_gb": "memory of one GPU; `plan` warns when its per-rank estimate exceeds it and names a ZeRO setting that fits",
     "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets "
