@@ -215,7 +215,7 @@ def test_a_node_set_down_is_replaced_by_the_spare(tmp_path, slurm_cluster, down_
     assert sent.returncode == 0, sent.stderr
     job = sent.stdout.strip().split(";")[0]
     try:
-        wait_until(lambda: last_step(out) >= 10, 600, lambda: explain(out))
+        wait_until(lambda: last_step(out) >= 10, 900, lambda: explain(out))
         node = re.search(r"node 1/2 (\S+)\)", (out / "logs" / "rank-1.log").read_text())[1]
         down(node)
         wait_until(lambda: len(restarts(out)) >= 1, 120, lambda: explain(out))
