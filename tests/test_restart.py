@@ -48,6 +48,12 @@ def test_srun_error_lines():
     assert restart.parse_srun_error("srun: error: node1: tasks 0-1: Exited with exit code 86") == restart.SrunError("node1", "0-1", "Exited with exit code 86")
     assert restart.parse_srun_error("srun: Job step aborted: Waiting up to 32 seconds for job step to finish.") is None
     assert restart.parse_srun_error("some rank's own line: srun: error: node2: task 1: Killed") is None
+    # a node set DOWN under the step (seen on the test cluster): the node is lost, whatever the killed tasks say after it
+    lines = ["srun: error: Node failure on node3", "srun: error: node3: task 1: Killed", "srun: error: node2: task 0: Killed"]
+    errors = tuple(e for e in map(restart.parse_srun_error, lines) if e is not None)
+    assert errors[0] == restart.SrunError("node3", "-", "Node failure")
+    lost = restart.cause_of(restart.StepEnd(137, ("node2", "node3"), errors))
+    assert (lost.kind, lost.gone) == ("node_failure", ("node3",))
 
 
 # ---------------------------------------------------------------- what happened

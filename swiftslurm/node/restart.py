@@ -50,10 +50,17 @@ class SrunError:
         return f"task {self.tasks} on {self.node}: {self.message}"
 
 
+# srun's line when Slurm lost a node of the step (a node set DOWN, a dead slurmd): "srun: error: Node failure on node3"
+SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<node>[A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
+
+
 def parse_srun_error(line: str) -> SrunError | None:
-    """srun's report of a task that ended badly, from one line of its stderr (pure)."""
+    """srun's report of a task that ended badly, or of a node it lost, from one line of its stderr (pure)."""
     m = SRUN_ERROR.match(line.strip())
-    return SrunError(m["node"], m["tasks"], m["msg"]) if m else None
+    if m:
+        return SrunError(m["node"], m["tasks"], m["msg"])
+    lost = SRUN_NODE_FAILURE.match(line.strip())
+    return SrunError(lost["node"], "-", "Node failure") if lost else None
 
 
 @dataclass(frozen=True)

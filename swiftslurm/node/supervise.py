@@ -130,9 +130,11 @@ class Supervisor:
     def step_end(self, rc: int, nodes: tuple[str, ...], since: float) -> restart.StepEnd:
         records = failure.read_failures(self.out, since=since)
         states = steps.node_states(nodes)
+        held = steps.job_nodes(self.environ.get("SLURM_JOB_ID", ""))  # a node Slurm lost under --no-kill leaves the job
+        down = tuple(n for n in nodes if steps.unusable(states.get(n, "")) or (held is not None and n not in held))
         return restart.StepEnd(
             rc, nodes, tuple(self.srun_errors), tuple((f.rank, f.node, f.what) for f in records if f.kind != "preflight"),
-            self._hang(since), tuple(n for n in nodes if steps.unusable(states.get(n, ""))),
+            self._hang(since), down,
         )
 
     def _not_to_restart(self, rc: int, since: float, requeues_before: int) -> str | None:
@@ -199,20 +201,23 @@ class Supervisor:
 
     def _probe_nodes(self, nodes: tuple[str, ...]) -> dict[str, str]:
         command = [sys.executable, "-m", "swiftslurm.node.probe", "--plan", self.plan_path, "--task", str(self.index)]
-        proc = steps.probe(nodes, command, dict(self.environ))
-        seen: dict[str, str] = {}
-        for line in proc.stdout.splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("node") in nodes:
-                seen[str(row["node"])] = "" if row.get("ok") else str(row.get("observed", "failed"))[:200]
-        if proc.returncode == 124:
-            why = "no answer from the probe step in time"
-        else:
-            why = (proc.stderr.strip().splitlines() or [f"the probe step exited with {proc.returncode}"])[-1][:200]
-        return {n: (seen[n] if n in seen else why) for n in nodes if seen.get(n, why)}
+        env = {**self.environ, "SWIFTSLURM_PROBE_MASTER": nodes[0]}  # the next step's master: its MASTER_PORT is checked
+        bad: dict[str, str] = {}
+        for node, proc in steps.probe(nodes, command, env).items():
+            row: Any = None
+            for line in proc.stdout.splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+            if isinstance(row, dict) and row.get("node") == node:
+                if not row.get("ok"):
+                    bad[node] = str(row.get("observed", "failed"))[:200]
+            elif proc.returncode == 124:
+                bad[node] = "no answer from the probe step in time"
+            else:
+                bad[node] = (proc.stderr.strip().splitlines() or [f"the probe step exited with {proc.returncode}"])[-1][:200]
+        return bad
 
     def _remember(self, nodes: tuple[str, ...], cause: restart.Cause) -> None:
         """Dropped nodes go into the node-health ledger (later submissions avoid them)."""

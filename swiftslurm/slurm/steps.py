@@ -56,10 +56,34 @@ def node_states(nodes: tuple[str, ...]) -> dict[str, str]:
     return parse_node_states(proc.stdout) if proc.returncode == 0 else {}
 
 
-def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """One task per node running ``command`` (the restart's short preflight); its stdout holds one line per node."""
-    argv = ["srun", *placement(nodes, 1), "--kill-on-bad-exit=0", "--unbuffered", *command]
+def job_nodes(job_id: str) -> tuple[str, ...] | None:
+    """The nodes a job holds now (``scontrol show job``: a node Slurm lost under ``--no-kill`` leaves the list); None
+    when it does not answer."""
+    from .commands import parse_scontrol_job, show_hostnames
+
+    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+    jobs = parse_scontrol_job(proc.stdout) if proc.returncode == 0 else []
+    hostlist = jobs[0].get("NodeList", "") if jobs else ""
+    if not hostlist or hostlist == "(null)":
+        return None
     try:
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        return subprocess.CompletedProcess(argv, 124, exc.stdout or "", (exc.stderr or "") if isinstance(exc.stderr, str) else "")
+        return tuple(show_hostnames(hostlist))
+    except Exception:  # noqa: BLE001 -- advice only: the caller falls back to sinfo
+        return None
+
+
+def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, subprocess.CompletedProcess]:
+    """``command`` as one single-task step on each node, all at once (the restart's short preflight): node -> its result
+    (exit 124 when it did not end in time). One step per node, so a node Slurm cannot start a step on fails alone."""
+    procs = {n: subprocess.Popen(["srun", *placement((n,), 1), "--unbuffered", *command], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, errors="replace") for n in nodes}
+    out: dict[str, subprocess.CompletedProcess] = {}
+    for node, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            out[node] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            out[node] = subprocess.CompletedProcess(proc.args, 124, stdout, stderr)
+    return out
