@@ -5,6 +5,7 @@ The end-to-end runs on the Slurm cluster are in tests/test_restart_slurm.py.
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -201,3 +202,30 @@ def test_shrink_on_failure_restarts_on_fewer_nodes_only_where_the_spec_allows(tm
     with pytest.raises(Exception) as exc:
         validate_spec({"slurm": {"nodes": 2, "max_restarts": 1, "shrink_on_failure": True}, "parallel": {"tensor_parallel": 2}})
     assert "data parallel" in str(exc.value) and "spare_nodes" in str(exc.value)
+
+
+WATCHED = """
+import sys, time
+from swiftslurm.train.health.watchdog import ProgressWatchdog
+env = {"SWIFTSLURM_WATCHDOG_FLOOR_S": "0.5", "SWIFTSLURM_WATCHDOG_BACKUP_S": "30", "SWIFTSLURM_HANG_RESTART": sys.argv[2]}
+dog = ProgressWatchdog(0, 600.0, environ=env, node="node1", hang_file=sys.argv[1])
+for step in range(1, 5):
+    dog.step_done(step)
+    time.sleep(0.01)
+time.sleep(3)  # no step: the watchdog fires after 0.5 s
+print("still here")
+"""
+
+
+def test_a_stalled_rank_ends_its_step_only_under_the_supervisor(tmp_path):
+    import sys
+
+    hang = tmp_path / "hang.json"
+    ended = subprocess.run([sys.executable, "-c", WATCHED, str(hang), "1"], capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 86 and "still here" not in ended.stdout, ended.stderr[-2000:]
+    record = json.loads(hang.read_text())
+    assert (record["rank"], record["node"]) == (0, "node1") and "no rank named" in record["detail"]  # one rank: itself
+    hang.unlink()
+    dumped = subprocess.run([sys.executable, "-c", WATCHED, str(hang), "0"], capture_output=True, text=True, timeout=60)
+    assert dumped.returncode == 0 and "still here" in dumped.stdout and not hang.exists()  # today's behaviour: stacks only
+    assert "watchdog: no step for" in dumped.stderr
