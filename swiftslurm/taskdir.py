@@ -22,6 +22,8 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/requeues.json                   one record per walltime stop
     <task dir>/chain.json                      the singleton chain's job ids (slurm.continue_with = "singleton")
     <task dir>/.swiftslurm-stops/              per-job stop markers
+    <task dir>/restarts.json                   one record per in-job restart decision (time, cause, nodes, step)
+    <task dir>/logs/hang.json                  the watchdog's verdict that ended a hung step (to be restarted)
     <task dir>/checkpoint-save.json            how long saves took (the deadline save)
     <task dir>/.swiftslurm-verified.json       what this job verified (retention)
     <task dir>/checkpoint-<step>/              verified checkpoints; latest names the newest
@@ -58,6 +60,8 @@ FAILURE_GLOB = "failure-rank-*.json"  # under LOGS_DIR
 REQUEUES_FILE = "requeues.json"
 CHAIN_FILE = "chain.json"
 STOPS_DIR = ".swiftslurm-stops"
+RESTARTS_FILE = "restarts.json"
+HANG_FILE = "logs/hang.json"
 SAVE_FILE = "checkpoint-save.json"
 VERIFIED_CACHE_FILE = ".swiftslurm-verified.json"
 LATEST_NAME = "latest"

@@ -120,7 +120,9 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
             f"[bold]{escape(spec.job.name)}[/]  from {escape(plan.source)}\n"
             f"{s.nodes} node(s) x {s.ranks_per_node} rank(s) = world size {spec.world_size}"
             f"{f', {s.gpus_per_node} GPU(s)/node' if s.gpus_per_node else ' (CPU)'}, time {s.time}, "
-            f"USR2 {s.signal_grace_s} s before the limit, up to {s.max_requeues} requeues\n"
+            f"USR2 {s.signal_grace_s} s before the limit, up to {s.max_requeues} requeues"
+            + (f"; up to {s.max_restarts} in-job restart(s)" + (f", {s.spare_nodes} spare node(s) allocated" if s.spare_nodes else "")
+               + (", shrinks on failure" if s.shrink_on_failure else "") if s.max_restarts else "") + "\n"
             f"plan file: {escape(plan.plan_path)}",
             overflow="fold"),
             title="swiftslurm plan",

@@ -309,6 +309,8 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
         where = f"task {r.task}: " if len(rows) > 1 or r.stop_reason else ""
         if r.stop_reason:
             console.print(f"task {r.task}: {r.stop_reason}", highlight=False, markup=False, soft_wrap=True)
+        if r.restart_note:
+            console.print(f"task {r.task}: {r.restart_note}", highlight=False, markup=False, soft_wrap=True)
         if r.last_save and r.last_save.get("advice"):
             console.print(f"warning: {where}{r.last_save['advice']}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 

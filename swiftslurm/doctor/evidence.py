@@ -16,6 +16,7 @@ from .. import fsutil
 from ..checkpoint.savetime import read_save
 from ..jobs.send import TASK_SPEC_FILE
 from ..node.requeue import read_requeues
+from ..node.restart import read_restarts
 from ..slurm.distenv import FR_DUMP_NAME
 from ..train.health import frtrace
 from ..train.tasks.sft import SUMMARY_FILE
@@ -52,6 +53,7 @@ class TaskRun:
     summary: dict[str, Any] | None = None
     preflight: dict[str, Any] | None = None
     requeues: list[dict[str, Any]] = field(default_factory=list)
+    in_job: list[dict[str, Any]] = field(default_factory=list)  # restarts.json: in-job restarts (node/restart.py)
     save: dict[str, Any] | None = None
     spec: dict[str, Any] = field(default_factory=dict)  # the task's resolved spec (spec.json), {} when absent
     restarts: int = 0
@@ -171,6 +173,7 @@ def read_task(task: int, task_dir: str, folder: str = "", job_id: str = "", sinc
     report = read_json(root.joinpath(*PREFLIGHT_REPORT))
     run.preflight = report if isinstance(report, dict) else None
     run.requeues = read_requeues(task_dir)
+    run.in_job = read_restarts(task_dir)
     run.save = read_save(task_dir)
     spec = read_json(root / TASK_SPEC_FILE)
     run.spec = spec.get("spec") or {} if isinstance(spec, dict) else {}

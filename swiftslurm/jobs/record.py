@@ -39,6 +39,7 @@ class TaskStatus:
     output_dir: str = ""
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
+    restart_note: str | None = None  # in-job restarts (restarts.json): how many, the last cause, or why not restarted
 
 
 def _last_save(task_dir: str) -> dict[str, Any] | None:
@@ -55,6 +56,13 @@ def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
 
     records = read_requeues(task_dir) if task_dir else []
     return walltime_requeues(records, job_id), stop_reason(records, job_id)
+
+
+def _restart_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
+    """This job's in-job restarts (``restarts.json``) and one line on the last decision (None without any)."""
+    from ..node.restart import read_restarts, summary
+
+    return summary(read_restarts(task_dir) if task_dir else [], job_id)
 
 
 # ---------------------------------------------------------------- the record of one submission
@@ -123,7 +131,8 @@ class Submission:
         rows = self._slurm_statuses() if self.executor == "slurm" else self._local_statuses()
         for row, first in zip(rows, self.job_ids, strict=False):
             requeues, row.stop_reason = _walltime_record(row.output_dir, row.job_id)
-            row.restarts = max(row.restarts, requeues)
+            in_job, row.restart_note = _restart_record(row.output_dir, row.job_id)
+            row.restarts = max(row.restarts, requeues) + in_job
             if row.job_id != first:  # a singleton chain: its earlier links are continuations too
                 from ..node.chain import newest, read_chains
 

@@ -54,9 +54,11 @@ def _write_task_specs(plan: Plan) -> None:
         (out / TASK_SPEC_FILE).write_text(json.dumps(task.to_json(), indent=indent) + "\n")
 
 
-def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan, group)``."""
-    from ..slurm.launch import launch_for, setup_lines
+def slurm_parameters(plan: Plan, group: Group | None = None, tasks: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters carrying exactly ``render.sbatch_directives(plan, group)``.
+
+    ``tasks``: the global tasks of the array sent (a part of a split group; default the group's)."""
+    from ..slurm.launch import launch_for, setup_lines, supervisor_setup
     from ..slurm.render import one_group, sbatch_directives
 
     group = one_group(plan, group)
@@ -67,7 +69,8 @@ def slurm_parameters(plan: Plan, group: Group | None = None) -> dict[str, Any]:
     params: dict[str, Any] = {
         "time": max(1, math.ceil(s.time_limit_s / 60)),  # submitit's own timeout bookkeeping (minutes)
         "signal_delay_s": s.signal_grace_s,  # submitit writes --signal=USR2@N (every rank gets it, not B:)
-        "setup": setup_lines(plan, group),  # [env] exports, then slurm.setup verbatim, then container env
+        # [env] exports, then slurm.setup verbatim, then container env; with max_restarts the supervisor's srun function
+        "setup": setup_lines(plan, group) + supervisor_setup(plan, group, tuple(group.tasks if tasks is None else tasks)),
         "array_parallelism": s.array_parallelism or max(1, len(group.tasks)),
         "wckey": None,  # submitit's default "submitit" fails on clusters that enforce wckeys
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: without -c each rank is bound to one CPU
@@ -106,13 +109,13 @@ def python_command(plan: Plan, group: Group, local: bool = False) -> str:
     return command
 
 
-def _executor(kind: str, plan: Plan, folder: Path, group: Group):
+def _executor(kind: str, plan: Plan, folder: Path, group: Group, tasks: tuple[int, ...] | None = None):
     import submitit
 
     s = group.slurm
     if kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group))
-        ex.update_parameters(**slurm_parameters(plan, group))
+        ex.update_parameters(**slurm_parameters(plan, group, tasks))
         return ex
     if s.nodes > 1:
         raise SubmissionError(
@@ -280,7 +283,7 @@ def _send_part(kind: str, plan: Plan, folder: Path, part: ArrayPart, mode: str) 
     submitit numbers a part's array tasks 0..n-1 and passes each its global task index.
     """
     group = part.group
-    ex = _executor(kind, plan, folder, group)
+    ex = _executor(kind, plan, folder, group, tuple(part.tasks))
     n = len(part.tasks)
     stderr = io.StringIO()
     try:

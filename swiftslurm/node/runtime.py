@@ -9,6 +9,7 @@ stop that is not requeued ends every rank with NOT_REQUEUED_EXIT and the reason 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
 from ..slurm import distenv
-from . import banner, failure, ownership, signals
+from . import banner, failure, ownership, restart, signals
 from .requeue import walltime_exit
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tu
     if mode not in ("train", "preflight"):
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
+    task = dataclasses.replace(task, spec=restart.step_spec(task.spec, os.environ))  # a shrunk in-job restart: fewer nodes
     spec = task.spec
     if mode == "train" and not spec.has_training:
         raise RuntimeEnvError("the plan's spec has no [train] table: nothing to train", plan_path,

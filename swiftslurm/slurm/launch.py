@@ -137,3 +137,29 @@ def setup_lines(plan: Plan, group: Group) -> list[str]:
     """The batch script's lines before the ranks start: [env] exports, the user's setup lines, container env."""
     exports = [f"export {name}={shell_quote(value)}" for name, value in plan.env.items()]
     return [*exports, *group.slurm.setup, *passthrough_lines(plan)]
+
+
+def supervisor_for(plan: Plan, group: Group, default_python: str | None = None, tasks: tuple[int, ...] | None = None) -> str:
+    """``PYTHON -m swiftslurm.node.supervise --plan PLAN [--tasks LIST] --``, shell-quoted, for a group with
+    ``slurm.max_restarts > 0`` ('' without): what stands in front of the training srun in the batch script.
+
+    It runs on the batch host, outside any container: ``slurm.python`` (or this interpreter) without one, this
+    interpreter with one. ``tasks``: the submitit path's array, whose SLURM_ARRAY_TASK_ID counts 0..n-1 over them.
+    """
+    if not group.slurm.max_restarts:
+        return ""
+    python = (group.slurm.python if plan.container is None else None) or default_python or sys.executable
+    argv = [python, "-m", "swiftslurm.node.supervise", "--plan", plan.plan_path]
+    if tasks is not None:
+        argv += ["--tasks", ",".join(map(str, tasks))]
+    return " ".join(shell_quote(a) for a in [*argv, "--"])
+
+
+def supervisor_setup(plan: Plan, group: Group, tasks: tuple[int, ...]) -> list[str]:
+    """The submitit path, whose script runs its own ``srun ...`` line: a shell function named ``srun`` (defined
+    after the user's setup lines) hands that line to the supervisor. [] without ``slurm.max_restarts``."""
+    prefix = supervisor_for(plan, group, tasks=tasks)
+    if not prefix:
+        return []
+    return ["# slurm.max_restarts: the training step runs under the in-job restart supervisor",
+            f'srun() {{ {prefix} srun "$@"; }}']

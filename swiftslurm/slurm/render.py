@@ -96,7 +96,7 @@ def sbatch_directives(plan: Plan, group: Group | None = None) -> list[tuple[str,
         raise _problem("job.output_dir", "'%' in the output dir would be read as a Slurm filename pattern", plan.output_dir, "choose a path without '%'")
     opts: list[tuple[str, str | None]] = [
         ("job-name", plan.spec.job.name),
-        ("nodes", str(s.nodes)),
+        ("nodes", str(s.nodes + s.spare_nodes)),  # spares: allocated, used only when a restart replaces a node
         ("ntasks-per-node", str(s.ranks_per_node)),
         ("cpus-per-task", str(s.cpus_per_task)),
     ]
@@ -110,7 +110,10 @@ def sbatch_directives(plan: Plan, group: Group | None = None) -> list[tuple[str,
         if value is not None:
             opts.append((key, value))
     opts += [("signal", f"USR2@{s.signal_grace_s}"), ("requeue", None), ("open-mode", "append")]
-    opts += extra_options(s.extra_sbatch)
+    extra = extra_options(s.extra_sbatch)
+    if s.max_restarts and not any(key == "no-kill" for key, _ in extra):  # a failed node must not end the allocation
+        opts.append(("no-kill", None))
+    opts += extra
     return opts
 
 
@@ -160,7 +163,7 @@ def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = N
     ``part``: one part of a group split under array caps (``plan.arrays(limits)``); implies its group.
     """
     from .. import __version__
-    from .launch import launch_for, passthrough_lines
+    from .launch import launch_for, passthrough_lines, supervisor_for
 
     group = part.group if part is not None else one_group(plan, group)
     opts = sbatch_directives(plan, group)
@@ -190,4 +193,5 @@ def render_sbatch(plan: Plan, python: str | None = None, group: Group | None = N
         launch=launch.command(),
         task_offset=part.offset if part is not None else 0,
         cpus_per_task=group.slurm.cpus_per_task,
+        supervisor=supervisor_for(plan, group, python),
     )

@@ -30,6 +30,13 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.continue_with": "after a walltime stop: `requeue` (`scontrol requeue`, the same job id) or `singleton`, for sites that refuse "
                            "requeue: the same batch script is submitted again with `--dependency=singleton` and `status` follows the chain "
                            "(`max_requeues` counts its links; docs/runtime.md)",
+    "slurm.max_restarts": "in-job restarts per job: a failed or hung training step (a killed rank, a lost node, the watchdog's stall) starts again "
+                          "inside the same allocation (`--no-kill`) from the newest verified checkpoint, each recorded in `restarts.json`; "
+                          "0 = a failure ends the job, as before (docs/runtime.md, Failure model)",
+    "slurm.spare_nodes": "nodes allocated beyond `nodes` (needs `max_restarts`): a node that failed is dropped, recorded in the node-health "
+                         "ledger, and a spare takes its place at the restart; with none left the run stops with the reason",
+    "slurm.shrink_on_failure": "with no spare left, restart on the nodes that remain (needs `max_restarts`; data parallel only): the run "
+                                "resumes on fewer ranks from the newest verified checkpoint (converted to the smaller world) instead of stopping",
     "slurm.array_parallelism": "with a sweep: at most this many array tasks at once (`--array=0-N%P`)",
     "slurm.gpu_memory_gb": "memory of one GPU; `plan` warns when its per-rank estimate exceeds it and names a ZeRO setting that fits",
     "slurm.extra_sbatch": "raw sbatch options, each `--key=value` or `--flag`; resolved as sbatch resolves abbreviations, options swiftslurm sets "

@@ -150,6 +150,9 @@ class SlurmTable(_Table):
     gpu_memory_gb: float = Field(80.0, gt=0, le=100_000)  # per GPU: `plan` warns when the estimate exceeds it
     max_requeues: int = Field(20, ge=0, le=1000)
     continue_with: Literal["requeue", "singleton"] = "requeue"  # after a walltime stop (node/chain.py)
+    max_restarts: int = Field(0, ge=0, le=100)  # in-job restarts of the training step after a failure or a hang
+    spare_nodes: int = Field(0, ge=0, le=64)  # allocated beyond `nodes`; a failed node's replacement at a restart
+    shrink_on_failure: bool = False  # no spare left: restart on the nodes that remain (data parallel only)
     array_parallelism: int | None = Field(None, ge=1, le=100_000)
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
@@ -232,6 +235,10 @@ class SlurmTable(_Table):
             if self.mem is not None and option in MEM_CONFLICTS:
                 raise ValueError(f"extra_sbatch {opt!r} and slurm.mem = {self.mem!r} both set the memory (sbatch refuses both). "
                                  "HINT: drop one of them")
+        if (self.spare_nodes or self.shrink_on_failure) and not self.max_restarts:
+            what = f"spare_nodes = {self.spare_nodes}" if self.spare_nodes else "shrink_on_failure = true"
+            raise ValueError(f"{what} only matters when a failed training step is restarted inside the job. "
+                             "HINT: set slurm.max_restarts (e.g. 3), or drop it")
         if self.signal_grace_s >= self.time_limit_s:
             raise ValueError(
                 f"signal_grace_s ({self.signal_grace_s}) must be shorter than the time limit "
@@ -543,6 +550,16 @@ class JobSpec(_Table):
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     parallel: ParallelTable = Field(default_factory=ParallelTable)
     container: ContainerTable | None = None
+
+    @model_validator(mode="after")
+    def _shrink(self) -> "JobSpec":
+        p = self.parallel
+        if self.slurm.shrink_on_failure and (p.tensor_parallel > 1 or p.sequence_parallel > 1):
+            raise ValueError(
+                "slurm.shrink_on_failure needs a world whose only split is data parallel: fewer nodes would break the "
+                f"tensor_parallel = {p.tensor_parallel} x sequence_parallel = {p.sequence_parallel} groups. "
+                "HINT: give the job spares (slurm.spare_nodes) instead")
+        return self
 
     @field_validator("env", mode="before")
     @classmethod

@@ -57,6 +57,7 @@ class Progress:
     checkpoint: str | None = None  # the newest verified checkpoint's path
     best: bool = False  # the lowest final loss of a sweep
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
+    restart_note: str | None = None  # in-job restarts: how many and the last cause, or why the last failure was not restarted
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: the last save's phases, grace advice
     eval_loss: float | None = None  # the last logged eval_loss (train.eval_*)
     best_values: dict[str, float] = field(default_factory=dict)  # every logged metric's best value (`status --sort`)
@@ -405,7 +406,8 @@ class Watcher:
         for st in statuses:
             info = dict(task=st.task, state=st.state, elapsed_s=elapsed_seconds(st.elapsed), now=now,
                         job_id=st.job_id, nodes=st.nodes, output_dir=st.output_dir,
-                        stop_reason=getattr(st, "stop_reason", None), last_save=getattr(st, "last_save", None))
+                        stop_reason=getattr(st, "stop_reason", None), last_save=getattr(st, "last_save", None),
+                        restart_note=getattr(st, "restart_note", None))
             files = self.files.get(st.output_dir)
             if files is None:
                 out.append(progress_of(rows=[], restarts=st.restarts, **info))

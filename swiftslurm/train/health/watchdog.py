@@ -11,6 +11,12 @@ Each step end re-arms a timer with the limit (pure ``limit_s``): K (10) x the me
 times out. Nothing is armed before ``WARMUP_STEPS`` steps (compilation, the first gathers), nor during a checkpoint
 save (``pause``). A ``train.command`` script has no steps to watch: there, USR1 dumps.
 
+Under the in-job restart supervisor (``slurm.max_restarts``; it sets ``SWIFTSLURM_HANG_RESTART=1`` in the step),
+a stall also ends the step: once the stacks are out and rank 0 has its verdict, rank 0 writes ``logs/hang.json``
+(the rank and node that stopped, when the flight records name one) and exits with ``HANG_EXIT``, which ends the
+step (``srun --kill-on-bad-exit``), so the supervisor restarts it from the newest verified checkpoint instead of
+the job waiting out the collective timeout. Only rank 0 exits: it is the one that gathers the verdict.
+
 Who writes the stacks: the timer's Python thread, with ``faulthandler.dump_traceback`` while it holds the GIL.
 faulthandler's own timed dump (``dump_traceback_later``) walks the other threads' frames from a C thread without
 the GIL, and a thread that runs Python code meanwhile changes them under it: the rank dies of SIGSEGV (a script
@@ -22,6 +28,7 @@ when a thread holds the GIL in C code, and then no frame moves under it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -30,8 +37,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+from ...fsutil import atomic_write_text
 from . import frtrace
 
 K = 10
@@ -48,6 +57,9 @@ SPY_TIMEOUT_S = 60
 BACKUP_MIN_S = 30.0  # faulthandler's C-thread dump, only if the timer's thread got no GIL this long after the limit
 BACKUP_ENV = "SWIFTSLURM_WATCHDOG_BACKUP_S"  # tests: a shorter BACKUP_MIN_S
 GATHER_S = 20.0  # rank 0 waits at most this long (and at most the limit) for the other ranks' flight records
+HANG_RESTART_ENV = "SWIFTSLURM_HANG_RESTART"  # "1": the supervisor restarts a hung step; rank 0 ends it
+ATTEMPT_ENV = "SWIFTSLURM_RESTART_ATTEMPT"  # in-job restarts before this step (the supervisor sets it; absent = 0)
+HANG_EXIT = 86  # rank 0's exit code when it ends a hung step for the supervisor to restart
 
 
 def limit_s(durations: list[float], timeout_s: float, k: float = K, floor_s: float = FLOOR_S) -> float | None:
@@ -59,8 +71,9 @@ def limit_s(durations: list[float], timeout_s: float, k: float = K, floor_s: flo
 
 class ProgressWatchdog:
     def __init__(self, rank: int, timeout_s: float, target: Any = None, environ: dict[str, str] | None = None,
-                 world_size: int = 1, node: str = "") -> None:
+                 world_size: int = 1, node: str = "", hang_file: str | os.PathLike[str] | None = None) -> None:
         env = os.environ if environ is None else environ
+        self.hang_file = hang_file if env.get(HANG_RESTART_ENV) == "1" else None  # where rank 0 says why it ends the step
         self.rank = rank
         self.world_size = world_size
         self.node = node
@@ -70,7 +83,8 @@ class ProgressWatchdog:
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
         self.backup_s = float(env.get(BACKUP_ENV) or BACKUP_MIN_S)
-        self.stall = _parse_stall(env.get(STALL_ENV, ""))
+        # the test hook stalls the first attempt only: a restarted step resumes before that step and must get past it
+        self.stall = _parse_stall(env.get(STALL_ENV, "")) if env.get(ATTEMPT_ENV, "0") in ("", "0") else None
         try:
             self.min_step_s = max(0.0, float(env.get(MIN_STEP_ENV) or 0.0))
         except ValueError:
@@ -127,6 +141,8 @@ class ProgressWatchdog:
             frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
         self._py_spy(limit)
         if self.rank != 0 or self.world_size < 2 or not self.fr_prefix:
+            if self.rank == 0:
+                self._end_hung_step(limit, None, {})
             return
         since = fired - limit  # records of this stall, not of an earlier one
         deadline = time.monotonic() + min(GATHER_S, limit)
@@ -143,6 +159,22 @@ class ProgressWatchdog:
             lines = frtrace.describe(found, frtrace.nodes_of(records))
         for line in lines:
             log.warning("watchdog: %s", line)
+        self._end_hung_step(limit, found, frtrace.nodes_of(records))
+
+    def _end_hung_step(self, limit: float, found: frtrace.Verdict | None, nodes: dict[int, str]) -> None:
+        """Under the restart supervisor: rank 0 records the verdict and ends the step (module docstring)."""
+        if self.hang_file is None:
+            return
+        culprit = found.culprits[0] if found is not None and found.culprits else (0 if self.world_size == 1 else None)
+        node = (self.node if culprit == 0 and self.world_size == 1 else nodes.get(culprit, "")) if culprit is not None else ""
+        detail = frtrace.describe(found, nodes)[-1] if found is not None else "no rank named by the flight records"
+        record = {"rank": culprit, "node": node, "limit_s": round(limit), "detail": detail, "time": time.time()}
+        try:
+            atomic_write_text(Path(self.hang_file), json.dumps(record))
+        except OSError:
+            pass
+        logging.getLogger("swiftslurm.train").error("watchdog: no step for %.0f s: ending the step for an in-job restart (%s)", limit, detail)
+        os._exit(HANG_EXIT)
 
     def _dump_stacks(self, limit: float) -> None:
         """Every thread's Python stack, by faulthandler, from this thread: it holds the GIL, so no frame moves."""

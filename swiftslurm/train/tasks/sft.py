@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import SwiftSlurmError
-from ...taskdir import METRICS_FILE, SUMMARY_FILE
+from ...taskdir import HANG_FILE, METRICS_FILE, SUMMARY_FILE
 from ...taskdir import TOKEN_CACHE_DIR as CACHE_DIR  # under output_dir: a requeue finds the tokens there
 from ..build import (  # noqa: F401 (re-exported)
     ModelUnavailable,
@@ -349,7 +349,8 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
         stack.callback(gpu.stop)
     meter = StepMeter(comm, gpu)
     # stacks and flight record of a rank that stops stepping; rank 0 logs which collective each rank is in
-    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800), world_size=dist.world_size, node=dist.node)
+    watchdog = ProgressWatchdog(dist.rank, float(spec.train.ddp_timeout or 1800), world_size=dist.world_size, node=dist.node,
+                                hang_file=Path(output_dir) / HANG_FILE)  # used under the in-job restart supervisor only
     stack.callback(watchdog.stop)
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)

@@ -1,0 +1,220 @@
+"""In-job restart: after a training step fails, start it again inside the same allocation (pure, plus its record).
+
+The supervisor (``node/supervise.py``) runs the training step, and when it ends non-zero asks two questions here:
+what happened (``cause_of``: over srun's own error lines, the ranks' failure records, the watchdog's hang
+verdict and the nodes Slurm reports down) and what to do (``decide_restart``: again, on which nodes, or stop).
+Each answer is one record in ``<task dir>/restarts.json`` (``record_restart``), which ``status``, ``doctor`` and
+``plot`` read (``read_restarts``, through fsutil).
+
+A node is dropped when it cannot be used again (Slurm marked it down, its rank died with a hardware-looking
+error, it failed the restart's probe, the watchdog named it as the rank that stopped) and a spare
+(``slurm.spare_nodes``) can take its place; a down node is dropped even without a spare, and then the run stops
+(there is no smaller world to resume into here). Without a spare, a named culprit of a hang or a hardware error
+keeps its place: the restart may still clear it, and ``max_restarts`` bounds the attempts either way.
+
+Walltime stops (``requeues.json``), a refused start (the preflight's exit 4) and a clean end are never restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..taskdir import RESTARTS_FILE
+
+if TYPE_CHECKING:
+    from ..spec.model import JobSpec
+
+# srun's own line when a task ends badly: "srun: error: node2: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
+SRUN_ERROR = re.compile(r"^srun: error: (?P<node>[A-Za-z0-9][A-Za-z0-9._-]*): tasks? (?P<tasks>[0-9][0-9,\-]*): (?P<msg>.+?)\s*$")
+# what a node failure looks like from srun's side (the node, not the program, went away)
+NODE_LOST = re.compile(r"node fail|Node failure|not responding|lost connection|Unable to contact slurm node|is DOWN", re.I)
+# a rank that died of the hardware under it: do not restart it on the same node when a spare can take its place
+HARDWARE = re.compile(r"uncorrectable ECC|ECC error|\bXid\b|fallen off the bus|cudaErrorECCUncorrectable|ncclUnhandledCudaError|"
+                      r"NVLink error|GPU is lost|Bus error", re.I)
+HANG, NODE_FAILURE, HARDWARE_FAULT, RANK_KILLED, RANK_FAILED, PROBE = "hang", "node_failure", "hardware", "rank_killed", "rank_failed", "probe"
+
+
+@dataclass(frozen=True)
+class SrunError:
+    node: str
+    tasks: str  # "1", "0-1"
+    message: str  # "Killed", "Exited with exit code 1"
+
+    def line(self) -> str:
+        return f"task {self.tasks} on {self.node}: {self.message}"
+
+
+# srun's line when Slurm lost a node of the step (a node set DOWN, a dead slurmd): "srun: error: Node failure on node3"
+SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<node>[A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
+
+
+def parse_srun_error(line: str) -> SrunError | None:
+    """srun's report of a task that ended badly, or of a node it lost, from one line of its stderr (pure)."""
+    m = SRUN_ERROR.match(line.strip())
+    if m:
+        return SrunError(m["node"], m["tasks"], m["msg"])
+    lost = SRUN_NODE_FAILURE.match(line.strip())
+    return SrunError(lost["node"], "-", "Node failure") if lost else None
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What is known about a training step that ended (the supervisor gathers it; ``cause_of`` reads it)."""
+
+    rc: int
+    nodes: tuple[str, ...]  # the nodes it ran on
+    srun_errors: tuple[SrunError, ...] = ()
+    failures: tuple[tuple[int, str, str], ...] = ()  # (rank, node, what) from the ranks' records of this step
+    hang: dict[str, Any] | None = None  # the watchdog's verdict (logs/hang.json) written during this step
+    down: tuple[str, ...] = ()  # of ``nodes``, those Slurm now reports down, drained or failed
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str  # hang | node_failure | hardware | rank_killed | rank_failed | probe
+    detail: str  # one line, for people
+    suspects: tuple[str, ...] = ()  # nodes to replace when a spare can take their place
+    gone: tuple[str, ...] = ()  # nodes that cannot run anything again in this job (dropped with or without a spare)
+
+
+def cause_of(end: StepEnd) -> Cause:
+    """Why the step ended (pure): a node Slurm lost, the watchdog's hang verdict, a hardware-looking error, a rank
+    that was killed or that failed, first match wins."""
+    lost = tuple(dict.fromkeys([*end.down, *(e.node for e in end.srun_errors if NODE_LOST.search(e.message) and e.node in end.nodes)]))
+    if lost:
+        return Cause(NODE_FAILURE, f"node(s) {', '.join(lost)} failed or went down (Slurm)", lost, lost)
+    if end.hang is not None:
+        culprit = str(end.hang.get("node") or "")
+        who = f"rank {end.hang.get('rank')} on {culprit}" if culprit else "no rank named"
+        return Cause(HANG, f"no training step for {end.hang.get('limit_s', '?')} s (watchdog; {who}): "
+                     f"{str(end.hang.get('detail') or '')[:300]}".rstrip(": "), (culprit,) if culprit in end.nodes else ())
+    for rank, node, what in end.failures:
+        if HARDWARE.search(what):
+            return Cause(HARDWARE_FAULT, f"rank {rank} on {node}: {what[:300]}", (node,) if node in end.nodes else ())
+    for e in end.srun_errors:
+        if HARDWARE.search(e.message):
+            return Cause(HARDWARE_FAULT, e.line(), (e.node,) if e.node in end.nodes else ())
+    # srun reports tasks in the order they ended: the first one killed is the origin (the others' errors, "connection
+    # reset by peer", followed from it); a rank that raised says more in its own record than srun's exit code
+    if end.srun_errors and _by_signal(end.srun_errors[0].message):
+        return Cause(RANK_KILLED, end.srun_errors[0].line())
+    if end.failures:
+        rank, node, what = end.failures[0]
+        return Cause(RANK_FAILED, f"rank {rank} on {node}: {what[:300]}")
+    if end.srun_errors:
+        first = end.srun_errors[0]
+        return Cause(RANK_KILLED if _by_signal(first.message) else RANK_FAILED, first.line())
+    return Cause(RANK_FAILED, f"the training step exited with {end.rc}")
+
+
+def _by_signal(message: str) -> bool:
+    """srun's word for a task a signal ended: "Killed", "Segmentation fault", "Aborted", "Terminated", "... signal N"."""
+    return bool(re.search(r"Killed|Segmentation fault|Aborted|Terminated|Bus error|signal", message))
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    restart: bool
+    nodes: tuple[str, ...]  # where the next step runs (empty when not restarted)
+    dropped: tuple[str, ...]  # nodes taken out of the job now
+    message: str
+
+
+def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable[str], allocation: Iterable[str],
+                   excluded: Iterable[str], need: int, shrink: bool = False) -> RestartDecision:
+    """Restart again unless ``max_restarts`` were made already or too few usable nodes are left (pure).
+
+    ``current``: the failed step's nodes; ``allocation``: the job's (spares included); ``excluded``: dropped earlier.
+    Surviving nodes keep their place; a dropped one is replaced by the first unused node of the allocation. With
+    ``shrink`` (slurm.shrink_on_failure) and no spare left, the step restarts on the nodes that remain.
+    """
+    current, allocation = tuple(current), tuple(allocation)
+    out = set(excluded)
+    if done >= max_restarts:
+        return RestartDecision(False, (), (), f"not restarted: max_restarts reached (slurm.max_restarts = {max_restarts}, "
+                               f"{done} restart(s) made) after: {cause.detail}")
+    spare = [n for n in allocation if n not in out and n not in current and n not in cause.suspects and n not in cause.gone]
+    drop = tuple(dict.fromkeys([*cause.gone, *(n for n in cause.suspects if len(spare) >= len(set(cause.suspects) | set(cause.gone)))]))
+    keep = [n for n in current if n not in drop]
+    nodes = tuple(keep + spare[: max(0, need - len(keep))])
+    if len(nodes) < need and shrink and nodes:
+        return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts} on {len(nodes)} of {need} node(s) "
+                               f"({', '.join(nodes)}; dropped {', '.join(drop)}; no spare left, slurm.shrink_on_failure): fewer "
+                               f"data-parallel ranks from here on, after: {cause.detail}")
+    if len(nodes) < need:
+        return RestartDecision(False, (), drop, f"not restarted: {cause.detail}; {len(nodes)} usable node(s) left of the {need} "
+                               f"training needs (no spare left). HINT: give the job spares (slurm.spare_nodes), or resubmit; "
+                               f"the run continues from the newest verified checkpoint")
+    how = f" on {', '.join(nodes)}" + (f" (dropped {', '.join(drop)})" if drop else "")
+    return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts}{how} after: {cause.detail}")
+
+
+STEP_NODES_ENV = "SWIFTSLURM_STEP_NODES"  # the step's environment after a shrink: how many nodes it runs on
+
+
+def step_spec(spec: JobSpec, environ: Mapping[str, str]) -> JobSpec:
+    """The spec a rank of a shrunk step checks its allocation against: ``slurm.nodes`` from the supervisor (pure).
+    Only fewer nodes, and only where the spec allows it; otherwise the spec as it is."""
+    raw = environ.get(STEP_NODES_ENV, "")
+    if not (raw.isascii() and raw.isdigit()) or not spec.slurm.shrink_on_failure or not 0 < int(raw) < spec.slurm.nodes:
+        return spec
+    return spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"nodes": int(raw)})})
+
+
+# ---------------------------------------------------------------- restarts.json
+
+
+def read_restarts(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The restart records of a task dir, oldest first ([] when missing or not ours)."""
+    try:
+        records = read_json(Path(out_dir, RESTARTS_FILE), RECORD_CAP, expect=list)
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("job_id", ""), str) and isinstance(r.get("restarted", False), bool)]
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    job_id: str
+    attempt: int  # this job's restarts before this one
+    cause: str
+    detail: str
+    nodes: list[str]  # the failed step's nodes
+    restarted: bool
+    next_nodes: list[str]
+    dropped: list[str]
+    resume_step: int | None  # the newest checkpoint on disk when the step is restarted (rank 0 verifies it)
+    message: str
+    exit_code: int
+    time: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def record_restart(out_dir: str | Path, record: RestartRecord) -> None:
+    atomic_write_text(Path(out_dir, RESTARTS_FILE), json.dumps(read_restarts(out_dir) + [record.to_json()], indent=2))
+
+
+def job_restarts(records: list[dict[str, Any]], job_id: str) -> list[dict[str, Any]]:
+    """Pure: this job's records (a job keeps its id across in-job restarts)."""
+    return [r for r in records if r.get("job_id") == job_id]
+
+
+def summary(records: list[dict[str, Any]], job_id: str) -> tuple[int, str | None]:
+    """Pure, for ``status``: how often this job restarted in place, and one line on the last decision."""
+    mine = job_restarts(records, job_id)
+    made = sum(1 for r in mine if r.get("restarted"))
+    if not mine:
+        return 0, None
+    last = mine[-1]
+    if not last.get("restarted"):
+        return made, str(last.get("message") or "not restarted")
+    at = f", resumed from step {last['resume_step']}" if isinstance(last.get("resume_step"), int) else ""
+    return made, f"restarted in place {made} time(s); last: {last.get('cause')}: {str(last.get('detail'))[:200]}{at}"

@@ -1,0 +1,89 @@
+"""Job steps inside an allocation, for the in-job restart: where a step runs, and which nodes Slurm lost.
+
+``placement(nodes, ranks_per_node)`` is the srun options that put a step on exactly those nodes (pure);
+``start_step(argv, env)`` starts one (``srun`` as an argv list, its stderr piped for the supervisor to read);
+``node_states(nodes)`` asks ``sinfo`` how Slurm sees them, parsed by ``parse_node_states`` (pure).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from .commands import UNUSABLE_STATES, _run
+
+PROBE_TIMEOUT_S = 120
+
+
+def placement(nodes: tuple[str, ...], ranks_per_node: int) -> list[str]:
+    """srun options for a step of ``len(nodes) x ranks_per_node`` tasks on exactly ``nodes`` (pure). Explicit counts:
+    the batch environment's SLURM_NTASKS / SLURM_NNODES describe the whole allocation, spares included."""
+    return [f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * ranks_per_node}", f"--ntasks-per-node={ranks_per_node}",
+            f"--nodelist={','.join(nodes)}"]
+
+
+def with_options(srun_argv: list[str], options: list[str]) -> list[str]:
+    """``srun OPTIONS... rest``: options right after the program name, so they come before the command (pure)."""
+    if not srun_argv or srun_argv[0].rsplit("/", 1)[-1] != "srun":
+        raise ValueError(f"not an srun command line: {srun_argv[:3]}")
+    return [srun_argv[0], *options, *srun_argv[1:]]
+
+
+def start_step(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``srun ...`` (stdout passed through, stderr piped, line by line, for srun's own error lines)."""
+    return subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+
+
+def parse_node_states(text: str) -> dict[str, str]:
+    """``sinfo -h -N -o %N|%t`` -> {node: state} (pure; a node listed twice, in two partitions, once)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        node, sep, state = line.strip().partition("|")
+        if sep and node:
+            out[node] = state.strip()
+    return out
+
+
+def unusable(state: str) -> bool:
+    """A state in which a node cannot run a step: down, drained, failed, not responding (``*``) (pure)."""
+    return state.endswith("*") or state.rstrip("~#!%$@^-+").lower().startswith(UNUSABLE_STATES)
+
+
+def node_states(nodes: tuple[str, ...]) -> dict[str, str]:
+    """How Slurm sees ``nodes`` now; {} when sinfo does not answer."""
+    if not nodes:
+        return {}
+    proc = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%t"], check=False)
+    return parse_node_states(proc.stdout) if proc.returncode == 0 else {}
+
+
+def job_nodes(job_id: str) -> tuple[str, ...] | None:
+    """The nodes a job holds now (``scontrol show job``: a node Slurm lost under ``--no-kill`` leaves the list); None
+    when it does not answer."""
+    from .commands import parse_scontrol_job, show_hostnames
+
+    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+    jobs = parse_scontrol_job(proc.stdout) if proc.returncode == 0 else []
+    hostlist = jobs[0].get("NodeList", "") if jobs else ""
+    if not hostlist or hostlist == "(null)":
+        return None
+    try:
+        return tuple(show_hostnames(hostlist))
+    except Exception:  # noqa: BLE001 -- advice only: the caller falls back to sinfo
+        return None
+
+
+def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, subprocess.CompletedProcess]:
+    """``command`` as one single-task step on each node, all at once (the restart's short preflight): node -> its result
+    (exit 124 when it did not end in time). One step per node, so a node Slurm cannot start a step on fails alone."""
+    procs = {n: subprocess.Popen(["srun", *placement((n,), 1), "--unbuffered", *command], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, errors="replace") for n in nodes}
+    out: dict[str, subprocess.CompletedProcess] = {}
+    for node, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            out[node] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            out[node] = subprocess.CompletedProcess(proc.args, 124, stdout, stderr)
+    return out

@@ -1,0 +1,181 @@
+"""In-job restart on the real Slurm cluster (slurm.max_restarts, slurm.spare_nodes), both submit paths.
+
+1. submitit path (`swiftslurm submit`), 2 nodes, no spare, max_restarts = 2, beside an uninterrupted reference run
+   of the same training: rank 1 stops stepping on the first attempt (the watchdog's test hook
+   SWIFTSLURM_TEST_STALL); the watchdog (a 5 s floor) ends the step and it is restarted in place long before the
+   collective timeout (ddp_timeout = 600 s). Then rank 1 of the restarted step is SIGKILLed from outside; it is
+   restarted again. The same job id ends COMPLETED at max_steps, restarts.json names both causes, `status` says
+   so, and every logged loss (the steps logged twice around each restart too) equals the reference's, bitwise.
+The rendered script's supervisor and the spare nodes are covered by tests/test_restart.py; an end-to-end test of a
+node set DOWN and replaced by a spare is not here yet: on this cluster Slurm resized the job after the node failure
+and the restart's probe step on a remaining node did not start within 2 minutes (commit 837cb86 has the test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_for_job
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
+STEPS = 40
+STALL_STEP = 12
+MIN_STEP_S = 0.3  # every step takes at least this long (the watchdog's test hook): time to act between two saves
+
+SPEC = """
+[job]
+name = "{name}"
+output_dir = "{out}"
+[slurm]
+partition = "debug"
+nodes = 2
+tasks_per_node = 1
+cpus_per_task = 1
+time = "00:15:00"
+{slurm}
+[train]
+model = "tiny-llama"
+dataset = ["{data}"]
+train_type = "full"
+deepspeed = "zero2"
+gradient_checkpointing = false
+per_device_train_batch_size = 2
+learning_rate = 1e-3
+max_steps = {steps}
+max_length = 128
+save_steps = 8
+logging_steps = 1
+ddp_timeout = 600
+report_to = ["none"]
+[preflight]
+checks = []
+[env]
+OMP_NUM_THREADS = "1"
+SWIFTSLURM_TEST_MIN_STEP_S = "{min_step_s}"
+SWIFTSLURM_WATCHDOG_FLOOR_S = "5"
+{env}
+"""
+
+
+def write_spec(tmp: Path, name: str, slurm: str = "", env: str = "") -> tuple[Path, Path]:
+    out = tmp / name
+    spec = tmp / f"{name}.toml"
+    spec.write_text(SPEC.format(name=f"restart-{name}", out=out, data=DATA, steps=STEPS, slurm=slurm, env=env, min_step_s=MIN_STEP_S))
+    return spec, out
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swiftslurm", *args], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+def submit(spec: Path, out: Path) -> str:
+    proc = cli("submit", str(spec), "--executor", "slurm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"][0]
+
+
+def losses(out: Path) -> dict[int, list[float]]:
+    per_step: dict[int, list[float]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            per_step.setdefault(int(row["step"]), []).append(row["loss"])
+    return per_step
+
+
+def last_step(out: Path) -> int:
+    try:
+        return max((int(json.loads(x)["step"]) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+def restarts(out: Path) -> list[dict]:
+    path = out / "restarts.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def wait_until(what, timeout_s: float, explain=lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what.__name__}\n{explain()}"
+        time.sleep(0.5)
+
+
+def rank_pids(job_id: str, rank: int) -> list[int]:
+    """The `swiftslurm run` processes of a job's training step rank (all on this machine: the cluster is local)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(x.split("=", 1) for x in (entry / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (environ.get("SLURM_JOB_ID") == job_id and environ.get("SLURM_PROCID") == str(rank) and environ.get("SLURM_STEP_ID", "batch") != "batch"
+                and (b"submitit.core._submit" in cmd or b"swiftslurm\0run" in cmd)):
+            found.append(int(entry.name))
+    return found
+
+
+def explain(out: Path) -> str:
+    logs = sorted((out / "logs").rglob("*.err")) + sorted(out.glob("slurm-*.out"))
+    return "\n".join(f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:]) for p in logs[-3:]) + f"\nrestarts: {restarts(out)}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_hung_then_killed_rank_restarts_in_place_to_the_same_losses(tmp_path, slurm_cluster):
+    ref_spec, ref_out = write_spec(tmp_path, "reference")
+    run_spec, run_out = write_spec(tmp_path, "restarted", "max_restarts = 2", f'SWIFTSLURM_TEST_STALL = "1:{STALL_STEP}:3600"')
+    ref_job, job = submit(ref_spec, ref_out), submit(run_spec, run_out)
+    try:
+        # the stall: the watchdog's verdict ends the step and the supervisor restarts it
+        wait_until(lambda: len(restarts(run_out)) >= 1, 600, lambda: explain(run_out))
+        hang = restarts(run_out)[0]
+        assert hang["cause"] == "hang" and hang["restarted"] and "rank 1 on node" in hang["detail"], hang
+        # rank 1 sleeps at the end of step STALL_STEP, before its loss is logged: the last row before it is the step before
+        stalled_at = next(json.loads(x)["time"] for x in (run_out / "metrics.jsonl").read_text().splitlines()
+                          if json.loads(x).get("step") == STALL_STEP - 1 and "loss" in x)
+        decided = os.path.getmtime(run_out / "logs" / "hang.json")
+        # 5 s floor + at most 20 s gathering the flight records, against the 600 s collective timeout
+        assert decided - stalled_at < 120, (stalled_at, decided)
+        # the restarted step gets past the stall and saves; then rank 1 is killed from outside
+        resumed = hang["resume_step"]
+        wait_until(lambda: last_step(run_out) >= STALL_STEP + 4, 600, lambda: explain(run_out))
+        pids = rank_pids(job, 1)
+        assert pids, f"no process of rank 1 of job {job}"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        states = wait_for_job(job, timeout_s=600)
+        assert states[job] == "COMPLETED", f"{states}\n{explain(run_out)}"
+        ref_state = wait_for_job(ref_job, timeout_s=300)
+        assert ref_state[ref_job] == "COMPLETED", f"{ref_state}\n{explain(ref_out)}"
+    finally:
+        for j, name in ((ref_job, "restart-reference"), (job, "restart-restarted")):
+            subprocess.run(["scancel", f"--name={name}", j], capture_output=True, timeout=30)
+
+    records = restarts(run_out)
+    assert [(r["cause"], r["restarted"]) for r in records] == [("hang", True), ("rank_killed", True)], records
+    assert records[1]["detail"].startswith("task 1 on node") and records[1]["detail"].endswith("Killed"), records[1]
+    assert isinstance(resumed, int) and resumed < STALL_STEP
+    # the same job ran once: no requeue (sacct -D lists each run of a job id)
+    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True, text=True, timeout=30)
+    assert runs.stdout.split() == ["COMPLETED"], runs.stdout
+    ref, got = losses(ref_out), losses(run_out)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    assert any(len(v) > 1 for v in got.values())  # steps between a checkpoint and a failure were trained twice
+    mismatched = {s: (ref[s][0], v) for s, v in got.items() if any(x != ref[s][0] for x in v)}
+    assert not mismatched, f"steps that differ from the uninterrupted run: {sorted(mismatched.items())[:3]}"
+    status = cli("status", str(run_out))
+    assert "restarted in place 2 time(s); last: rank_killed: task 1 on node" in status.stdout, status.stdout + status.stderr
