@@ -136,8 +136,6 @@ REFUSALS = [  # (train keys, parallel keys, slurm keys, the message's words)
     ('model = "tiny-llama"\ntrain_type = "full"\ndeepspeed = "zero3"', "tensor_parallel = 2", None, "supports ZeRO stages 0, 1 and 2"),
     ('model = "tiny-llama"\nattn_implementation = "eager"', "sequence_parallel = 2", None, "refuses eager attention"),
     ('model = "tiny-llama"\nattn_implementation = "sdpa"', "sequence_parallel = 2", "gpus_per_node = 4", "packed rows need flash attention"),
-    ('model = "tiny-llama"\nattn_implementation = "varlen_attn"\nbf16 = true', "sequence_parallel = 2", "gpus_per_node = 4",
-     "packed rows need flash attention"),
     ('model = "tiny-llama"', "sequence_parallel = 2", None, "which runs on CUDA GPUs only"),  # a CPU job: "auto" is sdpa there
     ('model = "tiny-llama"\npacking = false\nmax_length = 1001', "sequence_parallel = 2", None, "max_length must be a multiple"),
     (f'model = "{MODEL_DIR}"\npacking = false', "sequence_parallel = 4", None, "head count must divide by sequence_parallel"),
@@ -235,6 +233,14 @@ def test_model_shape_refuses_impossible_heads_and_a_cpu_job_gets_no_gpu_warning(
                          "plan", "--json").stdout)
     [warning] = [w for w in gpu["warnings"] if "gpu_memory_gb" in w]
     assert "these would fit: ZeRO-3" in warning, warning  # 70B full FT on 8 x 80 GB: only sharded parameters fit
+
+
+def test_sp_with_packing_on_varlen_attn_is_accepted(tmp_path):
+    """varlen_attn reads the sample boundaries from the position_ids Ulysses gathers (issue #34): SP with packed rows on
+    it validates, where sdpa (in REFUSALS) is refused."""
+    run = cli(spec_file(tmp_path, 'model = "tiny-llama"\nattn_implementation = "varlen_attn"\nbf16 = true', "sequence_parallel = 2",
+                        "gpus_per_node = 4"), "validate")
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_sp_with_packing_on_auto_attention_says_what_the_nodes_need(tmp_path):
