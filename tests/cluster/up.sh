@@ -198,6 +198,27 @@ all_nodes_ready() {
     [[ $(registered_nodes "$1") -eq $NODES ]]
 }
 
+# Nodes whose slurmd registered since $1 but that the saved state still holds DRAIN or DOWN: an earlier life of this
+# cluster left them so (e.g. "Kill task failed" when a test's step outlived UnkillableStepTimeout on a loaded
+# machine). This is a fresh start of our own test cluster: put them back to work, saying so.
+resume_left_over() {
+    local name
+    for name in $(scontrol show node -o 2>/dev/null | awk -v since="$1" '
+        {
+            name = ""; state = ""; start = ""
+            for (i = 1; i <= NF; i++) {
+                split($i, kv, "=")
+                if (kv[1] == "NodeName") name = kv[2]
+                else if (kv[1] == "State") state = kv[2]
+                else if (kv[1] == "SlurmdStartTime") start = kv[2]
+            }
+            if (name != "" && start >= since && state ~ /DRAIN|DOWN/ && state !~ /[*]|NOT_RESPONDING/) print name
+        }'); do
+        scontrol update nodename="$name" state=resume 2>/dev/null &&
+            say "resumed $name: an earlier run of this cluster left it drained or down"
+    done
+}
+
 # A daemon that died while we wait for it: fail now, with its log.
 check_alive() {
     local pidfile=$1 comm=$2
@@ -259,6 +280,7 @@ main() {
 
     local deadline=$((SECONDS + 60))
     until all_nodes_ready "$slurmd_since"; do
+        resume_left_over "$slurmd_since"
         if ((SECONDS >= deadline)); then
             scontrol show node >&2 || true
             show_logs "$LOG/slurmctld.log" "$LOG"/slurmd-node*.log
