@@ -99,6 +99,16 @@ class SFTTrainer(Trainer):
         return self.optimizer
 
     # ---- measurements
+    def count_model_flops(self) -> None:
+        """``flops_per_token`` from the model as it is now: TRL's trainers apply LoRA (``peft_config``) inside their
+        ``__init__``, after ``sft.train`` counted the parameters, so their subclasses call this once it returned."""
+        from .health.metrics import flops_per_token
+
+        assert self.model is not None  # the Trainer's __init__ set it
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.flops_per_token = flops_per_token(total, trainable)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         self.meter.begin_step()
         batches = []

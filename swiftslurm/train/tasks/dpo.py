@@ -49,18 +49,13 @@ def trainer_class():
     our ``log``/``_save_checkpoint``/``get_batch_samples`` wrap TRL's, which wrap ``transformers.Trainer``'s."""
     from trl import DPOTrainer
 
-    from ..health.metrics import flops_per_token
     from ..trainer import SFTTrainer
 
     class SwiftDPOTrainer(SFTTrainer, DPOTrainer):
         def __init__(self, *args, max_prompt_length: int | None = None, **kwargs):
             self.max_prompt_length = max_prompt_length  # read by _prepare_dataset, inside TRL's __init__
             super().__init__(*args, **kwargs)
-            # TRL applied LoRA (peft_config) inside __init__: count what it made trainable
-            assert self.model is not None  # TRL's __init__ set it
-            total = sum(p.numel() for p in self.model.parameters())
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            self.flops_per_token = flops_per_token(total, trainable)
+            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)

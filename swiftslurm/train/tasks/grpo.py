@@ -79,7 +79,6 @@ def trainer_class():
     import torch
     from trl import GRPOTrainer
 
-    from ..health.metrics import flops_per_token
     from ..trainer import SFTTrainer
     from . import rewards
 
@@ -87,10 +86,7 @@ def trainer_class():
         def __init__(self, *args, reward_failures: list, **kwargs):
             self.reward_failures = reward_failures  # filled by the Guarded reward functions of this rank
             super().__init__(*args, **kwargs)
-            assert self.model is not None  # TRL's __init__ set it (and applied LoRA from peft_config)
-            total = sum(p.numel() for p in self.model.parameters())
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            self.flops_per_token = flops_per_token(total, trainable)
+            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             """Prompts, not token tensors: count them as samples here; their tokens once generated (below)."""

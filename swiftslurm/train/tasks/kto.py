@@ -46,17 +46,12 @@ def trainer_class():
     """``SwiftKTOTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``KTOTrainer`` in the MRO."""
     from trl import KTOTrainer
 
-    from ..health.metrics import flops_per_token
     from ..trainer import SFTTrainer
 
     class SwiftKTOTrainer(SFTTrainer, KTOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            # TRL applied LoRA (peft_config) inside __init__: count what it made trainable
-            assert self.model is not None  # TRL's __init__ set it
-            total = sum(p.numel() for p in self.model.parameters())
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            self.flops_per_token = flops_per_token(total, trainable)
+            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
 
     return SwiftKTOTrainer
 
