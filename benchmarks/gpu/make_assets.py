@@ -13,6 +13,18 @@ import random
 import string
 from pathlib import Path
 
+# name: (model dir, config). Qwen2.5 shapes (tied embeddings, 151,936 vocabulary) as a Llama; Llama-3-8B untied
+SHAPES = {
+    "0.5b": ("qwen05b", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                             num_key_value_heads=2, vocab_size=151936)),  # 494M parameters
+    "1.5b": ("qwen15b", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                             num_key_value_heads=2, vocab_size=151936)),  # 1.54B
+    "3b": ("qwen3b", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                          num_key_value_heads=2, vocab_size=151936)),  # 3.09B
+    "8b": ("llama8b", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256)),  # 8.03B, untied head
+}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -20,7 +32,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--shape", choices=["0.5b", "8b"], default="0.5b", help="8b: a Llama-3-8B-shaped model (8.03B parameters)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="0.5b", help="Qwen2.5-0.5B/1.5B/3B-shaped, or 8b: Llama-3-8B-shaped (8.03B parameters)")
     a = ap.parse_args()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,19 +40,16 @@ def main() -> None:
     from swiftslurm.train.tinymodel import build_tokenizer
 
     out = Path(a.out)
-    model_dir = out / ("tiny" if a.tiny else "llama8b" if a.shape == "8b" else "qwen05b")
+    model_dir = out / ("tiny" if a.tiny else SHAPES[a.shape][0])
     tok = build_tokenizer()
     if a.tiny:
         shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    elif a.shape == "8b":  # Llama-3-8B: 8.03B parameters, untied head
-        shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     vocab_size=128256)
-    else:  # Qwen2.5-0.5B: 494M parameters
-        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+    else:
+        shape = SHAPES[a.shape][1]
     config = LlamaConfig(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=a.shape != "8b" or a.tiny,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    if a.shape == "8b" and torch.cuda.is_available():  # 16 GB of random bf16 weights: initialised on the GPU, in seconds
+    if a.shape != "0.5b" and not a.tiny and torch.cuda.is_available():  # GBs of random bf16 weights: initialised on the GPU, in seconds
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
             model = LlamaForCausalLM(config)

@@ -45,6 +45,7 @@ VARIANTS = {
     "swiftslurm_defaults": lambda assets: {"gradient_checkpointing": None},  # None: the key left out (its default, "auto")
     "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
+    "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
     "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
@@ -114,7 +115,7 @@ def main() -> None:
                     "(probe/sitecustomize.py) into OUT/probe_<arm>.jsonl")
     ap.add_argument("--profile", default="", help="A:B: also torch.profiler over steps A..B-1 (implies --probe)")
     ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, trl_packed, {', '.join(VARIANTS)}")
-    ap.add_argument("--shape", choices=["0.5b", "8b"], default="0.5b", help="make_assets.py's model (8b: Llama-3-8B-shaped)")
+    ap.add_argument("--shape", choices=["0.5b", "1.5b", "3b", "8b"], default="0.5b", help="make_assets.py's model (8b: Llama-3-8B-shaped)")
     ap.add_argument("--lora", action="store_true", help="LoRA r16 on every linear layer (all arms) instead of full fine-tuning")
     ap.add_argument("--max-length", type=int, default=2048, help="tokens per row (packed rows, full rows, TRL's packing)")
     ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch (the padded arm: 2x this many samples)")
