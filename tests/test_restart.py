@@ -133,6 +133,13 @@ def test_placement_and_task_of_the_supervisor():
     assert steps.with_options(["srun", "--unbuffered", "python"], ["-k"]) == ["srun", "-k", "--unbuffered", "python"]
     with pytest.raises(ValueError):
         steps.with_options(["python", "x"], ["-k"])
+    # after a failure: asked with --immediate, and sharing the CPUs once Slurm has refused it as busy for SETTLE_S
+    assert steps.after_failure(None) == [f"--immediate={steps.STEP_START_S}"]
+    assert steps.after_failure(steps.SETTLE_S - 1) == [f"--immediate={steps.STEP_START_S}"]
+    assert steps.after_failure(steps.SETTLE_S) == [f"--immediate={steps.STEP_START_S}", "--overlap"]
+    assert steps.busy("srun: error: Unable to create step for job 3036: Requested nodes are busy\n")
+    assert steps.busy("srun: Job 3033 step creation temporarily disabled, retrying (Requested nodes are busy)") is False
+    assert not steps.busy("srun: error: Unable to create step for job 7: Requested node configuration is not available")
     assert steps.unusable("down*") and steps.unusable("drain") and steps.unusable("idle*") and not steps.unusable("mix")
     assert steps.parse_node_states("node1|mix\nnode2|down*\n") == {"node1": "mix", "node2": "down*"}
     assert task_index("3,5", {"SLURM_ARRAY_TASK_ID": "1"}) == 5
@@ -199,6 +206,17 @@ def test_shrink_on_failure_restarts_on_fewer_nodes_only_where_the_spec_allows(tm
     assert restart.step_spec(spec, {}).slurm.nodes == 3 and restart.step_spec(spec, {"SWIFTSLURM_STEP_NODES": "4"}).slurm.nodes == 3
     rigid = validate_spec({"slurm": {"nodes": 3, "max_restarts": 2}})
     assert restart.step_spec(rigid, {"SWIFTSLURM_STEP_NODES": "2"}).slurm.nodes == 3
+    # and the DeepSpeed dict's global batch follows the smaller world (HF Trainer refuses a mismatch)
+    from swiftslurm.dsconfig import build_for_spec
+
+    trains = validate_spec({"slurm": {"nodes": 3, "max_restarts": 2, "shrink_on_failure": True},
+                            "train": {"model": "tiny-llama", "dataset": ["x.jsonl"], "per_device_train_batch_size": 2,
+                                      "gradient_accumulation_steps": 3, "dataset_scan": False}})
+    ds, _ = build_for_spec(trains)
+    assert ds["train_batch_size"] == 2 * 3 * 3
+    smaller = restart.step_spec(trains, {"SWIFTSLURM_STEP_NODES": "2"})
+    assert restart.step_ds_config(ds, smaller) == {**ds, "train_batch_size": 2 * 3 * 2}
+    assert restart.step_ds_config({}, smaller) == {}
     with pytest.raises(Exception) as exc:
         validate_spec({"slurm": {"nodes": 2, "max_restarts": 1, "shrink_on_failure": True}, "parallel": {"tensor_parallel": 2}})
     assert "data parallel" in str(exc.value) and "spare_nodes" in str(exc.value)

@@ -6,15 +6,19 @@
    collective timeout (ddp_timeout = 600 s). Then rank 1 of the restarted step is SIGKILLed from outside; it is
    restarted again. The same job id ends COMPLETED at max_steps, restarts.json names both causes, `status` says
    so, and every logged loss (the steps logged twice around each restart too) equals the reference's, bitwise.
-The rendered script's supervisor and the spare nodes are covered by tests/test_restart.py; an end-to-end test of a
-node set DOWN and replaced by a spare is not here yet: on this cluster Slurm resized the job after the node failure
-and the restart's probe step on a remaining node did not start within 2 minutes (commit 837cb86 has the test).
+2. rendered script (`swiftslurm render` + sbatch), 2 nodes + 1 spare, max_restarts = 2, shrink_on_failure: a node
+   of the step is set DOWN mid-run and the spare takes its place; then a node of the restarted step is set DOWN and,
+   with no spare left, the run shrinks to the one node that remains. The same job ends COMPLETED at max_steps, both
+   downed nodes are in the node-health ledger. (After the first down, Slurm resized the job and went on counting the
+   failed step's CPUs on the surviving node: slurm/steps.py's ``--immediate`` / ``--overlap`` answer to that is what
+   this test caught.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,3 +183,70 @@ def test_a_hung_then_killed_rank_restarts_in_place_to_the_same_losses(tmp_path, 
     assert not mismatched, f"steps that differ from the uninterrupted run: {sorted(mismatched.items())[:3]}"
     status = cli("status", str(run_out))
     assert "restarted in place 2 time(s); last: rank_killed: task 1 on node" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.fixture
+def down_node():
+    """Sets nodes DOWN, and always back (state=resume): other tests share the cluster."""
+    downed: list[str] = []
+
+    def down(node: str) -> None:
+        downed.append(node)
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=swiftslurm restart test"], check=True, timeout=30)
+
+    def resume() -> None:
+        while downed:
+            subprocess.run(["scontrol", "update", f"nodename={downed.pop()}", "state=resume"], capture_output=True, timeout=30)
+
+    try:
+        yield down, resume
+    finally:
+        resume()
+
+
+def loss_rows(out: Path) -> int:
+    try:
+        return sum('"loss"' in x for x in (out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_node_set_down_is_replaced_by_the_spare_then_the_run_shrinks(tmp_path, slurm_cluster, down_node):
+    down, resume = down_node
+    ledger = tmp_path / "ledger.json"
+    spec, out = write_spec(tmp_path, "spare", "max_restarts = 2\nspare_nodes = 1\nshrink_on_failure = true")
+    script = tmp_path / "job.sh"
+    rendered = cli("render", str(spec), "-o", str(script))
+    assert rendered.returncode == 0, rendered.stdout + rendered.stderr
+    env = {**os.environ, "SWIFTSLURM_LEDGER": str(ledger)}  # sbatch exports it to the job
+    sent = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert sent.returncode == 0, sent.stderr
+    job = sent.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: last_step(out) >= 10, 600, lambda: explain(out))
+        first = re.search(r"node 1/2 (\S+)\)", (out / "logs" / "rank-1.log").read_text())[1]
+        down(first)
+        wait_until(lambda: len(restarts(out)) >= 1, 150, lambda: explain(out))
+        replaced = restarts(out)[0]
+        assert replaced["restarted"] and replaced["dropped"] == [first] and first not in replaced["next_nodes"], replaced
+        trained = loss_rows(out)
+        wait_until(lambda: loss_rows(out) >= trained + 4, 300, lambda: explain(out))  # the restarted step trains
+        second = replaced["next_nodes"][1]
+        down(second)
+        wait_until(lambda: len(restarts(out)) >= 2, 150, lambda: explain(out))
+        states = wait_for_job(job, timeout_s=600)
+    finally:
+        resume()
+        subprocess.run(["scancel", "--name=restart-spare", job], capture_output=True, timeout=30)
+    assert states[job] == "COMPLETED", f"{states}\n{explain(out)}"
+    shrunk = restarts(out)[1]
+    assert shrunk["cause"] == "node_failure" and shrunk["restarted"] and shrunk["dropped"] == [second], shrunk
+    assert shrunk["next_nodes"] == [replaced["next_nodes"][0]] and "shrink_on_failure" in shrunk["message"], shrunk
+    assert last_step(out) == STEPS
+    entries = json.loads(ledger.read_text())
+    for node in (first, second):
+        assert any(e["node"] == node and e["reason"] == "node_failure" and e["job"] == job for e in entries), entries
+    doctor = cli("doctor", str(out))
+    assert "restart" in doctor.stdout, doctor.stdout + doctor.stderr

@@ -167,6 +167,16 @@ def step_spec(spec: JobSpec, environ: Mapping[str, str]) -> JobSpec:
     return spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"nodes": int(raw)})})
 
 
+def step_ds_config(ds_config: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """The plan's DeepSpeed dict for a step of ``spec`` (``step_spec``'s): after a shrink, ``train_batch_size`` is
+    micro x accumulation x the smaller world, the value HF Trainer checks the dict against (pure). Fewer
+    data-parallel ranks make a smaller global batch; micro-batch and accumulation stay what the spec says."""
+    if not ds_config or "train_batch_size" not in ds_config:
+        return ds_config
+    t = spec.train
+    return {**ds_config, "train_batch_size": t.per_device_train_batch_size * t.gradient_accumulation_steps * spec.world_size}
+
+
 # ---------------------------------------------------------------- restarts.json
 
 

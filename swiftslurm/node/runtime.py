@@ -64,7 +64,9 @@ def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tu
     if mode not in ("train", "preflight"):
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")
     data, task, ds_config = _read_task(plan_path, task_index)
-    task = dataclasses.replace(task, spec=restart.step_spec(task.spec, os.environ))  # a shrunk in-job restart: fewer nodes
+    shrunk = restart.step_spec(task.spec, os.environ)  # a shrunk in-job restart: fewer nodes, a smaller global batch
+    if shrunk is not task.spec:
+        task, ds_config = dataclasses.replace(task, spec=shrunk), restart.step_ds_config(ds_config, shrunk)
     spec = task.spec
     if mode == "train" and not spec.has_training:
         raise RuntimeEnvError("the plan's spec has no [train] table: nothing to train", plan_path,

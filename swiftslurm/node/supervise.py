@@ -71,6 +71,7 @@ class Supervisor:
         self.stopping = False
         self.received: list[int] = []
         self.srun_errors: list[restart.SrunError] = []
+        self.refused_busy = False
 
     # ---------------------------------------------------------------- signals: a flag, acted on in the loop
 
@@ -83,8 +84,8 @@ class Supervisor:
 
     # ---------------------------------------------------------------- one step
 
-    def _argv(self, nodes: tuple[str, ...]) -> list[str]:
-        options = ["--kill-on-bad-exit=1"]
+    def _argv(self, nodes: tuple[str, ...], attempt: int, refused_for: float | None) -> list[str]:
+        options = ["--kill-on-bad-exit=1"] + (steps.after_failure(refused_for) if attempt else [])  # asked again while busy
         if len(self.allocation) > self.need or set(nodes) != set(self.allocation):  # spares: say where
             options += steps.placement(nodes, self.spec.slurm.ranks_per_node)
         return steps.with_options(self.srun_argv, options)
@@ -93,16 +94,31 @@ class Supervisor:
         for line in stream:
             sys.stderr.write(line)
             sys.stderr.flush()
+            if steps.busy(line):
+                self.refused_busy = True
             found = restart.parse_srun_error(line)
             if found is not None:
                 self.srun_errors.append(found)
 
     def run_step(self, nodes: tuple[str, ...], attempt: int) -> int:
+        """Run the training step to its end; a restart that Slurm refuses only because the nodes are still busy (the
+        failed step ending) is started again, for at most ``steps.PROBE_TIMEOUT_S``."""
+        start = time.monotonic()
+        refused: float | None = None
+        while True:
+            rc = self._run_once(nodes, attempt, None if refused is None else time.monotonic() - refused)
+            if not (rc and self.refused_busy and not self.stopping and time.monotonic() < start + steps.PROBE_TIMEOUT_S):
+                return rc
+            refused = start if refused is None else refused
+            log.info("Slurm did not start the restarted step yet (its nodes are still busy): asking again")
+            time.sleep(steps.RETRY_PAUSE_S)
+
+    def _run_once(self, nodes: tuple[str, ...], attempt: int, refused_for: float | None) -> int:
         env = {**self.environ, ATTEMPT_ENV: str(attempt), HANG_RESTART_ENV: "1"}
         if len(nodes) != self.spec.slurm.nodes:  # shrunk (slurm.shrink_on_failure): the ranks check against this
             env[restart.STEP_NODES_ENV] = str(len(nodes))
-        self.srun_errors = []
-        proc = steps.start_step(self._argv(nodes), env)
+        self.srun_errors, self.refused_busy = [], False
+        proc = steps.start_step(self._argv(nodes, attempt, refused_for), env)
         reader = threading.Thread(target=self._tee, args=(proc.stderr,), daemon=True)
         reader.start()
         while proc.poll() is None:

@@ -3,15 +3,43 @@
 ``placement(nodes, ranks_per_node)`` is the srun options that put a step on exactly those nodes (pure);
 ``start_step(argv, env)`` starts one (``srun`` as an argv list, its stderr piped for the supervisor to read);
 ``node_states(nodes)`` asks ``sinfo`` how Slurm sees them, parsed by ``parse_node_states`` (pure).
+
+A step started right after one that lost a node can be refused as "Requested nodes are busy": the old step's
+processes may still be ending on a surviving node, and after Slurm resized the job for the lost node it can go on
+counting the old step's CPUs as used for good (Slurm 22.05: "unable to update job's core use information due to
+job resizing"; a step asking for explicit CPUs per task on that node is refused from then on, while a plain
+``srun`` waits for a wake-up that never comes). So a step started after a failure asks with ``--immediate``
+(``STEP_START_S``), is asked for again while Slurm says busy (``busy``), and after ``SETTLE_S`` of refusals
+with ``--overlap`` too (the failed step is gone; only its count is left).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
+import time
 
 from .commands import UNUSABLE_STATES, _run
 
 PROBE_TIMEOUT_S = 120
+STEP_START_S = 5  # srun --immediate for a step after a failure: refused when not started in this long, then asked again
+RETRY_PAUSE_S = 1.0
+# srun --immediate's refusal when the nodes are still in use by an ending step (not a refusal that lasts)
+BUSY = re.compile(r"Unable to create step for job \S+: .*(busy|temporarily)", re.I)
+
+
+SETTLE_S = 10.0  # refused as busy for this long after a failure: the next try shares the CPUs (--overlap)
+
+
+def after_failure(refused_for: float | None) -> list[str]:
+    """srun options of a step started after a failure that Slurm has refused as busy for ``refused_for`` seconds
+    (None: not refused yet) (pure)."""
+    return [f"--immediate={STEP_START_S}"] + (["--overlap"] if refused_for is not None and refused_for >= SETTLE_S else [])
+
+
+def busy(stderr: str) -> bool:
+    """srun's stderr says Slurm refused the step only because its nodes are still busy (pure)."""
+    return any(BUSY.search(line) for line in stderr.splitlines())
 
 
 def placement(nodes: tuple[str, ...], ranks_per_node: int) -> list[str]:
@@ -74,16 +102,30 @@ def job_nodes(job_id: str) -> tuple[str, ...] | None:
 
 def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, subprocess.CompletedProcess]:
     """``command`` as one single-task step on each node, all at once (the restart's short preflight): node -> its result
-    (exit 124 when it did not end in time). One step per node, so a node Slurm cannot start a step on fails alone."""
-    procs = {n: subprocess.Popen(["srun", *placement((n,), 1), "--unbuffered", *command], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, errors="replace") for n in nodes}
+    (exit 124 when it did not end in time). One step per node, so a node Slurm cannot start a step on fails alone.
+    A step Slurm refuses because the node is still busy (the failed step ending there) is asked for again until
+    ``timeout_s``; the last refusal is the node's result then."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     out: dict[str, subprocess.CompletedProcess] = {}
-    for node, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-            out[node] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-            out[node] = subprocess.CompletedProcess(proc.args, 124, stdout, stderr)
+    todo = list(nodes)
+    refused: float | None = None
+    while todo:
+        options = after_failure(None if refused is None else time.monotonic() - refused)
+        procs = {n: subprocess.Popen(["srun", *placement((n,), 1), *options, "--unbuffered", *command], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace") for n in todo}
+        todo = []
+        for node, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out[node] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+                out[node] = subprocess.CompletedProcess(proc.args, 124, stdout, stderr)
+            if out[node].returncode != 0 and busy(out[node].stderr) and time.monotonic() + RETRY_PAUSE_S < deadline:
+                todo.append(node)
+                refused = start if refused is None else refused
+        if todo:
+            time.sleep(RETRY_PAUSE_S)
     return out
