@@ -153,7 +153,8 @@ def test_plain_unpickle_refuses_every_class():
 @pytest.mark.parametrize("command,name", [
     ("status", "metrics.jsonl"), ("doctor", "metrics.jsonl"), ("logs", "logs/rank-1.log"), ("doctor", "logs/rank-1.log"),
     ("status", f"sub/{JOB}_0_result.pkl"), ("doctor", "requeues.json"), ("status", "checkpoint-save.json"),
-    ("doctor", "logs/nccl_trace_rank_0"),
+    ("doctor", "logs/nccl_trace_rank_0"), ("status", "restarts.json"), ("doctor", "restarts.json"), ("status", "chain.json"),
+    ("doctor", "chain.json"),
 ])
 def test_a_fifo_in_a_files_place_never_hangs(tmp_path, command, name):
     run = make_run(tmp_path)
@@ -219,7 +220,8 @@ def test_a_sparse_2gib_file_is_not_read_whole(tmp_path, command, name):
 
 
 @pytest.mark.parametrize("command,name", [("status", "metrics.jsonl"), ("doctor", "logs/nccl_trace_rank_0.json"),
-                                          ("logs", "logs/rank-1.log"), ("doctor", "train-summary.json")])
+                                          ("logs", "logs/rank-1.log"), ("doctor", "train-summary.json"), ("status", "restarts.json"),
+                                          ("doctor", "restarts.json"), ("status", "chain.json")])
 def test_a_link_to_dev_zero_is_refused(tmp_path, command, name):
     run = make_run(tmp_path)
     (run / name).unlink(missing_ok=True)
@@ -258,6 +260,14 @@ def test_a_huge_sparse_manifest_is_damaged_not_read(tmp_path):
     ("status", "checkpoint-save.json", '{"total_s": Infinity}', 0, ""),
     ("doctor", "preflight/report.json", '{"checks": ' + DEEP + "}", 0, ""),
     ("doctor", "logs/nccl_trace_rank_0.json", DEEP, 0, ""),
+    # the in-job restart's and the singleton chain's records (issue #35), written by the job, read by status/doctor
+    ("status", "restarts.json", DEEP, 0, ""),
+    ("doctor", "restarts.json", '[7, {"job_id": 5, "restarted": "yes"}, {"job_id": "4000001", "restarted": true, "resume_step": "x", '
+     '"cause": {"a": 1}, "detail": [1], "next_nodes": "node1", "dropped": null, "time": 1e999}]', 0, ""),
+    ("status", "restarts.json", '[{"job_id": "4000001", "restarted": true, "resume_step": 1' + "0" * 401 + ', "detail": "' + "x" * 100_000 + '"}]', 0, ""),
+    ("status", "chain.json", '{"chains": [{"links": [1, null]}, {"links": "4000001"}, 7]}', 0, ""),
+    ("doctor", "chain.json", '{"chains": "x"}', 0, ""),
+    ("status", "chain.json", "[" + DEEP + "]", 0, ""),
 ])
 def test_damaged_records_are_one_message(tmp_path, command, name, text, code, message):
     run = make_run(tmp_path)
