@@ -423,7 +423,8 @@ def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tm
 
     _, task, ds = read_plan_task(plan, 0)
     assert ck.read_manifest(newest).meta["spec_fingerprint"] == training_fingerprint(task.spec, ds)
-    # requeue = rerun: the next start reports the checkpoint as its resume point
+    # requeue = rerun: the next start reports the checkpoint as its resume point (its banner, before anything loads);
+    # a walltime signal now, while it loads, stops it before its first step: no step trained, nothing new saved
     proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(out / "logs", 5)
@@ -431,10 +432,16 @@ def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tm
         seen = ""
         while f"checkpoint-{step}" not in seen and time.monotonic() < deadline and proc.poll() is None:
             seen += proc.stdout.readline()
+        assert f"checkpoint-{step}" in seen, seen[-3000:]
+        proc.send_signal(signal.SIGUSR2)
+        rest, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-        proc.communicate(timeout=30)
-    assert f"checkpoint-{step}" in seen, seen[-3000:]
+    assert proc.returncode == NOT_REQUEUED_EXIT, rest[-3000:]
+    assert "walltime stop before the first step of this run" in rest and "Traceback" not in rest, rest[-3000:]
+    records = read_requeues(str(out))
+    assert len(records) == 2 and records[1]["global_step"] == step, records
+    assert ck.newest_verified(out).name == f"checkpoint-{step}" and not (out / f"checkpoint-{step + 1}").exists()
 
 
 # ---------------------------------------------------------------- on the real cluster

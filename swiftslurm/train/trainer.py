@@ -211,6 +211,11 @@ class SFTTrainer(Trainer):
         if record["advice"]:
             log.warning("%s", record["advice"])
 
+class StoppedBeforeFirstStep(Exception):
+    """The walltime signal came while the run was loading (model, engine, checkpoint): every rank raises it from
+    ``on_train_begin``, before a step, and the trainer stops for requeue with no new checkpoint to save."""
+
+
 class ScheduleCallback(TrainerCallback):
     """Forced saves at fractions of max_steps and at the last step, plus the walltime stop.
 
@@ -243,6 +248,14 @@ class ScheduleCallback(TrainerCallback):
                         "(DeepSpeed's per-step inf/NaN check and its host syncs are off)")
         elif state.is_world_process_zero and (kept := kept_reason(optimizer)):  # the reason is rank 0's to say
             log.warning("deepspeed: its bf16 inf/NaN check stays on (two host syncs per optimizer step): %s", kept)
+        # USR2 while loading: the first step's end may come after the time limit (a big model, a slow filesystem), so
+        # stop now, agreed by all ranks; the newest verified checkpoint is still the resume point, nothing to save
+        (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        if flag > 0:
+            self.stopped_for_requeue = True
+            log.warning("walltime stop before the first step of this run (the signal came while loading): stopping for "
+                        "requeue at step %d, nothing new to save", state.global_step)
+            raise StoppedBeforeFirstStep()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.end_step()

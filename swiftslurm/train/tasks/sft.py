@@ -190,8 +190,12 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
                "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
                                  eval_dataset)
+        from ..trainer import StoppedBeforeFirstStep
+
         try:
             trainer.train(resume_from_checkpoint=resume_from)
+        except StoppedBeforeFirstStep:  # the walltime signal came while loading: tools.schedule says so
+            pass
         except SwiftSlurmError as exc:
             if not exc.agreed:
                 raise
