@@ -87,9 +87,9 @@ def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | No
     from ..slurm import distenv
     from .tasks.sft import train
 
-    def should_stop() -> bool:
+    def should_stop() -> bool:  # asked once at train begin, then at every step's end: true from step stop_at_step on
         calls["n"] += 1
-        return bool(stop_at_step and dist.rank == 0 and calls["n"] >= stop_at_step)
+        return bool(stop_at_step and dist.rank == 0 and calls["n"] > stop_at_step)
 
     calls = {"n": 0}
     try:  # the runtime's steps (node/runtime.py), without its preflight, signals and requeue
