@@ -83,6 +83,19 @@ def test_auto_liger(node, stage, expected):
     assert liger_names(resolve_liger(True, 2, GPU_ALL)[0]) == "all"  # asked for where it can work: all of Liger
 
 
+def test_auto_liger_is_off_with_compile_and_true_with_compile_is_refused_at_validate():
+    """On an H200 torch.compile failed inside Liger's RMSNorm before the first step (docs/benchmarks.md, issue 34)."""
+    config, why = resolve_liger("auto", 2, GPU_ALL, compiled=True)
+    assert config is None and "train.compile" in why
+    from swiftslurm.errors import SpecError
+    from swiftslurm.spec import validate_spec
+
+    train = {"model": "tiny-llama", "dataset": ["x.jsonl"], "dataset_scan": False, "compile": True}
+    assert validate_spec({"train": {**train, "use_liger_kernel": "auto"}}).train.compile
+    with pytest.raises(SpecError, match="compile = true with use_liger_kernel = true"):
+        validate_spec({"train": {**train, "use_liger_kernel": True}})
+
+
 @pytest.mark.parametrize("node,stage,what", [
     (GPU, 2, "liger-kernel is not installed"), (CPU, 2, "liger-kernel is not installed"),
     (NodeFacts(cuda=False, liger=True), 2, "needs a CUDA GPU"), (GPU_ALL, 3, "does not work under ZeRO-3"),

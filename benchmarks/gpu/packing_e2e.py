@@ -45,6 +45,7 @@ VARIANTS = {
     "swiftslurm_defaults": lambda assets: {"gradient_checkpointing": None},  # None: the key left out (its default, "auto")
     "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
+    "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
     "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},

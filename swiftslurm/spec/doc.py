@@ -91,8 +91,9 @@ DESCRIPTIONS: dict[str, str] = {
                                  "tokens or more, `sdpa` otherwise; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `varlen_attn` (PyTorch's "
                                  "own flash kernel for packed samples, no flash-attn build: GPU sm80+, packing, bf16/fp16), `flash_attention_2`, "
                                  "`flash_attention_3`",
-    "train.compile": "regional `torch.compile`: each decoder layer compiled in place (one graph serves every layer; checkpoints unchanged); "
-                     "off by default until measured (docs/benchmarks.md)",
+    "train.compile": "regional `torch.compile`: each decoder layer compiled in place (one graph serves every layer; checkpoints unchanged; "
+                     "Liger's kernels off with it). Off by default: on an H200 it gave an 8B LoRA +3% (within run-to-run noise) for "
+                     "~105 s more start-up on every start and requeue, and a 0.5B full fine-tune 0.87x (docs/benchmarks.md)",
     "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an "
                               "H200 it halved memory but cost 12-23% of packed tokens/s; `plan` names it when it would make a run fit), `false`, or "
                               "`auto` = its RMSNorm, RoPE and SwiGLU where `liger-kernel` is installed on a GPU (not ZeRO-3, not DPO), never the fused loss",

@@ -49,6 +49,11 @@ def train_problems(t: Any) -> list[str]:
             out.append(
                 "attn_implementation = \"varlen_attn\" needs bf16 or fp16: it is a flash kernel, which has no fp32 "
                 "path. HINT: set bf16 = true, or attn_implementation = \"auto\"")
+    if t.compile and t.use_liger_kernel is True:
+        out.append(
+            "compile = true with use_liger_kernel = true: torch.compile could not trace Liger's kernels (on an H200 "
+            "dynamo failed in LigerRMSNormFunction, an AssertionError, before the first step), and it fuses the same "
+            "elementwise work itself. HINT: drop use_liger_kernel (\"auto\" leaves it off with compile), or drop compile")
     if t.task == "dpo":
         if t.use_liger_kernel is True:
             out.append(

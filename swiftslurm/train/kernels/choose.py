@@ -111,10 +111,12 @@ def liger_names(config: dict[str, bool] | None) -> str:
     return "all" if config == LIGER_ALL else "+".join(k for k, on in config.items() if on)
 
 
-def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts) -> tuple[dict[str, bool] | None, str]:
+def resolve_liger(requested: bool | str, zero_stage: int, node: NodeFacts, compiled: bool = False) -> tuple[dict[str, bool] | None, str]:
     """(Liger config for transformers, or None = off; why) for ``train.use_liger_kernel``; KernelError when
-    ``true`` cannot work here."""
+    ``true`` cannot work here. ``compiled``: ``train.compile`` (validate refuses it with ``true``)."""
     if requested == "auto":
+        if compiled:  # an H200 run: dynamo failed inside LigerRMSNormFunction (AssertionError) before the first step
+            return None, "auto: off with train.compile (torch.compile fuses the same elementwise work, and cannot trace Liger's kernels)"
         if not node.cuda:
             return None, "auto: off on the CPU (Liger's kernels are Triton GPU kernels)"
         if not node.liger:

@@ -252,7 +252,8 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     packs = spec.train.packing and spec.train.task in ("sft", "pt")
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
-    liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node)
+    liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node,
+                                             compiled=spec.train.compile)
     if task.name in ("dpo", "rm", "kto", "grpo") and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
         liger, liger_why = None, f"not used by {task.name}"
     return _Kernels(attn, attn_why, liger, liger_why, packs)
