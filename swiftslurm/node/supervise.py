@@ -104,12 +104,12 @@ class Supervisor:
         """Run the training step to its end; a restart that Slurm refuses only because the nodes are still busy (the
         failed step ending) is started again, for at most ``steps.PROBE_TIMEOUT_S``."""
         start = time.monotonic()
-        refused: float | None = None
+        refused = False
         while True:
-            rc = self._run_once(nodes, attempt, None if refused is None else time.monotonic() - refused)
+            rc = self._run_once(nodes, attempt, time.monotonic() - start if refused else None)
             if not (rc and self.refused_busy and not self.stopping and time.monotonic() < start + steps.PROBE_TIMEOUT_S):
                 return rc
-            refused = start if refused is None else refused
+            refused = True
             log.info("Slurm did not start the restarted step yet (its nodes are still busy): asking again")
             time.sleep(steps.RETRY_PAUSE_S)
 

@@ -24,11 +24,9 @@ from .commands import UNUSABLE_STATES, _run
 PROBE_TIMEOUT_S = 120
 STEP_START_S = 5  # srun --immediate for a step after a failure: refused when not started in this long, then asked again
 RETRY_PAUSE_S = 1.0
-# srun --immediate's refusal when the nodes are still in use by an ending step (not a refusal that lasts)
-BUSY = re.compile(r"Unable to create step for job \S+: .*(busy|temporarily)", re.I)
-
-
 SETTLE_S = 10.0  # refused as busy for this long after a failure: the next try shares the CPUs (--overlap)
+# srun --immediate's refusal when Slurm counts the nodes' CPUs as used by a step (one ending, or one gone after a resize)
+BUSY = re.compile(r"Unable to create step for job \S+: .*(busy|temporarily)", re.I)
 
 
 def after_failure(refused_for: float | None) -> list[str]:
@@ -109,9 +107,9 @@ def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeo
     deadline = start + timeout_s
     out: dict[str, subprocess.CompletedProcess] = {}
     todo = list(nodes)
-    refused: float | None = None
+    refused = False
     while todo:
-        options = after_failure(None if refused is None else time.monotonic() - refused)
+        options = after_failure(time.monotonic() - start if refused else None)
         procs = {n: subprocess.Popen(["srun", *placement((n,), 1), *options, "--unbuffered", *command], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace") for n in todo}
         todo = []
@@ -125,7 +123,7 @@ def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeo
                 out[node] = subprocess.CompletedProcess(proc.args, 124, stdout, stderr)
             if out[node].returncode != 0 and busy(out[node].stderr) and time.monotonic() + RETRY_PAUSE_S < deadline:
                 todo.append(node)
-                refused = start if refused is None else refused
+                refused = True
         if todo:
             time.sleep(RETRY_PAUSE_S)
     return out

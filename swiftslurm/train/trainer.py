@@ -211,6 +211,7 @@ class SFTTrainer(Trainer):
         if record["advice"]:
             log.warning("%s", record["advice"])
 
+
 class StoppedBeforeFirstStep(Exception):
     """The walltime signal came while the run was loading (model, engine, checkpoint): every rank raises it from
     ``on_train_begin``, before a step, and the trainer stops for requeue with no new checkpoint to save."""
