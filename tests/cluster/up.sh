@@ -174,11 +174,10 @@ cluster_registered() {
     [[ $(sacctmgr -n -P list cluster format=cluster 2>/dev/null) == *"$CLUSTER_NAME"* ]]
 }
 
-# How many nodes registered since $1 (a local time, 2026-01-31T23:59:59) and take work:
-# idle, or busy with (or cleaning up after) jobs that survived the restart, since slurmstepd
-# outlives slurmd.  SlurmdStartTime matters: after a restart slurmctld shows the nodes'
-# saved state (IDLE) before their slurmd has registered.
-registered_nodes() {
+# "NAME STATE" of each node whose slurmd registered since $1 (a local time, 2026-01-31T23:59:59).
+# SlurmdStartTime matters: after a restart slurmctld shows the nodes' saved state (IDLE) before
+# their slurmd has registered.
+nodes_registered_since() {
     scontrol show node -o 2>/dev/null | awk -v since="$1" '
         {
             name = ""; state = ""; start = ""
@@ -188,10 +187,15 @@ registered_nodes() {
                 else if (kv[1] == "State") state = kv[2]
                 else if (kv[1] == "SlurmdStartTime") start = kv[2]
             }
-            if (name != "" && start >= since && state ~ /^(IDLE|MIXED|ALLOCATED)/ &&
-                state !~ /[*]|DRAIN|NOT_RESPONDING|FAIL|POWER/) n++
-        }
-        END { print n + 0 }'
+            if (name != "" && start >= since) print name, state
+        }'
+}
+
+# How many nodes registered since $1 and take work: idle, or busy with (or cleaning up after)
+# jobs that survived the restart, since slurmstepd outlives slurmd.
+registered_nodes() {
+    nodes_registered_since "$1" | awk '$2 ~ /^(IDLE|MIXED|ALLOCATED)/ && $2 !~ /[*]|DRAIN|NOT_RESPONDING|FAIL|POWER/ { n++ }
+                                      END { print n + 0 }'
 }
 
 all_nodes_ready() {
@@ -203,17 +207,7 @@ all_nodes_ready() {
 # machine). This is a fresh start of our own test cluster: put them back to work, saying so.
 resume_left_over() {
     local name
-    for name in $(scontrol show node -o 2>/dev/null | awk -v since="$1" '
-        {
-            name = ""; state = ""; start = ""
-            for (i = 1; i <= NF; i++) {
-                split($i, kv, "=")
-                if (kv[1] == "NodeName") name = kv[2]
-                else if (kv[1] == "State") state = kv[2]
-                else if (kv[1] == "SlurmdStartTime") start = kv[2]
-            }
-            if (name != "" && start >= since && state ~ /DRAIN|DOWN/ && state !~ /[*]|NOT_RESPONDING/) print name
-        }'); do
+    for name in $(nodes_registered_since "$1" | awk '$2 ~ /DRAIN|DOWN/ && $2 !~ /[*]|NOT_RESPONDING/ { print $1 }'); do
         scontrol update nodename="$name" state=resume 2>/dev/null &&
             say "resumed $name: an earlier run of this cluster left it drained or down"
     done
