@@ -11,12 +11,12 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test setup system-deps ds-ops cluster-up cluster-down clean bench
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(PY) -m pip install -q -e ".[train,dev,tracking]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt "$(DEEPSPEED_SPEC)"
+	$(PY) -m pip install -q -c constraints.txt -e ".[train,dev,tracking]"
 	touch $@
 
 setup: $(VENV)/.installed system-deps

@@ -60,7 +60,7 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
     for local_only in (True, False) if not offline else (True,):
         try:
             tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
-            head = {"num_labels": 1} if reward else {}
+            head: dict[str, Any] = {"num_labels": 1} if reward else {}
             model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
                 train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation, **head)
             return model, tok
