@@ -44,7 +44,13 @@ if len(sys.argv) > 1 and sys.argv[1] == str(rank):
     time.sleep(1.0)
     raise ValueError(f"planted failure on rank {rank}")
 step_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.2
+gate = Path(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else None  # the test opens it: <gate>/go, <gate>/last
+def wait_for(name):
+    deadline = time.time() + 120  # bounded: a test that never opens the gate fails on its asserts, not a hang
+    while gate is not None and not (gate / name).exists() and time.time() < deadline:
+        time.sleep(0.05)
 for step in range(1, train["max_steps"] + 1):
+    wait_for("go" if step == 1 else "last" if step == train["max_steps"] else "")
     time.sleep(step_s)
     if rank == 0:
         with open(task_dir / "metrics.jsonl", "a") as fh:
@@ -53,8 +59,9 @@ for step in range(1, train["max_steps"] + 1):
 """
 
 
-def spec_text(out: str, max_steps: int = 6, tasks: int = 1, fail_rank: str = "-", step_s: float = 0.2, sweep: str = "") -> str:
-    command = [sys.executable, "-c", FAKE_TRAINER, fail_rank, str(step_s)]
+def spec_text(out: str, max_steps: int = 6, tasks: int = 1, fail_rank: str = "-", step_s: float = 0.2, sweep: str = "",
+              gate: str = "") -> str:
+    command = [sys.executable, "-c", FAKE_TRAINER, fail_rank, str(step_s)] + ([gate] if gate else [])
     return f"""
 [job]
 name = "watch"
@@ -218,14 +225,29 @@ def test_errors_name_the_rank_that_printed_first(tmp_path):
 
 
 def test_status_follow_in_a_pipe_prints_step_lines_and_ends(tmp_path):
-    _, sub = submit_local(tmp_path, spec_text("out", max_steps=8, step_s=0.6))
-    proc = cli("status", str(tmp_path / "out"), "--follow", "--interval", "0")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "\x1b" not in proc.stdout
-    steps = [int(m) for m in re.findall(r"RUNNING  step (\d+)/8", proc.stdout)]
-    assert steps and all(1 <= s < 8 for s in steps), proc.stdout
-    last = [ln for ln in proc.stdout.splitlines() if "COMPLETED" in ln and "step" in ln][-1]
-    assert "step 8/8 (100%)" in last and re.search(r"elapsed \d+:\d\d:\d\d", last), proc.stdout
+    """The trainer steps only once the follower is watching, and takes its last step only once the follower has
+    printed a running step: no race between the CLI's start-up and the job on a loaded machine."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    _, sub = submit_local(tmp_path, spec_text("out", max_steps=8, step_s=0.05, gate=str(gate)))
+    proc = subprocess.Popen([sys.executable, "-m", "swiftslurm", "status", str(tmp_path / "out"), "--follow", "--interval", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        lines = [proc.stdout.readline()]  # "following ...": the follower is up
+        (gate / "go").touch()
+        while lines[-1] and not re.search(r"RUNNING  step [1-7]/8", lines[-1]):
+            lines.append(proc.stdout.readline())
+        (gate / "last").touch()
+        rest, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        proc.kill()
+    stdout = "".join(lines) + rest
+    assert proc.returncode == 0, stdout + err
+    assert "\x1b" not in stdout
+    steps = [int(m) for m in re.findall(r"RUNNING  step (\d+)/8", stdout)]
+    assert steps and all(1 <= s < 8 for s in steps), stdout
+    last = [ln for ln in stdout.splitlines() if "COMPLETED" in ln and "step" in ln][-1]
+    assert "step 8/8 (100%)" in last and re.search(r"elapsed \d+:\d\d:\d\d", last), stdout
     status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
     task = status["tasks"][0]
     assert (task["step"], task["max_steps"], task["eta_s"]) == (8, 8, 0.0) and task["elapsed_s"] > 0 and task["loss"] > 0
