@@ -228,6 +228,40 @@ def test_signals_reach_the_command(tmp_path, sig, code):
         assert records == []
 
 
+def usr2_held_without_handler(pid: int) -> bool:
+    """The process holds SIGUSR2 blocked and has no handler for it yet (/proc's SigBlk and SigCgt masks: signal n
+    is bit n-1): a USR2 now lands in the start-up window, before the runtime's handler exists."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    masks = {ln.split(":")[0]: int(ln.split()[1], 16) for ln in lines if ln.startswith(("SigBlk:", "SigCgt:"))}
+    bit = 1 << (signal.SIGUSR2 - 1)
+    return bool(masks.get("SigBlk", 0) & bit) and not masks.get("SigCgt", 0) & bit
+
+
+def test_a_walltime_signal_during_the_ranks_imports_is_held_and_stops_it_before_the_command(tmp_path):
+    """A USR2 that lands while `swiftslurm run` still imports (before any handler exists; USR2's default action
+    kills) is held pending, then taken as a walltime stop: the command never starts, the stop is recorded."""
+    plan = make_plan_file(tmp_path, command_spec(tmp_path, SIGNALLED, str(tmp_path)))
+    proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not usr2_held_without_handler(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        held = usr2_held_without_handler(proc.pid)
+        proc.send_signal(signal.SIGUSR2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert held, "the rank never held USR2 blocked while it started"
+    assert proc.returncode == NOT_REQUEUED_EXIT, (proc.returncode, err[-3000:])  # not -12: killed by the signal
+    assert "before train.command started" in err and "Traceback" not in err
+    assert not (tmp_path / "ready").exists()  # the command never ran
+    records = read_requeues(str(tmp_path / "out"))
+    assert len(records) == 1 and records[0]["global_step"] is None and records[0]["outcome"] == "cannot_requeue"
+
+
 def wait_local_job(job, timeout_s: float) -> list:
     """The results of a submitit local job's ranks. Fails the test as soon as one rank has failed, with that
     rank's error (its peers may wait out their rendezvous timeout for it: submitit stops no one), and on the

@@ -125,6 +125,9 @@ def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, 
         # well would deliver twice, and a second USR2 can kill a child already past its handlers.
         # submitit's local executor signals only the ranks it started: there we forward.
         forward = dist.executor != "slurm"
+        if signals.stop_requested():  # the walltime signal came while this rank started: nothing ran, nothing to save
+            log.warning("walltime signal received before train.command started: not starting it")
+            return walltime_exit(dist, spec, out_dir, log, step=None), None
         code = run_command(spec.train.command, the_env, cwd=command_cwd(spec, data.get("base_dir")), dist=dist, out_dir=out_dir, log=log, forward=forward)
         if signals.stop_requested():
             return walltime_exit(dist, spec, out_dir, log, step=None), None

@@ -6,6 +6,8 @@ requeued": ``stop_requested()`` turns true, the trainer polls it at step boundar
 and the runtime's wait loop forwards them to the child; the handler itself does nothing else.
 
 submitit installs its own SIGUSR2 handler before calling the job function; ``install`` replaces it.
+``python -m swiftslurm run`` holds SIGUSR2 blocked until ``install`` (``swiftslurm/__main__.py``), so a walltime
+signal during the rank's imports is not lost and does not kill it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def install(forward_term: bool = False) -> bool:
             signal.signal(signal.SIGTERM, _handler)
     except ValueError:  # not in the main thread
         return False
+    # `python -m swiftslurm run` held USR2 pending from its first line (swiftslurm/__main__.py): one that came during
+    # the imports is delivered to the handler now, and children started from here on get USR2 unblocked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
     return True
 
 
