@@ -83,6 +83,24 @@ def test_auto_picks_local_without_sbatch(monkeypatch, tmp_path):
         resolve_executor("kubernetes")
 
 
+def test_status_of_a_dir_no_job_has_run_in_yet_says_so(tmp_path):
+    """A rendered plan whose job has not started: no record, no owner. A plan that names task dirs outside the
+    dir, and an owner record whose id is no Slurm job id, are not read as this dir's jobs."""
+    plan = plan_from(spec_text("out", str(tmp_path / "r")), tmp_path)
+    write_plan(plan, render_sbatch(plan))
+    proc = cli("status", str(tmp_path / "out"))
+    assert proc.returncode == 1 and "no job has run in this dir yet" in proc.stderr and "Traceback" not in proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".swiftslurm-owner.json").write_text(json.dumps({"job_id": "123"}))
+    data = json.loads(Path(plan.plan_path).read_text())
+    data["tasks"][0]["output_dir"] = str(elsewhere)
+    Path(plan.plan_path).write_text(json.dumps(data))
+    (tmp_path / "out" / ".swiftslurm-owner.json").write_text(json.dumps({"job_id": "local-4242; rm -rf ~"}))
+    proc = cli("status", str(tmp_path / "out"), "--json")
+    assert proc.returncode == 1 and "no job has run in this dir yet" in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_local_sweep_two_ranks_each(tmp_path):
     text = spec_text("out", str(tmp_path / "ranks"), tasks=2, sweep="[sweep]\nlearning_rate = [1e-4, 2e-4]",
                      env='[env]\nSWIFTSLURM_PROBE_A = "$(touch pwned) \'x\' `y`"')
@@ -228,6 +246,35 @@ def test_rendered_script_runs_under_plain_sbatch(tmp_path):
     assert sub.wait(timeout_s=WAIT_S) == {"0": "COMPLETED", "1": "COMPLETED"}
     assert sorted((r["SLURM_ARRAY_TASK_ID"], r["RANK"]) for r in ranks(tmp_path / "ranks")) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     assert len(list((tmp_path / "out").glob("slurm-*_*.out"))) == 2
+
+
+@pytest.mark.slurm
+def test_status_and_cancel_of_a_hand_submitted_sweep_by_its_dir(tmp_path):
+    """`swiftslurm render` + plain sbatch leaves no submission record: `status DIR` finds each task's job through
+    what its rank 0 recorded; `cancel DIR` stops them after Slurm confirms they ran there, and refuses a dir that
+    merely names a job in a planted owner record. Neither writes a record."""
+    plan = plan_from(spec_text("out", "", sweep="[sweep]\nseed = [1, 2]", command=["sleep", "120"]), tmp_path)
+    script = render_sbatch(plan)
+    write_plan(plan, script)
+    (tmp_path / "job.sh").write_text(script)
+    job = slurm.sbatch(str(tmp_path / "job.sh"))
+    owners = [Path(t.output_dir, ".swiftslurm-owner.json") for t in plan.tasks]
+    deadline = time.monotonic() + 90
+    while not all(o.exists() for o in owners) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
+    assert [(t["job_id"], t["state"]) for t in status["tasks"]] == [(f"{job}_0", "RUNNING"), (f"{job}_1", "RUNNING")], status
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / ".swiftslurm-owner.json").write_text(json.dumps({"job_id": f"{job}_0"}))
+    refused = cli("cancel", str(planted))
+    assert refused.returncode == 3 and "not provably this dir's job" in refused.stderr and "Traceback" not in refused.stderr
+    assert slurm.job_records([job])[f"{job}_0"].state == "RUNNING"  # nothing was signalled
+    proc = cli("cancel", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    sub = Submission("slurm", [f"{job}_0", f"{job}_1"], plan.output_dir, [t.output_dir for t in plan.tasks], "")
+    assert sub.wait(timeout_s=60, poll_s=0.5) == {"0": "CANCELLED", "1": "CANCELLED"}
+    assert not (tmp_path / "out" / "submission.json").exists() and not (planted / "submission.json").exists()
 
 
 @pytest.mark.slurm

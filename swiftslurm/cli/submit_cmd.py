@@ -146,6 +146,13 @@ def cancel_command(console: Console, target: str) -> int:
         # a record is data: one that claims another dir's job is not this dir's to stop
         raise CancelRefused("cancel refused: the record here names another output dir", f"{target}/submission.json says {sub.output_dir}",
                             f"cancel from that dir (swiftslurm cancel {sub.output_dir}); nothing was signalled")
+    if sub.output_dir and not sub.folder:  # a hand-submitted run: its job ids came from files in the dir
+        from ..jobs.target import not_proven_here
+
+        why = not_proven_here(sub)
+        if why:
+            raise CancelRefused("cancel refused: not provably this dir's job", why,
+                                "nothing was signalled; cancel it by id (swiftslurm cancel JOBID) if it is yours")
     sub.cancel() if sub.output_dir else slurm.scancel(sub.slurm_job_ids)
     console.print(f"cancelled {sub.executor} job {', '.join(sub.slurm_job_ids if sub.executor == 'slurm' else sub.job_ids)}", highlight=False, markup=False)
     return 0

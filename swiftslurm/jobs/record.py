@@ -223,7 +223,7 @@ class Submission:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # the submitit controller forwards it to the ranks
         self.cancelled = True
-        if self.output_dir:
+        if self.output_dir and self.folder:  # a hand-submitted run (no submitit folder) gets no record written
             update_record(self)
 
 

@@ -2,7 +2,8 @@
 
 - an output dir: its latest recorded submission and all its tasks;
 - one task dir of a sweep: found through the parent's record, that task alone;
-- a dir some run wrote without a record (a hand-submitted script): that dir as task 0, no submission;
+- a dir some run wrote without a record (a hand-submitted script): that dir as task 0, no submission (``status``
+  and ``cancel`` take its jobs from what its ranks recorded: ``hand_run``);
 - a Slurm job id (``123``, ``123_4``): ``through_record`` finds the output dir through the paths Slurm recorded
   for the job (its logs, its working dir) and that record's tasks of the job (doctor); otherwise the job as Slurm
   knows it, with no dirs (``status``, ``cancel``: they act on exactly the ids named).
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from .. import slurm
 from ..errors import SwiftSlurmError
+from ..fsutil import RECORD_CAP, Unreadable, read_json
+from ..taskdir import OWNER_FILE, PLAN_FILE
 from .record import SUBMISSION_FILE, Submission, load_submission
 
 
@@ -60,10 +63,70 @@ def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False
 
 
 def submission_of(target: str) -> Submission:
-    """The submission ``status`` and ``cancel`` act on: an output dir's latest record, or a job id as Slurm knows it."""
+    """The submission ``status`` and ``cancel`` act on: an output dir's latest record, a dir a hand-submitted script
+    ran in (``hand_run``), or a job id as Slurm knows it."""
     if Path(target).is_dir():
-        return load_submission(target)
+        return load_submission(target) if (Path(target) / SUBMISSION_FILE).is_file() else hand_run(target)
     return bare_job(_job_id(target))
+
+
+def hand_run(output_dir: str) -> Submission:
+    """A dir with no submission record that a script ran in (``swiftslurm render -o FILE``, then ``sbatch FILE``):
+    its tasks are the plan's task dirs inside it (the dir itself without a plan), each one's job the one its rank 0
+    recorded as holding it (``.swiftslurm-owner.json``). All of it is read as data: a task dir outside the dir, an
+    unreadable record or an id that is not a Slurm job id is left out. The result has no submitit folder, so
+    ``cancel`` signals the jobs and writes no record."""
+    root = Path(output_dir).resolve()
+    dirs, ids = [], []
+    for task_dir in _plan_task_dirs(root) or [root]:
+        job_id = _owner_job_id(task_dir)
+        if job_id:
+            dirs.append(str(task_dir))
+            ids.append(job_id)
+    if not ids:
+        raise SwiftSlurmError("no submission recorded here, and no job has run in this dir yet", str(root),
+                              "a script submitted by hand shows here once its rank 0 started; until then pass the job id "
+                              "sbatch printed (swiftslurm status 123)")
+    return Submission("slurm", ids, str(root), dirs, "", submitted_at=0.0)
+
+
+def not_proven_here(sub: Submission) -> str | None:
+    """For ``cancel`` of a hand run: why one of its jobs is not provably the one that ran in its dir (an owner record
+    is a file anyone with write access could have written), else None. Slurm's own paths of the job (its log file,
+    which a rendered script writes into the output dir, or its working dir) must lie in the dir."""
+    root = Path(sub.output_dir).resolve()
+    for job_id in sub.slurm_job_ids:
+        paths = [Path(p).resolve() for p in slurm.job_paths(job_id) if p.startswith("/")]
+        if not any(p == root or root in p.parents for p in paths):
+            return f"job {job_id} is named by {OWNER_FILE} here, but Slurm records none of its paths under {root}"
+    return None
+
+
+def _plan_task_dirs(root: Path) -> list[Path]:
+    try:
+        tasks = read_json(root / PLAN_FILE, RECORD_CAP).get("tasks")
+    except (OSError, Unreadable):
+        return []
+    found = []
+    for task in tasks if isinstance(tasks, list) else []:
+        where = task.get("output_dir") if isinstance(task, dict) else None
+        if isinstance(where, str) and where and "\0" not in where:
+            path = Path(where).resolve()
+            if (path == root or root in path.parents) and path not in found:  # never read outside the dir
+                found.append(path)
+    return found
+
+
+def _owner_job_id(task_dir: Path) -> str:
+    try:
+        job_id = read_json(task_dir / OWNER_FILE, RECORD_CAP).get("job_id")
+    except (OSError, Unreadable):
+        return ""
+    if not isinstance(job_id, str):
+        return ""
+    base, _, task = job_id.partition("_")
+    ok = base.isascii() and base.isdigit() and len(job_id) < 32 and (not task or (task.isascii() and task.isdigit()))
+    return job_id if ok else ""  # a local run's id (not a Slurm job), or anything else
 
 
 def _job_id(target: str) -> str:
