@@ -8,6 +8,7 @@ steps per epoch, so no step is a short epoch tail):
   ref    2 ranks x accumulation 2, 12 steps, checkpoints 4, 8, 12
   2 -> 4 a new output dir holding only ref's checkpoint-4; 4 ranks x accumulation 1 to step 8
   4 -> 2 the same dir, 2 ranks x accumulation 2 to step 12, from the checkpoint-8 the 4 ranks wrote
+  2 -> 3 (ZeRO-2 only) a new dir, ZeRO-3 on 2 ranks from ref's checkpoint-8 to step 12
 The losses of steps 5-8 and 9-12 stay within 1e-3 of ref's.
 """
 
@@ -31,12 +32,15 @@ def test_plan_load_decides_as_is_convert_or_refuse():
     assert ucp.plan_load(L(2, 0), L(8, 0)).action == "as_is"  # ZeRO-0: the whole optimizer is in mp_rank_00
     bf16_optimizer = ucp.plan_load(L(2, 0, partitioned=True), L(8, 0))  # ... except DeepSpeed's bf16 optimizer
     assert bf16_optimizer.action == "refuse" and "bf16 optimizer" in bf16_optimizer.reason
-    for writer, reader in ((L(2, 2), L(4, 2)), (L(4, 2), L(2, 2)), (L(2, 2), L(2, 3)), (L(8, 3), L(2, 1))):
+    for writer, reader in ((L(2, 2), L(4, 2)), (L(4, 2), L(2, 2)), (L(2, 2), L(2, 3)), (L(8, 3), L(4, 3))):
         assert ucp.plan_load(writer, reader).action == "convert", (writer, reader)
     refused = {(w, r): ucp.plan_load(w, r) for w, r in ((L(2, 0), L(4, 2)), (L(2, 2), L(4, 0)), (L(2, 2, 2), L(4, 2)),
                                                        (L(2, -1), L(4, 2)))}
     assert all(p.action == "refuse" and p.reason for p in refused.values())
     assert "issue 7200" in refused[(L(2, 0), L(4, 2))].reason
+    out_of_zero3 = ucp.plan_load(L(2, 3), L(2, 2))  # the tool's ZeRO-3 layout loads only into ZeRO-3
+    assert out_of_zero3.action == "refuse" and "resume_weights_only = true" in out_of_zero3.reason
+    assert ucp.plan_load(L(2, 2), L(4, 3)).action == "convert"
     assert "tensor/pipeline" in refused[(L(2, 2, 2), L(4, 2))].reason
 
 
@@ -162,3 +166,15 @@ def test_resume_on_another_world_size_follows_the_uninterrupted_losses(tmp_path,
         assert got[step] == pytest.approx(want[step], abs=1e-3), (step, got, want)
     rows = [json.loads(line) for line in (moved / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["step"] >= 5 for r in rows)
+    if stage != "zero2":
+        return
+    # ZeRO-2 -> ZeRO-3 (the way out of an OOM): the sibling answers ZeRO-3's loader too (its model-states name, the
+    # step and param groups where ZeRO-3 reads them); DeepSpeed's loader asserted on both before
+    up = tmp_path / "zero3"
+    spec3, _ = _spec(tmp_path, "zero3", "zero3", 2, 12, out=up, resume_from=str(ref / "checkpoint-8"))
+    stdout = _run(spec3, up, 2, resume="newest")
+    assert "checkpoint-8 was written by 2 data-parallel rank(s) at ZeRO-2; this run has 2 data-parallel rank(s) at ZeRO-3" in stdout
+    got = losses(up)
+    assert sorted(got) == [9, 10, 11, 12], got
+    for step in got:
+        assert got[step] == pytest.approx(want[step], abs=1e-3), (step, got, want)

@@ -101,6 +101,11 @@ def plan_load(writer: Layout, reader: Layout) -> LoadPlan:
                         "DeepSpeed's universal-checkpoint tool to convert (DeepSpeed issue 7200)")
     if reader.zero_stage == 0:
         return LoadPlan("refuse", writer, reader, "DeepSpeed loads a universal checkpoint only into a ZeRO-1/2/3 optimizer")
+    if writer.zero_stage == 3 and reader.zero_stage < 3:
+        return LoadPlan("refuse", writer, reader, "DeepSpeed's tool writes a ZeRO-3 checkpoint's optimizer state in a "
+                        "layout only ZeRO-3 loads (flat tensors, no per-parameter step); to leave ZeRO-3, carry the "
+                        "weights: train.resume_from = this checkpoint with train.resume_weights_only = true (a fresh "
+                        "optimizer and schedule)")
     return LoadPlan("convert", writer, reader)
 
 
@@ -135,6 +140,45 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:  # another filesystem, or links not allowed
         shutil.copy2(src, dst)
+
+
+_MP_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_STATES = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$")
+
+
+def _both_model_state_names(universal: Path) -> None:
+    """A universal checkpoint loads on any ZeRO stage, but DeepSpeed finds its model-states file by the reader's
+    stage: ``mp_rank_XX_model_states.pt`` at ZeRO-0/1/2, ``zero_pp_rank_0_mp_rank_XX_model_states.pt`` at ZeRO-3 (it
+    reads only rank 0's, and with ``load_universal`` takes the weights from ``zero/``, not from this file: only the
+    step counters, scheduler and client state). The tool keeps the writer's name, so a ZeRO-2 checkpoint failed on
+    ZeRO-3 (``assert len(self.ckpt_list) > 0``) and the reverse: give the sibling both names (a hard link)."""
+    for path in sorted(universal.glob("*_model_states.pt")):
+        mp, z3 = _MP_STATES.match(path.name), _ZERO3_STATES.match(path.name)
+        other = f"zero_pp_rank_0_mp_rank_{mp.group(1)}_model_states.pt" if mp else f"mp_rank_{z3.group(1)}_model_states.pt" if z3 else ""
+        if other and not (universal / other).exists():
+            _link_or_copy(path, universal / other)
+
+
+def _stage3_optimizer_view(zero: Path) -> None:
+    """The converted ZeRO-1/2 checkpoint's global optimizer state, made readable by ZeRO-3 as well. DeepSpeed's
+    ZeRO-3 loader takes the Adam step and the param-group settings from ``optimizer_state_dict`` (what its own
+    writer leaves there); ZeRO-1/2's layout keeps them in ``param_groups`` and each parameter's ``step.pt``. Added
+    beside the rest, which ZeRO-1/2 still reads. The file is the tool's output from a checkpoint that passed the
+    resume checks, read with torch's weights-only loader and DeepSpeed's two classes in it allowed."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    path = zero / "optimizer_state.pt"
+    steps = sorted(zero.glob("*/step.pt"))
+    if not path.is_file() or not steps:
+        return  # nothing to add to: ZeRO-3's loader will say what it misses
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum]):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    step = torch.load(steps[0], map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "optimizer_state_dict" not in state and isinstance(state.get("param_groups"), list):
+        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+        torch.save(state, path)
 
 
 def converter_argv(global_step_dir: Path, out_folder: Path, workers: int = 1) -> list[str]:
@@ -181,6 +225,9 @@ def convert(src: Path | str, output_dir: Path | str, plan: LoadPlan, *, algo: st
             f"DeepSpeed's universal-checkpoint tool could not convert {src.name} ({plan.writer.describe()} -> "
             f"{plan.reader.describe()})", (tail[-1] if tail else f"exit {proc.returncode}")[:400],
             manual_way(src, output_dir, plan.writer))
+    _both_model_state_names(staging / f"{gs_name}_universal")
+    if plan.writer.zero_stage in (1, 2):
+        _stage3_optimizer_view(staging / f"{gs_name}_universal" / "zero")
     meta = {**manifest.meta, "step": step,
             "universal": {"source": str(src), "source_checksum": source_checksum,
                           "writer": _plain(plan.writer), "converted_for": _plain(plan.reader),
