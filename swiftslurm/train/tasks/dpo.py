@@ -17,10 +17,9 @@ measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTra
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data, TRL's tokens and reference log-probs
+from .trl_task import TRLTask, reference_and_adapter
 
 if TYPE_CHECKING:
     from ...spec.model import JobSpec
@@ -68,7 +67,7 @@ def trainer_class():
     return SwiftDPOTrainer
 
 
-class DPOTask:
+class DPOTask(TRLTask):
     """``sft.train``'s task seam for DPO (``sft.SFTTask`` is the other one)."""
 
     name = "dpo"
@@ -76,31 +75,10 @@ class DPOTask:
     def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return dpo_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with DPO is refused at validate
 
-    def prepare_model(self, model, spec: JobSpec):
-        return model  # LoRA: TRL wraps it from peft_config, and then disables the adapter for the reference
-
-    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
-        from ..data import preference
-        from ..data.tokens import ensure_chat_template
-
-        ensure_chat_template(tok)
-        with args.main_process_first(local=False, desc="reading the preference data"):
-            dataset = preference.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
-        return dataset, None  # TRL's DataCollatorForPreference
-
     def describe_data(self, spec: JobSpec, dataset) -> str:
         return f"off (DPO: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
 
     def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
-        from ..build import load_model_and_tokenizer, lora_config
-
-        t = spec.train
-        ref_model, peft_config = None, None
-        if t.train_type == "lora":
-            peft_config = lora_config(t)
-        elif not t.precompute_ref_log_probs:
-            # a second copy of the starting weights (the same seed rebuilds tiny-llama's); under ZeRO-3 it is loaded
-            # partitioned, as the policy was, and TRL's prepare_deepspeed shards it with the same config
-            ref_model, _ = load_model_and_tokenizer(spec, cuda, attn)
+        ref_model, peft_config = reference_and_adapter(spec, cuda, attn)
         kwargs.pop("data_collator", None)
-        return trainer_class()(ref_model=ref_model, peft_config=peft_config, max_prompt_length=t.max_prompt_length, **kwargs)
+        return trainer_class()(ref_model=ref_model, peft_config=peft_config, max_prompt_length=spec.train.max_prompt_length, **kwargs)

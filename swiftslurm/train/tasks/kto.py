@@ -16,10 +16,9 @@ measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTra
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data and TRL's tokens
+from .trl_task import TRLTask, reference_and_adapter
 
 if TYPE_CHECKING:
     from ...spec.model import JobSpec
@@ -56,37 +55,20 @@ def trainer_class():
     return SwiftKTOTrainer
 
 
-class KTOTask:
+class KTOTask(TRLTask):
     """``sft.train``'s task seam for KTO (``sft.SFTTask`` and ``dpo.DPOTask`` are others)."""
 
     name = "kto"
+    records = "unpaired"
+    reading = "reading the KTO data"
 
     def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return kto_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with KTO is refused at validate
-
-    def prepare_model(self, model, spec: JobSpec):
-        return model  # LoRA: TRL wraps it from peft_config, and then disables the adapter for the reference
-
-    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
-        from ..data import unpaired
-        from ..data.tokens import ensure_chat_template
-
-        ensure_chat_template(tok)
-        with args.main_process_first(local=False, desc="reading the KTO data"):
-            dataset = unpaired.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
-        return dataset, None  # TRL's DataCollatorForUnpairedPreference
 
     def describe_data(self, spec: JobSpec, dataset) -> str:
         return f"off (KTO: {len(dataset)} labelled completions, each micro-batch padded to its longest sequence)"
 
     def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
-        from ..build import load_model_and_tokenizer, lora_config
-
-        t = spec.train
-        ref_model, peft_config = None, None
-        if t.train_type == "lora":
-            peft_config = lora_config(t)
-        elif not t.precompute_ref_log_probs:
-            ref_model, _ = load_model_and_tokenizer(spec, cuda, attn)  # the starting weights again (see dpo.DPOTask)
+        ref_model, peft_config = reference_and_adapter(spec, cuda, attn)
         kwargs.pop("data_collator", None)
         return trainer_class()(ref_model=ref_model, peft_config=peft_config, **kwargs)

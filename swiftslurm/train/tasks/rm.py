@@ -17,10 +17,9 @@ measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTra
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...taskdir import PREFERENCE_CACHE_DIR as CACHE_DIR  # under output_dir: the Arrow data and TRL's tokens
+from .trl_task import TRLTask
 
 if TYPE_CHECKING:
     from ...spec.model import JobSpec
@@ -55,25 +54,13 @@ def trainer_class():
     return SwiftRewardTrainer
 
 
-class RewardTask:
+class RewardTask(TRLTask):
     """``sft.train``'s task seam for reward models (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
 
     name = "rm"
 
     def arguments(self, spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda: bool, liger: dict[str, bool] | None, parallelism_config=None):
         return rm_arguments(spec, output_dir, ds_config, cuda, liger)  # [parallel] with rm is refused at validate
-
-    def prepare_model(self, model, spec: JobSpec):
-        return model  # LoRA: TRL wraps it from peft_config
-
-    def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
-        from ..data import preference
-        from ..data.tokens import ensure_chat_template
-
-        ensure_chat_template(tok)
-        with args.main_process_first(local=False, desc="reading the preference data"):
-            dataset = preference.load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
-        return dataset, None  # TRL's DataCollatorForPreference
 
     def describe_data(self, spec: JobSpec, dataset) -> str:
         return f"off (reward model: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
