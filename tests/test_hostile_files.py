@@ -172,6 +172,34 @@ def test_a_fifo_submission_record_is_one_message(tmp_path):
     assert "submission record is unreadable" in text and "a FIFO, not a regular file" in text
 
 
+@pytest.mark.parametrize("command", ["status", "cancel"])
+@pytest.mark.parametrize("plant", ["owner fifo", "owner to /dev/zero", "owner deep", "owner bogus id", "plan fifo, no owner",
+                                   "plan names a dir outside"])
+def test_a_hand_run_dirs_records_are_data(tmp_path, command, plant):
+    """A dir without a submission record (a hand-submitted script): status and cancel read the owner record and the
+    plan as data. None of these plants names a job: one message (exit 1), no hang, nothing written or signalled."""
+    run = tmp_path / "run"
+    run.mkdir()
+    owner, plan = run / ".swiftslurm-owner.json", run / "swiftslurm-plan.json"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ".swiftslurm-owner.json").write_text(json.dumps({"job_id": "1"}))
+    if plant == "owner fifo":
+        os.mkfifo(owner)
+    elif plant == "owner to /dev/zero":
+        owner.symlink_to("/dev/zero")
+    elif plant == "owner deep":
+        owner.write_text('{"job_id": ' + DEEP + "}")
+    elif plant == "owner bogus id":
+        owner.write_text(json.dumps({"job_id": "1; scancel -u root"}))
+    elif plant == "plan fifo, no owner":
+        os.mkfifo(plan)
+    else:
+        plan.write_text(json.dumps({"tasks": [{"output_dir": str(outside)}, {"output_dir": str(run / ".." / "outside")}]}))
+    text = looked_at(command, run, code=1)
+    assert "no job has run in this dir yet" in text
+
+
 def test_a_fifo_ledger_is_one_message(tmp_path):
     ledger = tmp_path / "ledger.json"
     os.mkfifo(ledger)
