@@ -94,7 +94,7 @@ def test_pyxis_ranks_run_inside_their_mounts_on_the_cluster(tmp_path):
     starts = fake_container.starts(state)
     assert sorted(s["rank"] for s in starts) == ["0", "1"] and {s["runtime"] for s in starts} == {"pyxis"}
     assert all(s["binds"] == [f"{tmp_path}/data:/data:ro", f"{out}:{out}"] for s in starts)
-    assert all(s["command"][:4] == [sys.executable, "-u", "-m", "submitit.core._submit"] for s in starts)
+    assert all(s["command"][:6] == [sys.executable, "-m", "swiftslurm.node.hold", "-u", "-m", "submitit.core._submit"] for s in starts)
 
     state.unlink()
     for rank in (0, 1):

@@ -262,6 +262,24 @@ def test_a_walltime_signal_during_the_ranks_imports_is_held_and_stops_it_before_
     assert len(records) == 1 and records[0]["global_step"] is None and records[0]["outcome"] == "cannot_requeue"
 
 
+def test_hold_runs_the_module_as_python_u_m_would_with_usr2_held(tmp_path):
+    """submitit's rank command with node/hold.py in front: the module runs as __main__ with its own argv, USR2 is
+    blocked from the start, and -u still holds: a line written without a newline is out before the process ends."""
+    (tmp_path / "probe_mod.py").write_text(
+        "import signal, sys, time\n"
+        "if __name__ == '__main__':\n"
+        "    sys.stdout.write(repr([sys.argv[1:], signal.SIGUSR2 in signal.pthread_sigmask(signal.SIG_BLOCK, [])]))\n"
+        "    time.sleep(30)\n")
+    proc = subprocess.Popen([PY, "-m", "swiftslurm.node.hold", "-u", "-m", "probe_mod", "FOLDER", "x y"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, env={**clean_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    try:
+        first = os.read(proc.stdout.fileno(), 4096).decode()  # before the module's sleep ends: nothing buffered
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first == "[['FOLDER', 'x y'], True]"
+
+
 def wait_local_job(job, timeout_s: float) -> list:
     """The results of a submitit local job's ranks. Fails the test as soon as one rank has failed, with that
     rank's error (its peers may wait out their rendezvous timeout for it: submitit stops no one), and on the
@@ -623,6 +641,50 @@ def test_busy_master_port_stops_rank0_before_the_command(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert f"MASTER_PORT {port} is busy" in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "env-0.json").exists()
+
+
+def _held_rank(job_id: str) -> int | None:
+    """The pid of the job's rank process while it holds USR2 without a handler (still importing), else None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        rank = cmd.split(b"\0")[1:3] == [b"-m", b"swiftslurm.node.hold"]  # the rank itself, not the srun that started it
+        if rank and f"SLURM_JOB_ID={job_id}\0".encode() in environ and usr2_held_without_handler(int(entry.name)):
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slurm
+def test_cluster_walltime_signal_while_a_submitit_rank_imports_is_a_walltime_stop(tmp_path):
+    """submitit's path (swiftslurm submit): a USR2 that reaches the rank while it still imports (no handler yet:
+    the default action kills; then submitit's handler would fail rank 0 as not checkpointable) is held, then taken as
+    swiftslurm's walltime stop: the command never starts, the stop is recorded, max_requeues = 0 fails the job."""
+    (tmp_path / "s.toml").write_text(command_spec(tmp_path, SIGNALLED, str(tmp_path),
+                                                  slurm='partition = "debug"\nnodes = 1\ntasks_per_node = 1\ntime = "00:03:00"\nmax_requeues = 0'))
+    proc = subprocess.run([PY, "-m", "swiftslurm", "submit", "s.toml", "--executor", "slurm", "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = json.loads(proc.stdout)["job_ids"][0]
+    try:
+        deadline, pid = time.monotonic() + 120, None
+        while pid is None and time.monotonic() < deadline and not (tmp_path / "ready").exists():
+            pid = _held_rank(job)
+            time.sleep(0.005)
+        assert pid is not None, "no rank of the job was seen holding USR2 while it started"
+        os.kill(pid, signal.SIGUSR2)
+        rec = wait_state(job, {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"}, 120)
+    finally:
+        from swiftslurm import slurm
+
+        slurm.scancel([job])
+    records = read_requeues(str(tmp_path / "out"))
+    assert rec.state == "FAILED" and not (tmp_path / "ready").exists()
+    assert len(records) == 1 and records[0]["global_step"] is None and records[0]["outcome"] == "max_requeues", records
 
 
 WAIT_USR2 = """

@@ -114,7 +114,8 @@ def _executor(kind: str, plan: Plan, folder: Path, group: Group, tasks: tuple[in
 
     s = group.slurm
     if kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues, python=python_command(plan, group))
+        # each rank holds the walltime USR2 from its first line until swiftslurm's handler is in (node/hold.py)
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=s.max_requeues, python=f"{python_command(plan, group)} -m swiftslurm.node.hold")
         ex.update_parameters(**slurm_parameters(plan, group, tasks))
         return ex
     if s.nodes > 1:
