@@ -101,6 +101,15 @@ def test_status_of_a_dir_no_job_has_run_in_yet_says_so(tmp_path):
     assert proc.returncode == 1 and "no job has run in this dir yet" in proc.stderr, proc.stdout + proc.stderr
 
 
+def test_the_panel_says_a_local_run_has_no_in_job_restarts(tmp_path):
+    from swiftslurm.cli.submit_cmd import local_limits
+
+    plan = plan_from(spec_text("out", "r", slurm_extra="max_restarts = 2\nspare_nodes = 1"), tmp_path)
+    (line,) = local_limits("local", plan)
+    assert "slurm.max_restarts = 2, slurm.spare_nodes = 1: in-job restarts need Slurm" in line
+    assert local_limits("slurm", plan) == [] and local_limits("local", plan_from(spec_text("out", "r"), tmp_path)) == []
+
+
 def test_local_sweep_two_ranks_each(tmp_path):
     text = spec_text("out", str(tmp_path / "ranks"), tasks=2, sweep="[sweep]\nlearning_rate = [1e-4, 2e-4]",
                      env='[env]\nSWIFTSLURM_PROBE_A = "$(touch pwned) \'x\' `y`"')

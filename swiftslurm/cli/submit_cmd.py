@@ -52,9 +52,22 @@ def _summary(sub: Submission, plan: Plan) -> Panel:
         "checkpoints: <task dir>/checkpoint-<step>/    TensorBoard: <task dir>/runs/",
         f"follow:      swiftslurm status {escape(_q(plan.output_dir))}   (or submit with --wait)",
         *avoided_lines(sub.avoided, plan),
+        *local_limits(sub.executor, plan),
     ]
     # paths must survive a narrow or non-terminal console: fold long lines instead of cropping them
     return Panel.fit(Text.from_markup("\n".join(lines), overflow="fold"), title="swiftslurm submit")
+
+
+def local_limits(executor: str, plan: Plan) -> list[str]:
+    """What the spec asks for that the local executor does not do (markup): in-job restarts and spare nodes need the
+    supervisor in a Slurm batch script; said once in the panel instead of silently running without them."""
+    s = plan.spec.slurm
+    if executor != "local" or not (s.max_restarts or s.spare_nodes):
+        return []
+    asked = ", ".join(part for part in (f"slurm.max_restarts = {s.max_restarts}" if s.max_restarts else "",
+                                        f"slurm.spare_nodes = {s.spare_nodes}" if s.spare_nodes else "") if part)
+    return [f"[yellow]note:[/]        {escape(asked)}: in-job restarts need Slurm (the batch script's supervisor); "
+            "this local run has none: a failed rank ends it"]
 
 
 def _q(path: str) -> str:
