@@ -150,6 +150,22 @@ def test_an_import_holds_the_dir_so_no_rank_starts_in_it(tmp_path):
     assert subprocess.run([sys.executable, "-c", claim], capture_output=True, timeout=60).returncode == 0  # free again
 
 
+def test_a_step_of_the_same_job_still_holding_the_dir_is_named_as_such(tmp_path):
+    """An in-job restart or requeue whose earlier processes did not exit: after the wait, the rank says it is this
+    job's own earlier run (stuck), not another job."""
+    hold = f"import time; from swiftslurm.node import ownership; ownership.claim({str(tmp_path)!r}, 0, '777'); print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        claim = f"from swiftslurm.node import ownership; ownership.SAME_JOB_WAIT_S = 0.5; ownership.claim({str(tmp_path)!r}, 0, '777')"
+        probe = subprocess.run([sys.executable, "-c", claim], capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert probe.returncode != 0 and "an earlier run of this job still holds its output dir" in probe.stderr, probe.stderr
+    assert "did not exit within 0.5 s" in probe.stderr and "another job" not in probe.stderr
+
+
 # ---------------------------------------------------------------- cancel signals only what it started
 
 

@@ -66,6 +66,14 @@ def claim(out_dir: str, rank: int, job_id: str, node: str = "") -> None:
                 time.sleep(0.5)  # our own job's earlier run is still exiting
                 continue
             os.close(fd)
+            if owner.get("job_id") == job_id:  # an earlier step or run of this same job, its processes still exiting
+                raise RuntimeEnvError(
+                    "an earlier run of this job still holds its output dir",
+                    f"{out_dir} is held by {describe(owner)}: its processes did not exit within {SAME_JOB_WAIT_S:g} s; "
+                    f"this is rank {rank}",
+                    "a process of the earlier step is stuck (see `swiftslurm doctor` and Slurm's UnkillableStepTimeout); "
+                    "cancel the job and resubmit: it resumes from the newest verified checkpoint",
+                ) from None
             raise RuntimeEnvError(
                 "another job is running in this output dir",
                 f"{out_dir} is held by {describe(owner)}; this is job {job_id}, rank {rank}",
