@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def submission_of(target: str) -> Submission:
     """The submission ``status`` and ``cancel`` act on: an output dir's latest record, a dir a hand-submitted script
     ran in (``hand_run``), or a job id as Slurm knows it."""
     if Path(target).is_dir():
-        return load_submission(target) if (Path(target) / SUBMISSION_FILE).is_file() else hand_run(target)
+        # anything under the record's name is the record: a FIFO or a link there is refused as one, not skipped
+        recorded = os.path.lexists(Path(target) / SUBMISSION_FILE)
+        return load_submission(target) if recorded else hand_run(target)
     return bare_job(_job_id(target))
 
 
