@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import wait_for_job
@@ -34,6 +35,21 @@ def cancelled_on_exit(job_id: str):
         yield job_id
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
+def test_the_daemons_ports_lie_outside_every_range_a_job_takes_ports_from():
+    """The four nodes share this machine's ports: a daemon on a port a job derives (distenv.port_for_job) or a test
+    picks (FREE_PORT_RANGE) fails that job as 'busy' once the job ids reach it."""
+    import re
+
+    from swiftslurm.slurm import distenv
+
+    text = (Path(__file__).parent / "cluster" / "lib.sh").read_text()
+    ports = {k: int(v) for k, v in re.findall(r"(?m)^(SLURMCTLD_PORT|SLURMDBD_PORT|SLURMD_PORT_BASE)=(\d+)", text)}
+    assert len(ports) == 3, text
+    daemon = [ports["SLURMCTLD_PORT"], ports["SLURMDBD_PORT"], *(ports["SLURMD_PORT_BASE"] + i for i in range(1, 17))]
+    assert all(port < distenv.FREE_PORT_RANGE[0] for port in daemon), daemon
+    assert distenv.FREE_PORT_RANGE[1] == distenv.PORT_BASE  # the derived range starts where the picked one ends
 
 
 def test_srun_spans_every_node(slurm_cluster):

@@ -226,7 +226,8 @@ def test_a_rank_records_its_exception_and_a_rerun_clears_it(tmp_path):
         toml = (f'[job]\nname = "rec"\noutput_dir = "{tmp_path}/out"\n[slurm]\ntasks_per_node = 1\n[train]\n'
                 f"command = {json.dumps(command)}\n[preflight]\nchecks = []\n")
         plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="t.toml"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}
+        env = {k: v for k, v in os.environ.items()
+           if k == "SWIFTSLURM_LEDGER" or not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}  # the test's own ledger
         return subprocess.run([sys.executable, "-m", "swiftslurm", "run", "--plan", str(plan)], env=env, capture_output=True, text=True, timeout=120)
 
     started = time.time()

@@ -151,7 +151,8 @@ OMP_NUM_THREADS = "1"
 
 
 def _start_trainer(plan: Path, delay_s: str | None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k == "SWIFTSLURM_LEDGER" or not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}  # the test's own ledger
     if delay_s:
         env["SWIFTSLURM_CKPT_TEST_DELAY_S"] = delay_s
     return subprocess.Popen([sys.executable, "-m", "swiftslurm", "run", "--plan", str(plan)], env=env,

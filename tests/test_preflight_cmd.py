@@ -35,7 +35,8 @@ def run_cli(tmp_path: Path, executor: str, nodes=1, tasks=2, iperf=0.1, partitio
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(out=out, nodes=nodes, tasks=tasks, iperf=iperf, partition=partition))
     report = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k == "SWIFTSLURM_LEDGER" or not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}  # the test's own ledger
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "preflight", str(spec), "--executor", executor, "--json", str(report)],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     return proc, (json.loads(report.read_text()) if report.exists() else None), out

@@ -18,10 +18,14 @@ SLURM_ETC=/etc/slurm
 MARKER="# Managed by swiftslurm tests/cluster/up.sh"
 HOSTS_TAG="# swiftslurm-cluster"
 
-# Private ports so that a system Slurm on default ports does not clash.
-SLURMCTLD_PORT=16817
-SLURMDBD_PORT=16819
-SLURMD_PORT_BASE=17000   # nodeI listens on SLURMD_PORT_BASE + I
+# Private ports so that a system Slurm on default ports (6817-6819) does not clash. All below 8192: the four nodes
+# share this machine's ports, and swiftslurm derives every job's master/preflight ports from its job id in
+# [16384, 32767] (distenv.port_for_job) and tests pick free ones in [8192, 16384). The daemons once sat at
+# 16817/16819/17001..: job ids 4204 and 4251 derived exactly those ports and failed as "busy" (tests/test_cluster.py
+# checks the ranges).
+SLURMCTLD_PORT=7817
+SLURMDBD_PORT=7819
+SLURMD_PORT_BASE=7900   # nodeI listens on SLURMD_PORT_BASE + I
 
 die() {
     echo "swiftslurm-cluster: ERROR: $*" >&2
