@@ -4,6 +4,7 @@ lands without node3 (sacct's NodeList)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -233,6 +234,35 @@ def test_preflight_records_only_the_blamed_nodes_of_a_slurm_job():
     everyone = [CheckResult("ports", f"{a}->{b}", False, "refused") for a in dist.nodes for b in dist.nodes if a != b]
     assert ledger_entries(everyone, dist, "/out") == []  # no node to blame: a firewall, not a node
     assert ledger_entries(bad, SimpleNamespace(executor="local", nodes=dist.nodes, requeue_id="local-1"), "/out") == []
+    taken = [CheckResult("ports", "node2", False, "MASTER_PORT 16816 is busy on node2", data={"port_taken": 16816})]
+    assert ledger_entries(taken, dist, "/out") == []  # this job's derived port, not the node's health
+
+
+def test_the_preflight_store_port_held_by_another_process_is_the_jobs_port_not_the_node(tmp_path):
+    """Rank 0 cannot host the preflight store because some other process listens on the job's port: the result says
+    so (the port, the fix) and is marked so that the ledger does not blame the node."""
+    import socket
+
+    from swiftslurm.preflight.gate import ledger_entries
+    from swiftslurm.preflight.run import run_checks
+    from swiftslurm.slurm import distenv
+    from swiftslurm.spec import parse_spec
+
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("", 0))
+    squatter.listen(1)
+    store_port = squatter.getsockname()[1]
+    try:
+        dist = distenv.derive({}, pid=4242, explicit={"MASTER_PORT": str(store_port - 1)})
+        spec = parse_spec(f'[job]\nname = "p"\noutput_dir = "{tmp_path}"\n[preflight]\nchecks = ["disk"]\ntimeout_s = 5\n')
+        outcome = run_checks(dist, spec, str(tmp_path), ["disk"], env={})
+    finally:
+        squatter.close()
+    (result,) = outcome.results
+    assert result.check == "coordination" and not result.ok and result.data == {"port_taken": store_port}
+    assert f"port {store_port} is taken on" in result.hint and "resubmit" in result.hint
+    assert ledger_entries(outcome.results, dataclasses.replace(dist, executor="slurm"), str(tmp_path)) == []
 
 
 def test_each_allocation_of_a_sweep_gets_its_own_decision(tmp_path):

@@ -130,11 +130,14 @@ def _lead(outcome: Any, dist: DistEnv, spec: JobSpec, output_dir: str, mode: str
 
 def ledger_entries(results: list[Any], dist: DistEnv, output_dir: str) -> list[Any]:
     """The node-health ledger entries for failed checks (pure): the blamed nodes of a Slurm job, unless every node of a
-    multi-node job is blamed (a fault that is not any node's: a firewall, a threshold set too high)."""
+    multi-node job is blamed (a fault that is not any node's: a firewall, a threshold set too high) or the failure is a
+    port of this job that another process holds."""
     from ..ledger import Entry
     from .results import blamed_nodes
 
-    bad = [r for r in results if not r.ok and r.blocking]
+    # a port this job derived that another process holds is the job's bad luck, not the node's health: the next job
+    # derives other ports (data["port_taken"]: the MASTER_PORT check, the preflight store's bind)
+    bad = [r for r in results if not r.ok and r.blocking and not r.data.get("port_taken")]
     blamed = blamed_nodes(bad)
     if not blamed or getattr(dist, "executor", "") != "slurm" or (len(dist.nodes) > 1 and set(dist.nodes) <= set(blamed)):
         return []

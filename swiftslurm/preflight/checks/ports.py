@@ -105,7 +105,8 @@ def check_master_port(node: str, port: int, ephemeral: tuple[int, int] | None = 
            "or resubmit: a new job id derives another port")
     error = bind_error(port)
     if error:
-        return CheckResult("ports", node, False, f"MASTER_PORT {port} is busy on {node}: {error}{where}", f"MASTER_PORT {port} free", fix)
+        return CheckResult("ports", node, False, f"MASTER_PORT {port} is busy on {node}: {error}{where}", f"MASTER_PORT {port} free", fix,
+                           data={"port_taken": port})
     return CheckResult("ports", node, True, f"MASTER_PORT {port} free{where}", f"MASTER_PORT {port} free", fix if in_range else "")
 
 
