@@ -7,16 +7,12 @@ and the job would end FAILED or TIMEOUT instead of being requeued. So ``run`` ho
 line; ``node.signals.install`` takes it over, and one that came meanwhile is then delivered to the handler.
 """
 
-import signal
 import sys
 
+from .node.hold import hold_walltime_signal  # the standard library only
 
-def _hold_walltime_signal(argv: list[str]) -> None:
-    if argv[1:2] == ["run"]:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-
-
-_hold_walltime_signal(sys.argv)
+if sys.argv[1:2] == ["run"]:
+    hold_walltime_signal()
 
 from .cli import main  # noqa: E402  (after the signal is held: this import is the slow part)
 

@@ -28,8 +28,13 @@ def _unbuffered() -> None:
             setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
 
 
-def main(argv: list[str]) -> None:
+def hold_walltime_signal() -> None:
+    """Block USR2 in this thread (and so in the threads and processes it starts) until ``signals.install``."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
+
+def main(argv: list[str]) -> None:
+    hold_walltime_signal()
     args = list(argv)
     if args[:1] == ["-u"]:
         args.pop(0)
