@@ -102,13 +102,10 @@ def run_checks(dist: DistEnv, spec: JobSpec, output_dir: str, checks: list[str],
         coord = Coordinator.connect(dist.master_addr, port["coord"], rank, world, timeout_s, prefix=f"preflight-{dist.job_id}")
     except CoordinationError as exc:
         taken = ports.bind_error(port["coord"]) if rank == 0 else None  # this job's port, held by another process
-        if taken:
-            return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join",
-                                              f"port {port['coord']} is taken on {node} ({taken}), not this job's: resubmit (a new job "
-                                              "id derives other ports) or set MASTER_PORT in [env] to a free port",
-                                              data={"port_taken": port["coord"]})], meta)
-        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join",
-                                          "is MASTER_ADDR reachable from this node? is the port free?")], meta)
+        hint = (f"port {port['coord']} is taken on {node} ({taken}), not this job's: resubmit (a new job id derives other "
+                "ports) or set MASTER_PORT in [env] to a free port") if taken else "is MASTER_ADDR reachable from this node? is the port free?"
+        return Outcome(None, [CheckResult("coordination", node, False, str(exc), "all ranks join", hint,
+                                          data={"port_taken": port["coord"]} if taken else {})], meta)
     coord.put(f"rank-node/{rank}", node)
 
     sharedfs_file = Path(output_dir) / "preflight" / f".sharedfs-{dist.job_id}"
