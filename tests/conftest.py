@@ -3,7 +3,7 @@
 A test marked `@pytest.mark.slurm` needs the cluster. When `sinfo` does not answer, it is
 skipped with the reason, except under CI=true, where a missing cluster is a failure.
 Helpers for such tests: the `slurm_cluster` fixture (node names) and
-`from conftest import wait_for_job`.
+`from conftest import wait_for_job, sacct_rows`.
 
 Under CI=true nothing skips but a test that needs hardware CI cannot have (GPUs): such a test
 skips through `needs_hardware(what, have)`, whose reason starts with HARDWARE_SKIP and names the
@@ -146,11 +146,26 @@ def node_addresses(slurm_cluster) -> tuple[str, ...]:
     return slurm_cluster
 
 
+def sacct_rows(job_id: str, *fields: str, runs: bool = False, timeout_s: float = 30) -> list[list[str]]:
+    """``sacct -X [-D] -j JOB`` rows of the job itself (or its array tasks): per row, the ``fields``.
+
+    ``sacct -j 4947`` also lists a task of another array whose raw id is 4947 (``4928_0``): a split-off array task
+    takes the next free id, and Slurm hands an id out again once it forgot the job (the test cluster's MinJobAge is
+    10 s). Such a row is not this job: it is dropped by its JobID (``slurm.is_of``), as the product's door does.
+    ``runs``: every run of a requeued job (``-D``: earlier ones say REQUEUED). Raises on a sacct error.
+    """
+    argv = ["sacct", "-X", "-n", "-P", *(["-D"] if runs else []), "-j", str(job_id), "-o", ",".join(("JobID", *fields))]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=True)
+    rows = [line.split("|", len(fields)) for line in proc.stdout.splitlines() if line.strip()]
+    return [row[1:] for row in rows if len(row) == len(fields) + 1 and slurm.is_of(row[0], str(job_id))]
+
+
 def wait_for_job(job_id: str, timeout_s: float, *, min_rows: int = 1, poll_s: float = 0.5) -> dict[str, str]:
     """Poll sacct until the job (every array task) is in a final state; return {JobID: State}.
 
     min_rows: how many rows must be there (an array of 4 tasks: 4), since sacct learns of a job
-    a moment after sbatch returns. Raises TimeoutError with the last rows seen.
+    a moment after sbatch returns. Raises TimeoutError with the last rows seen. Rows of another job under the same
+    raw id are not counted (``sacct_rows``): the straggler test once took an earlier array's finished task for its job.
     """
     deadline = time.monotonic() + timeout_s
     rows: dict[str, str] = {}
@@ -166,7 +181,8 @@ def wait_for_job(job_id: str, timeout_s: float, *, min_rows: int = 1, poll_s: fl
             proc = None
         if proc is not None and proc.returncode == 0:
             # "CANCELLED by 0" -> "CANCELLED"
-            rows = {jid: (state.split() or [""])[0] for jid, _, state in (line.partition("|") for line in proc.stdout.splitlines() if line.strip())}
+            rows = {jid: (state.split() or [""])[0] for jid, _, state in (line.partition("|") for line in proc.stdout.splitlines() if line.strip())
+                    if slurm.is_of(jid, str(job_id))}
             if len(rows) >= min_rows and all(state in FINAL_STATES for state in rows.values()):
                 return rows
         if time.monotonic() >= deadline:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_job
+from conftest import sacct_rows, wait_for_job
 
 from swiftslurm.node import chain
 from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, after_walltime_stop, read_requeues
@@ -196,8 +196,7 @@ def test_refused_requeue_continues_as_a_singleton_chain_to_the_end(tmp_path, slu
     assert f"continued as job {second}" in logs and "training finished at step 120" in logs
     assert last_step(out) == 120
     # the new job ran after the first ended: singleton, the same name
-    shown = subprocess.run(["sacct", "-X", "-n", "-P", "-j", second, "-o", "JobName"], capture_output=True, text=True, timeout=30)
-    assert shown.stdout.split() == ["chain-train"]
+    assert sacct_rows(second, "JobName") == [["chain-train"]]
 
     status = cli("status", str(out), "--json")
     task = json.loads(status.stdout)["tasks"]
@@ -246,5 +245,4 @@ def test_a_rendered_script_continues_as_the_same_script(tmp_path, slurm_cluster)
     assert state[links[0][1]] == "COMPLETED"
     calls = (tmp_path / "scontrol-calls").read_text().splitlines()
     assert f"show job -o {first}" in calls and not any(c.startswith("requeue") for c in calls), calls
-    shown = subprocess.run(["sacct", "-X", "-n", "-P", "-j", links[0][1], "-o", "JobName,WorkDir"], capture_output=True, text=True, timeout=30)
-    assert shown.stdout.split("\n")[0] == f"chain-rendered|{tmp_path}"
+    assert sacct_rows(links[0][1], "JobName", "WorkDir")[0] == ["chain-rendered", str(tmp_path)]

@@ -129,7 +129,7 @@ def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_o
     step 10 or later. The signalled run saves, requeues itself, resumes on both nodes and must log every step's loss
     bitwise as the uninterrupted run did. The signal is sent by the test, not by Slurm's clock, so a loaded machine
     whose start-up outlasts a short time limit cannot turn the requeue into a TIMEOUT (test_resume covers the clock)."""
-    from conftest import wait_for_job
+    from conftest import sacct_rows, wait_for_job
     from test_resume import explain, losses, submit
 
     from swiftslurm import checkpoint as ck
@@ -150,8 +150,8 @@ def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_o
 
     (stop,) = json.loads((req_out / "requeues.json").read_text())
     assert stop["requeued"] and 10 <= stop["global_step"] < steps, stop
-    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", req_job], capture_output=True, text=True, timeout=30)
-    assert runs.stdout.split() == ["REQUEUED", "COMPLETED"], runs.stdout + runs.stderr
+    runs = [state for (state,) in sacct_rows(req_job, "State", runs=True)]
+    assert runs == ["REQUEUED", "COMPLETED"], runs
     ref, req = losses(ref_out), losses(req_out)
     assert sorted(ref) == sorted(req) == list(range(1, steps + 1)) and all(len(v) == 1 for v in ref.values())
     mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}

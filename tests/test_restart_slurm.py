@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_job
+from conftest import sacct_rows, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
@@ -174,8 +174,8 @@ def test_a_hung_then_killed_rank_restarts_in_place_to_the_same_losses(tmp_path, 
     assert records[1]["detail"].startswith("task 1 on node") and records[1]["detail"].endswith("Killed"), records[1]
     assert isinstance(resumed, int) and resumed < STALL_STEP
     # the same job ran once: no requeue (sacct -D lists each run of a job id)
-    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True, text=True, timeout=30)
-    assert runs.stdout.split() == ["COMPLETED"], runs.stdout
+    runs = [state for (state,) in sacct_rows(job, "State", runs=True)]
+    assert runs == ["COMPLETED"], runs
     ref, got = losses(ref_out), losses(run_out)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     assert any(len(v) > 1 for v in got.values())  # steps between a checkpoint and a failure were trained twice

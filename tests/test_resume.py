@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_job
+from conftest import sacct_rows, wait_for_job
 
 from swiftslurm import checkpoint as ck
 
@@ -131,8 +131,8 @@ def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
     assert len(requeues) >= 2 and all(r["requeued"] for r in requeues), requeues
     # exactly those: every run Slurm made of the job (sacct -D: one row per run) but the last ended in one of
     # these walltime requeues; a requeue of another cause (a node failure, a stray scontrol requeue) fails here
-    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", req_job], capture_output=True, text=True, timeout=30)
-    assert runs.stdout.split() == ["REQUEUED"] * len(requeues) + ["COMPLETED"], (runs.stdout, runs.stderr, requeues)
+    runs = [state for (state,) in sacct_rows(req_job, "State", runs=True)]
+    assert runs == ["REQUEUED"] * len(requeues) + ["COMPLETED"], (runs, requeues)
     stops = [r["global_step"] for r in requeues]
     assert stops == sorted(stops) and 0 < stops[0] < MAX_STEPS, stops
 

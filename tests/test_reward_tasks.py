@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import wait_for_job
+from conftest import sacct_rows, wait_for_job
 from test_train import quickstart_spec, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,8 +264,7 @@ def test_rm_requeued_at_a_walltime_signal_resumes_to_the_uninterrupted_losses(cl
 def test_kto_trains_across_two_nodes_and_its_checkpoints_verify(cluster_runs):
     out = cluster_runs["kto"]
     assert cluster_runs["states"]["kto"] == "COMPLETED", cluster_runs["states"]
-    hosts = subprocess.run(["sacct", "-X", "-n", "-P", "-j", cluster_runs["jobs"]["kto"], "-o", "NodeList"], capture_output=True,
-                           text=True, timeout=30).stdout.split()[0]
+    ((hosts,),) = sacct_rows(cluster_runs["jobs"]["kto"], "NodeList")
     assert len(subprocess.run(["scontrol", "show", "hostnames", hosts], capture_output=True, text=True, timeout=30).stdout.split()) == 2
     r = verify(out)
     assert r.returncode == 0 and "checkpoint-4" in r.stdout and "checkpoint-8" in r.stdout, r.stdout + r.stderr

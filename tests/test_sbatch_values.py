@@ -130,8 +130,10 @@ command = ["{sys.executable}", "-c", "{PROBE}", "{tmp_path / 'probe'}"]
     steps = {(v["SLURM_JOB_ID"], v["SLURM_STEP_ID"]) for v in seen.values()}
     assert len(steps) == 2 and all(v["SLURM_STEP_NUM_TASKS"] == "2" for v in seen.values()), seen  # one step per path
     for job, step in steps:
-        alloc = subprocess.run(["sacct", "-n", "-P", "-j", f"{job}.{step}", "-o", "AllocCPUS"], capture_output=True, text=True, timeout=30)
-        assert alloc.stdout.split() == ["4"], (job, step, alloc.stdout, alloc.stderr)
+        alloc = subprocess.run(["sacct", "-n", "-P", "-j", f"{job}.{step}", "-o", "JobID,AllocCPUS"], capture_output=True, text=True, timeout=30)
+        # only this step's row: another array's task may have had the same raw id (conftest.sacct_rows)
+        mine = [row.split("|")[1] for row in alloc.stdout.splitlines() if row.split("|")[0] == f"{job}.{step}"]
+        assert mine == ["4"], (job, step, alloc.stdout, alloc.stderr)
     # submitit's path: -c on the srun line of the batch script it wrote
     scripts = sorted((tmp_path / "out").rglob("*_submission.sh"))
     assert scripts, "submitit's batch script not found"

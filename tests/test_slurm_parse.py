@@ -2,6 +2,7 @@
 (tests/data/slurm/, slurm-wlm 22.05.8; sacct -X -D -P -n --format=JobID,State,ExitCode,NodeList,Elapsed,Start,End,JobName;
 squeue -h -r -o '%i|%T|%N|%M|%r|%j'; the array is named 'arr|odd name')."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,51 @@ def test_a_reused_job_id_is_not_our_job(tmp_path):
     assert sub._rows_from(recs)[0].state == "UNKNOWN"
     sub.job_name = "fail3"
     assert sub._rows_from(recs)[0].state == "FAILED"
+
+
+def test_a_task_of_another_array_under_the_same_raw_id_is_not_the_job():
+    """`sacct -j 4947` lists array task 4928_0 whose raw id was 4947 (captured): it is not job 4947, nor a task of it."""
+    recs = slurm.parse_sacct(read("sacct_reused_raw_id.txt"))
+    assert sorted(recs) == ["4928_0", "4947"]
+    assert list(slurm.records_of(recs, ["4947"])) == ["4947"] and slurm.records_of(recs, ["4947"])["4947"].state == "CANCELLED"
+    assert list(slurm.records_of(recs, ["4928"])) == ["4928_0"]
+    assert slurm.records_of(recs, ["4928_1"]) == {}
+    assert [slurm.is_of(j, asked) for j, asked in (("4947", "4947"), ("4947_3", "4947"), ("4947_3", "4947_3"), ("4947_3", "4947_4"),
+                                                    ("4928_0", "4947"), ("49470", "4947"), ("4947", "4947_3"))] == [True, True, True, False, False, False, False]
+    # scontrol shows an array task's raw id as JobId: the id to compare is ArrayJobId_ArrayTaskId
+    task, single = slurm.parse_scontrol_job("JobId=4947 ArrayJobId=4928 ArrayTaskId=0 JobName=site\nJobId=4951 JobName=x\n")
+    assert (slurm.shown_id(task), slurm.shown_id(single)) == ("4928_0", "4951")
+
+
+FAKE_DOOR = {
+    # the captured sacct rows of the reused id (WorkDir asked alone: each row's JobID first), scontrol's record of the
+    # array task that held it while slurmctld still remembered it, and an empty queue
+    "sacct": """#!/bin/bash
+case "$*" in
+  *WorkDir*) printf '4928_0|/home/someone/else\\n4947|/runs/mine\\n' ;;
+  *) cat "{data}/sacct_reused_raw_id.txt" ;;
+esac
+""",
+    "scontrol": """#!/bin/bash
+echo "JobId=4947 ArrayJobId=4928 ArrayTaskId=0 JobName=site WorkDir=/home/someone/else StdErr=/home/someone/else/4928_0.err"
+""",
+    "squeue": "#!/bin/bash\nexit 0\n",
+}
+
+
+def test_the_door_answers_for_the_asked_job_only(tmp_path, monkeypatch):
+    """job_records, status by job id and the paths `cancel DIR` proves ownership with: the other array's task under the
+    same raw id is none of them (Slurm's accounting is faked: an id reuse cannot be made to order on the test cluster)."""
+    from swiftslurm.jobs.target import bare_job
+
+    for name, text in FAKE_DOOR.items():
+        (tmp_path / name).write_text(text.format(data=DATA))
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert list(slurm.job_records(["4947"])) == ["4947"]
+    assert bare_job("4947").job_ids == ["4947"]
+    assert slurm.job_paths("4947") == ["/runs/mine"]  # scontrol's record is 4928_0's: sacct's row of 4947 answers
+    assert slurm.job_paths("4928_0") == ["/home/someone/else/4928_0.err", "/home/someone/else"]
 
 
 # ---------------------------------------------------------------- 22.05 (captured), 23.11 and 24.11 (reconstructed):

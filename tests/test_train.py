@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import exit_threads_env, threads_at_exit
+from conftest import exit_threads_env, sacct_rows, threads_at_exit
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import launch
@@ -278,8 +278,7 @@ def submit_on_two_nodes(spec: str, out: Path, job_name: str, timeout_s: int = 40
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"]
-    nodelist = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "NodeList"],
-                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+    ((nodelist,),) = sacct_rows(job_id, "NodeList")
     return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                           timeout=30).stdout.split()
 

@@ -18,6 +18,7 @@ from .commands import (
     expand_job_ids,
     have_slurm,
     is_final,
+    is_of,
     job_paths,
     job_records,
     merge_exclude,
@@ -34,6 +35,7 @@ from .commands import (
     parse_sinfo_nodes,
     parse_squeue,
     partition_nodes,
+    records_of,
     refusal,
     requeue,
     required_among,
@@ -41,6 +43,7 @@ from .commands import (
     scancel,
     show_config,
     show_hostnames,
+    shown_id,
 )
 
 __all__ = [
@@ -65,6 +68,9 @@ __all__ = [
     'sbatch',
     'refusal',
     'job_records',
+    'is_of',
+    'records_of',
+    'shown_id',
     'scancel',
     'parse_exc_node_list',
     'parse_scontrol_job',

@@ -230,6 +230,18 @@ def refusal(slurm_message: str) -> SubmissionError:
     )
 
 
+def is_of(job_id: str, asked: str) -> bool:
+    """Is the row ``job_id`` (sacct/squeue's JobID) the asked job ``123`` (itself or a task ``123_4``) or the asked
+    task ``123_4``? ``sacct -j 123`` also lists a task of another array whose raw id is 123 (``98_0``: a split-off
+    array task takes the next free id, and Slurm hands an id out again once it forgot the job), which is not it."""
+    return job_id == asked or ("_" not in asked and job_id.partition("_")[0] == asked)
+
+
+def records_of(records: dict[str, JobRecord], job_ids: list[str]) -> dict[str, JobRecord]:
+    """Only the records of the asked jobs (``is_of``)."""
+    return {jid: rec for jid, rec in records.items() if any(is_of(jid, asked) for asked in job_ids)}
+
+
 def job_records(job_ids: list[str]) -> dict[str, JobRecord]:
     """Current record of each job (``123``) or array (``123`` covers ``123_*``), from sacct and squeue."""
     if not job_ids:
@@ -242,7 +254,7 @@ def job_records(job_ids: list[str]) -> dict[str, JobRecord]:
     if acc.returncode != 0 and live.returncode != 0:
         raise SwiftSlurmError("neither sacct nor squeue could report the job", (acc.stderr or live.stderr).strip()[:300],
                               "is slurmctld up (`sinfo`)? is accounting configured (`sacct`)?")
-    return merge_records(sacct_records, squeue_records)
+    return records_of(merge_records(sacct_records, squeue_records), job_ids)
 
 
 def scancel(job_ids: list[str]) -> None:
@@ -307,6 +319,13 @@ def parse_scontrol_job(text: str) -> list[dict[str, str]]:
         if fields:
             out.append(fields)
     return out
+
+
+def shown_id(fields: dict[str, str]) -> str:
+    """The id sacct/squeue show for a ``scontrol show job`` record: ``ArrayJobId_ArrayTaskId`` for an array task
+    (its ``JobId`` is the raw id), else ``JobId`` (pure)."""
+    array, task = fields.get("ArrayJobId", ""), fields.get("ArrayTaskId", "")
+    return f"{array}_{task}" if array and task else fields.get("JobId", "")
 
 
 def parse_scontrol_config(text: str) -> dict[str, str]:
@@ -436,8 +455,10 @@ def job_paths(job_id: str) -> list[str]:
     paths: list[str] = []
     if show.returncode == 0:
         for fields in parse_scontrol_job(show.stdout):
-            paths += [fields[k] for k in ("StdErr", "StdOut", "WorkDir") if fields.get(k)]
+            if is_of(shown_id(fields), job_id):
+                paths += [fields[k] for k in ("StdErr", "StdOut", "WorkDir") if fields.get(k)]
     if not paths:
-        acc = _run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=WorkDir"], check=False)
-        paths = [ln.strip() for ln in acc.stdout.splitlines() if ln.strip()] if acc.returncode == 0 else []
+        acc = _run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=JobID,WorkDir"], check=False)
+        rows = [ln.split("|", 1) for ln in acc.stdout.splitlines()] if acc.returncode == 0 else []
+        paths = [row[1].strip() for row in rows if len(row) == 2 and row[1].strip() and is_of(row[0].strip(), job_id)]
     return list(dict.fromkeys(paths))
