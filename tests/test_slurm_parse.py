@@ -93,8 +93,9 @@ def test_a_task_of_another_array_under_the_same_raw_id_is_not_the_job():
     assert list(slurm.records_of(recs, ["4947"])) == ["4947"] and slurm.records_of(recs, ["4947"])["4947"].state == "CANCELLED"
     assert list(slurm.records_of(recs, ["4928"])) == ["4928_0"]
     assert slurm.records_of(recs, ["4928_1"]) == {}
-    assert [slurm.is_of(j, asked) for j, asked in (("4947", "4947"), ("4947_3", "4947"), ("4947_3", "4947_3"), ("4947_3", "4947_4"),
-                                                    ("4928_0", "4947"), ("49470", "4947"), ("4947", "4947_3"))] == [True, True, True, False, False, False, False]
+    pairs = (("4947", "4947"), ("4947_3", "4947"), ("4947_3", "4947_3"), ("4947_3", "4947_4"), ("4928_0", "4947"), ("49470", "4947"),
+             ("4947", "4947_3"))
+    assert [slurm.is_of(j, asked) for j, asked in pairs] == [True, True, True, False, False, False, False]
     # scontrol shows an array task's raw id as JobId: the id to compare is ArrayJobId_ArrayTaskId
     task, single = slurm.parse_scontrol_job("JobId=4947 ArrayJobId=4928 ArrayTaskId=0 JobName=site\nJobId=4951 JobName=x\n")
     assert (slurm.shown_id(task), slurm.shown_id(single)) == ("4928_0", "4951")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from swiftslurm import slurm
-from swiftslurm.errors import SpecError, SubmissionError
+from swiftslurm.errors import SpecError, SubmissionError, SwiftSlurmError
 from swiftslurm.jobs.send import Submission, load_submission, resolve_executor, submit_plan
 from swiftslurm.plan import make_plan, write_plan
 from swiftslurm.slurm.render import render_sbatch
@@ -356,6 +356,31 @@ def test_status_counts_a_requeue_then_cancel_from_output_dir(tmp_path):
     proc = cli("cancel", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert sub.wait(timeout_s=60, poll_s=0.5) == {"0": "CANCELLED"}
+
+
+@pytest.mark.slurm
+def test_cancel_leaves_a_job_that_took_the_recorded_id_over(tmp_path):
+    """Slurm hands a job id out again once it forgot the job (a cluster reset, an array task's raw id): a record whose
+    id is now another job of the same user must not stop that job. The record here names a live job of another name."""
+    script = tmp_path / "other.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --job-name=someone-elses\n#SBATCH --partition=debug\n#SBATCH --time=00:02:00\n"
+                      f"#SBATCH --output={tmp_path}/other.out\nsleep 100\n")
+    job = slurm.sbatch(str(script))
+    try:
+        sub = Submission("slurm", [job], str(tmp_path / "out"), [str(tmp_path / "out")], "", job_name="mine", submitted_at=time.time())
+        sub.cancel()
+        time.sleep(2)
+        assert slurm.job_records([job])[job].state in ("PENDING", "RUNNING"), "cancel stopped a job of another name"
+        sub.job_name = "someone-elses"  # the same id under the recorded name is ours: it is stopped
+        sub.cancel()
+        from conftest import wait_for_job
+
+        assert wait_for_job(job, timeout_s=60) == {job: "CANCELLED"}
+        sub.cancel()  # a job that already ended: nothing to stop, no error (scancel --name exits 1 for it)
+        with pytest.raises(SwiftSlurmError, match="scancel"):
+            Submission("slurm", ["12x"], "", [""], "", job_name="mine", submitted_at=0.0).cancel()  # Slurm's other errors stay errors
+    finally:
+        subprocess.run(["scancel", "--name=someone-elses", job], capture_output=True, timeout=30)
 
 
 # Waits for USR2 (up to 80 s), records which rank got it, exits 0.

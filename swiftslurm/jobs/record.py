@@ -209,7 +209,8 @@ class Submission:
         this record launched (``_why_not_ours``). CancelRefused, before anything is signalled or written,
         when a recorded pid is alive but cannot be proven ours; a pid no longer running needs no signal."""
         if self.executor == "slurm":
-            slurm.scancel(sorted({j.split("_")[0] for j in self.current_job_ids()}))  # a chain's newest links
+            # a chain's newest links; only under this job's name: an id Slurm has since given to another job is not ours
+            slurm.scancel(sorted({j.split("_")[0] for j in self.current_job_ids()}), name=self.job_name)
         else:
             import signal
 

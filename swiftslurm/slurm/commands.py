@@ -257,10 +257,20 @@ def job_records(job_ids: list[str]) -> dict[str, JobRecord]:
     return records_of(merge_records(sacct_records, squeue_records), job_ids)
 
 
-def scancel(job_ids: list[str]) -> None:
-    """``scancel`` jobs or array tasks (``123`` cancels every task of array 123)."""
-    if job_ids:
-        _run(["scancel", *job_ids])
+def scancel(job_ids: list[str], name: str = "") -> None:
+    """``scancel`` jobs or array tasks (``123`` cancels every task of array 123). ``name``: only those of that job
+    name (``--name``): Slurm hands an id out again once it forgot the job (``is_of``), and a record's id may by then
+    be another job of the same user, which must not be stopped."""
+    if not job_ids:
+        return
+    proc = _run(["scancel", *([f"--name={name}"] if name else []), *job_ids], check=False)
+    errors = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+    # with --name, a job that already ended is "Invalid job id specified" (exit 1); without, scancel says nothing
+    if proc.returncode != 0 and not (errors and all(ln.rstrip().endswith(GONE) for ln in errors)):
+        raise SwiftSlurmError(f"'scancel' failed (exit {proc.returncode})", "\n".join(errors)[:500], "see Slurm's message above")
+
+
+GONE = "Invalid job id specified"
 
 
 # ---------------------------------------------------------------- the job's end time (deadline-aware saving)
