@@ -143,7 +143,7 @@ def _job_id(target: str) -> str:
 def bare_job(job_id: str) -> Submission:
     """A Slurm job id (``123`` or ``123_4``) as a Submission with no output dirs: its array tasks as sacct/squeue list them."""
     records = slurm.job_records([job_id.split("_")[0]])
-    ids = sorted((j for j in records if j == job_id or j.split("_")[0] == job_id), key=_job_sort_key)
+    ids = sorted((j for j in records if slurm.is_of(j, job_id)), key=_job_sort_key)
     if not ids:
         raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
     return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)

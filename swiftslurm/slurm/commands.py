@@ -30,8 +30,13 @@ def _run(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S, check: bool = True
     except subprocess.TimeoutExpired:
         raise SwiftSlurmError(f"'{argv[0]}' did not answer within {timeout_s:.0f} s", " ".join(argv[:3]), "is slurmctld up? try `sinfo`") from None
     if check and proc.returncode != 0:
-        raise SwiftSlurmError(f"'{argv[0]}' failed (exit {proc.returncode})", (proc.stderr or proc.stdout).strip()[:500], "see Slurm's message above")
+        raise failed(argv[0], proc)
     return proc
+
+
+def failed(tool: str, proc: subprocess.CompletedProcess) -> SwiftSlurmError:
+    """A Slurm command's non-zero exit, in its own words."""
+    return SwiftSlurmError(f"'{tool}' failed (exit {proc.returncode})", (proc.stderr or proc.stdout).strip()[:500], "see Slurm's message above")
 
 
 def have_slurm() -> bool:
@@ -266,11 +271,8 @@ def scancel(job_ids: list[str], name: str = "") -> None:
     proc = _run(["scancel", *([f"--name={name}"] if name else []), *job_ids], check=False)
     errors = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
     # with --name, a job that already ended is "Invalid job id specified" (exit 1); without, scancel says nothing
-    if proc.returncode != 0 and not (errors and all(ln.rstrip().endswith(GONE) for ln in errors)):
-        raise SwiftSlurmError(f"'scancel' failed (exit {proc.returncode})", "\n".join(errors)[:500], "see Slurm's message above")
-
-
-GONE = "Invalid job id specified"
+    if proc.returncode != 0 and not (errors and all(ln.rstrip().endswith("Invalid job id specified") for ln in errors)):
+        raise failed("scancel", proc)
 
 
 # ---------------------------------------------------------------- the job's end time (deadline-aware saving)
