@@ -240,10 +240,27 @@ def test_zero2_offload_lora_saves_an_adapter(tmp_path):
     from swiftslurm.train.tinymodel import build_model
 
     spec, out = quickstart_spec(tmp_path, "off", deepspeed="zero2_offload", train_type="lora", max_steps=2,
-                                save_steps=2, logging_steps=1, gradient_checkpointing=True)
+                                save_steps=2, logging_steps=1, gradient_checkpointing=True, lora_dropout=0.2)
     results = run(spec, out)
     ckpt = out / "checkpoint-2"
     assert results[0]["global_step"] == 2 and ck.verify(ckpt).ok
+    assert "train.fused_lora: 14 LoRA projections" in results[0]["stdout"]
+    # peft's own forward trains the same: the same losses (dropout masks included, recomputed under checkpointing)
+    peft_spec, peft_out = quickstart_spec(tmp_path, "peft", deepspeed="zero2_offload", train_type="lora", max_steps=2,
+                                          save_steps=2, logging_steps=1, gradient_checkpointing=True, lora_dropout=0.2,
+                                          fused_lora=False)
+    peft_results = run(peft_spec, peft_out)
+    assert "train.fused_lora" not in peft_results[0]["stdout"]
+    assert losses(out).keys() == losses(peft_out).keys() == {1, 2}
+    for step_ in (1, 2):
+        assert losses(out)[step_] == pytest.approx(losses(peft_out)[step_], rel=1e-3, abs=1e-4), step_
+    # and the same adapter (B starts at zero, so the losses alone barely see the first update)
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(d / "checkpoint-2" / "adapter_model.safetensors") for d in (out, peft_out))
+    assert ours.keys() == theirs.keys()
+    moved = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours)
+    assert moved < 1e-5, moved  # 3e-7 here; with the fused path's dropout left out it is 1.2e-2
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     base = build_model(259, 128, seed=42)
     model = PeftModel.from_pretrained(base, ckpt)

@@ -47,6 +47,9 @@ VARIANTS = {
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
+    "swiftslurm_micro16": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "16"},  # 4x the rows per step
+    "swiftslurm_peftlora": lambda assets: {"gradient_checkpointing": None, "fused_lora": "false"},  # the defaults with peft's LoRA forward
+    "swiftslurm_nodrop": lambda assets: {"gradient_checkpointing": None, "lora_dropout": "0.0"},  # the defaults without LoRA dropout
     "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},

@@ -281,6 +281,7 @@ class TrainTable(_Table):
     attn_implementation: AttnImplementation = "auto"
     use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
     compile: bool = False  # regional torch.compile, one graph per decoder layer (train/kernels/compile.py)
+    fused_lora: bool = True  # LoRA projections in one autograd function (train/kernels/lora.py); false: peft's forward
     dataset_num_proc: int = Field(1, ge=1, le=256)
     dataset_scan: bool = True
     dataloader_num_workers: int = Field(0, ge=0, le=64)

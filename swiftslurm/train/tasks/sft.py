@@ -326,6 +326,12 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
     if tiled and dist.rank == 0:
         log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)
+    if spec.train.train_type == "lora" and spec.train.fused_lora and not spec.train.compile:
+        from ..kernels.lora import fuse_lora
+
+        fused = fuse_lora(model)  # not ZeRO-3: its partitioned weights are gathered by hooks on peft's own forward
+        if fused and dist.rank == 0:
+            log.warning("train.fused_lora: %d LoRA projections run base + adapter in one autograd function", fused)
     if spec.train.compile:
         from ..kernels.compile import compile_layers
 

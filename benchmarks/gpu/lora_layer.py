@@ -1,0 +1,138 @@
+"""The LoRA projections of Llama-3-8B-shaped layers, forward + backward: peft's ``lora.Linear`` against
+``train/kernels/lora.py``'s fused function, the same weights, input and dropout masks (issue #34).
+
+Each layer has the seven projections of a Llama-3-8B decoder layer (q, k, v, o, gate, up, down; hidden 4096, GQA 8
+KV heads, MLP 14336), LoRA r16 alpha 32 on all of them, bf16, frozen bases; attention is replaced by an elementwise
+mix of q, k and v (the same in both arms), so what differs is the LoRA wrapper only. Prints the median time of a
+forward + backward over 8192 tokens, the peak memory, and fused/peft ratios, for lora_dropout 0.05 (the default) and 0.
+
+    cd /tmp && python3 <repo>/benchmarks/gpu/lora_layer.py [--layers 4] [--tokens 8192] [--out DIR]
+    python3 benchmarks/gpu/lora_layer.py --small       # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, hidden: int, kv: int, mlp: int):
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(hidden, hidden, bias=False), torch.nn.Linear(hidden, kv, bias=False)
+        self.v_proj, self.o_proj = torch.nn.Linear(hidden, kv, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
+        self.gate_proj, self.up_proj = torch.nn.Linear(hidden, mlp, bias=False), torch.nn.Linear(hidden, mlp, bias=False)
+        self.down_proj = torch.nn.Linear(mlp, hidden, bias=False)
+        self.groups = hidden // kv
+
+    def forward(self, x):
+        h = F.rms_norm(x, x.shape[-1:])
+        k = self.k_proj(h).repeat_interleave(self.groups, -1)
+        v = self.v_proj(h).repeat_interleave(self.groups, -1)
+        x = x + self.o_proj(self.q_proj(h) * torch.sigmoid(k) + v)
+        h = F.rms_norm(x, x.shape[-1:])
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def build(layers: int, hidden: int, kv: int, mlp: int, dropout: float, device, fused: bool, lora: bool = True):
+    from peft import LoraConfig, get_peft_model
+
+    from swiftslurm.train.kernels.lora import fuse_lora
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[Layer(hidden, kv, mlp) for _ in range(layers)])
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    if not lora:  # the frozen projections alone: the ceiling any LoRA wrapper can approach
+        for p in base.parameters():
+            p.requires_grad_(False)
+        return base.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).train()
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)  # peft starts B at zero; nonzero so both paths do their full work
+    model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).train()
+    if fused:
+        assert fuse_lora(model) == 7 * layers
+    return model
+
+
+def timed(model, x, steps: int, warmup: int, device) -> tuple[float, float]:
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(x).float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        for p in model.parameters():
+            p.grad = None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return statistics.median(times) * 1000, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="a CPU smoke run on a small shape")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", action="store_true", help="also print the top kernels of one fused step (dropout 0.05)")
+    a = ap.parse_args()
+    device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
+    hidden, kv, mlp = (256, 64, 512) if a.small else (4096, 1024, 14336)
+    tokens = 256 if a.small else a.tokens
+    rows = []
+    for dropout in (0.05, 0.0):
+        result = {}
+        for fused in (False, True):
+            model = build(a.layers, hidden, kv, mlp, dropout, device, fused)
+            x = torch.randn(1, tokens, hidden, device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
+            ms, peak = timed(model, x, 2 if a.small else a.steps, 1 if a.small else a.warmup, device)
+            result["fused" if fused else "peft"] = (ms, peak)
+            del model, x
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if dropout == 0.0:  # no LoRA at all (dropout is LoRA's): printed with the dropout-0 row
+            model = build(a.layers, hidden, kv, mlp, dropout, device, False, lora=False)
+            x = torch.randn(1, tokens, hidden, device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
+            result["no_lora"] = timed(model, x, 2 if a.small else a.steps, 1 if a.small else a.warmup, device)
+            del model, x
+        row = {"lora_dropout": dropout, "layers": a.layers, "tokens": tokens,
+               "peft_ms": round(result["peft"][0], 2), "fused_ms": round(result["fused"][0], 2),
+               "speedup": round(result["peft"][0] / result["fused"][0], 3),
+               "peft_peak_gib": round(result["peft"][1], 2), "fused_peak_gib": round(result["fused"][1], 2)}
+        if "no_lora" in result:
+            row.update(no_lora_ms=round(result["no_lora"][0], 2), no_lora_peak_gib=round(result["no_lora"][1], 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.profile:
+        model = build(a.layers, hidden, kv, mlp, 0.05, device, True)
+        x = torch.randn(1, tokens, hidden, device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
+        timed(model, x, 1, 2, device)
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            timed(model, x, 1, 0, device)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "lora_layer.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
