@@ -128,7 +128,7 @@ def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
             subprocess.run(["scancel", f"--name={name}", job], capture_output=True, timeout=30)
 
     requeues = json.loads((req_out / "requeues.json").read_text())
-    assert len(requeues) >= 2 and all(r["requeued"] for r in requeues), requeues
+    assert len(requeues) >= 2 and all(r["requeued"] for r in requeues), json.dumps(requeues, indent=1)
     # exactly those: every run Slurm made of the job (sacct -D: one row per run) but the last ended in one of
     # these walltime requeues; a requeue of another cause (a node failure, a stray scontrol requeue) fails here
     runs = [state for (state,) in sacct_rows(req_job, "State", runs=True)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,9 +164,20 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
 
     if singleton:
         return _continue_as_singleton(dist, spec, out_dir, log, entry)
+    # `scontrol requeue` has slurmd SIGTERM every process of this job's steps, scontrol itself and this rank
+    # included: deaf to it, scontrol lives to print Slurm's answer (and this rank to record it) instead of
+    # dying mid-call and being taken for a refusal. The job ends us with SIGKILL after KillWait.
+    previous = _ignore_term()
     try:
         slurm.requeue(dist.requeue_id)
     except SwiftSlurmError as exc:
+        if slurm.job_restarts(dist.requeue_id) > dist.restart_count:  # its answer was lost, but Slurm did requeue
+            entry.update(outcome=REQUEUED, message=f"{decision.message} (Slurm requeued the job although scontrol said: {exc.found or exc.what})")
+            _record(out_dir, entry)
+            log.warning("%s", entry["message"])
+            return 0
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         entry.update(requeued=False, outcome=REFUSED,
                      message=f"stopped at walltime, requeue refused by Slurm: {exc.found or exc.what}; "
                      "resubmit the same spec to continue from the newest verified checkpoint")
@@ -175,6 +187,14 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     entry.update(outcome=REQUEUED)
     _record(out_dir, entry)
     return 0
+
+
+def _ignore_term() -> Any:
+    """Ignore SIGTERM (children started now inherit it); the previous handler, None off the main thread."""
+    try:
+        return signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        return None
 
 
 def _continue_as_singleton(dist: DistEnv, spec: JobSpec, out_dir: str, log, entry: dict[str, Any]) -> int:

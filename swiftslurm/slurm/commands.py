@@ -71,6 +71,17 @@ def requeue(job_id: str) -> None:
     _run(["scontrol", "requeue", job_id])
 
 
+def job_restarts(job_id: str) -> int:
+    """How often Slurm has requeued job ``job_id`` (``scontrol show job``'s Restarts); -1 when it cannot tell."""
+    try:
+        proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+    except SwiftSlurmError:
+        return -1
+    shown = parse_scontrol_job(proc.stdout) if proc.returncode == 0 else []
+    value = shown[0].get("Restarts", "") if shown else ""
+    return int(value) if value.isdigit() else -1
+
+
 # ---------------------------------------------------------------- states
 
 # Job state strings of Slurm 22.05-24.11 (squeue %T, sacct State; src/common/slurm_protocol_defs.c).
