@@ -9,11 +9,14 @@ ver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 pure=(deepspeed hjson py-cpuinfo pydantic annotated-types typing-inspection submitit cloudpickle
       python-hostlist typer click shellingham rich markdown-it-py mdurl pygments peft tensorboard
-      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py datasets dill liger-kernel==0.8.5 "$@")
+      tensorboard-data-server markdown werkzeug absl-py transformers trl nvidia-ml-py datasets dill liger-kernel==0.8.5
+      huggingface_hub httpx2 httpcore2 truststore anyio h11 tomlkit "$@")
 # datasets (TRL's trainers and our DPO/RM/KTO/GRPO data path import it) needs dill and multiprocess beyond the image,
 # which has pyarrow, pandas, fsspec, aiohttp, requests, pyyaml (device README's package list); multiprocess ships
 # per-Python wheels (py312), so it is downloaded for 3.12 like the binary ones
-binary=(pydantic-core xxhash msgpack multiprocess)
+# transformers >= 5.25 needs huggingface_hub >= 2.4 (the image has 1.x) and requires `kernels` (its import is checked
+# even though swiftslurm loads models with use_kernels=False); hub 2.x brings httpx2/httpcore2/truststore and hf-xet
+binary=(pydantic-core xxhash msgpack multiprocess hf-xet kernels)
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for name in "${binary[@]}"; do

@@ -281,6 +281,26 @@ def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
     assert "no-such-org/no-such-model" in info.value.what and "local directory" in info.value.hint
 
 
+
+def test_a_model_dir_loads_without_hub_kernels(tmp_path):
+    """transformers >= 5.25 kernelizes what ``from_pretrained`` loads unless told not to: layers replaced by kernels it
+    downloads from the Hub (code nobody here wrote; on a GPU node without internet the load failed, benchmark run of
+    2026-12-04). The trainer's model and export's base for a merge load with their own layers."""
+    from types import SimpleNamespace
+
+    from swiftslurm.export.weights import base_model
+    from swiftslurm.spec import validate_spec
+    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
+    from swiftslurm.train.tinymodel import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    build_model(len(tok), 64, seed=1).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    spec = validate_spec({"train": {"model": str(tmp_path / "m"), "dataset": ["d.jsonl"]}})
+    model, _ = load_model_and_tokenizer(spec, cuda=False)
+    base, _ = base_model(SimpleNamespace(base_model=str(tmp_path / "m"), checkpoint=tmp_path), log=lambda line: None)
+    assert (type(model).__name__, model.use_kernels, base.use_kernels) == ("LlamaForCausalLM", False, False)
+
 @pytest.mark.slurm
 def submit_on_two_nodes(spec: str, out: Path, job_name: str, timeout_s: int = 400) -> list[str]:
     """`swiftslurm submit --wait` of ``spec`` as 2 nodes x 1 rank on the test cluster; the hosts it ran on."""

@@ -63,11 +63,14 @@ VARIANTS = {
     "swiftslurm_nods": lambda assets: {"deepspeed": '"none"'},  # plain torch AdamW, no DeepSpeed (bf16 weights)
     "swiftslurm_zero1": lambda assets: {"deepspeed": '"zero1"'},
     "swiftslurm_nocheck": lambda assets: {},  # + DS_EXTRA below
+    "swiftslurm_tsync_off": lambda assets: {"gradient_checkpointing": None},  # the defaults + DS_EXTRA below
 }
 # [deepspeed] overrides of an arm (merged into its preset by swiftslurm)
 DS_EXTRA = {
     # DeepSpeed's per-parameter inf/NaN scan before each bf16 step, off (a non-finite step is then applied, not skipped)
     "swiftslurm_nocheck": "[deepspeed.bf16]\ncheck_grad_overflow = false\n",
+    # DeepSpeed's throughput timer without its two device syncs per step (at the forward's start and the step's end)
+    "swiftslurm_tsync_off": "[deepspeed.timers.throughput]\nsynchronized = false\n",
 }
 
 

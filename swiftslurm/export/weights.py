@@ -145,7 +145,8 @@ def base_model(src: Source, log: Log) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True)
+        # no Hub kernels swapped in (downloaded code; train/build.py says why): the plain layers merge and save
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True, use_kernels=False)
         return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ExportNeedsBase(f"cannot load the base model {name!r}", str(exc).splitlines()[0][:300],

@@ -34,7 +34,11 @@ def _prepare_device_env() -> bool:
 
 
 def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
-    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first).
+    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first), with
+    ``use_kernels=False``: transformers >= 5.25 otherwise replaces layers by kernels it downloads from the Hub at load
+    time (``kernels-community/rotary`` on a GPU): code nobody here wrote, and on a node without internet the load
+    fails ("not available in the local cache and Hugging Face Hub is in offline mode"). Our kernels are chosen by
+    ``train/kernels`` instead.
     ``task = "rm"``: the same backbone with a 1-output score head (``AutoModelForSequenceClassification``,
     ``num_labels = 1``) in place of the LM head; a causal LM checkpoint's head is dropped and the score head starts fresh."""
     import torch
@@ -62,7 +66,8 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
             tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
             head: dict[str, Any] = {"num_labels": 1} if reward else {}
             model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
-                train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation, **head)
+                train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation,
+                use_kernels=False, **head)
             return model, tok
         except (OSError, ValueError) as exc:
             last = exc
