@@ -132,6 +132,44 @@ def test_the_door_answers_for_the_asked_job_only(tmp_path, monkeypatch):
     assert slurm.job_paths("4928_0") == ["/home/someone/else/4928_0.err", "/home/someone/else"]
 
 
+
+def test_submit_line_paths_are_the_absolute_words_and_option_values():
+    # captured from the test cluster's sacct (22.05): a submitit job, and a hand-sent rendered script
+    submitit = "sbatch /runs/a/logs/submitit/20261204-060115-813577/.submission_file_826a.sh"
+    rendered = "sbatch --parsable --time=00:01:00 -J x --output=/runs/b/requeue.out /runs/b/requeue.sh"
+    assert slurm.submit_line_paths(submitit) == ["/runs/a/logs/submitit/20261204-060115-813577/.submission_file_826a.sh"]
+    assert slurm.submit_line_paths(rendered) == ["/runs/b/requeue.out", "/runs/b/requeue.sh"]
+    assert slurm.submit_line_paths("sbatch job.sh --wrap=x|y") == []
+
+
+FORGOTTEN = {
+    # slurmctld has forgotten the job (MinJobAge after its end); accounting has its WorkDir (where submit ran, not the
+    # output dir) and its SubmitLine (submitit's script, inside the output dir), as the test cluster's sacct prints them
+    "scontrol": "#!/bin/bash\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n",
+    "sacct": "#!/bin/bash\ncase \"$*\" in\n  *SubmitLine*) echo '5012|{cwd}|sbatch {run}/logs/submitit/20261204-0601/.submission_file_826a.sh' ;;\nesac\n",
+    "squeue": "#!/bin/bash\nexit 0\n",
+}
+
+
+def test_a_job_slurmctld_forgot_is_found_through_its_submit_line(tmp_path, monkeypatch):
+    """`status JOBID` / `doctor JOBID` after MinJobAge: sacct's WorkDir is the submit dir, so the output dir is found
+    from the submitit script in the SubmitLine (Slurm's forgetting cannot be made to order on the test cluster)."""
+    from swiftslurm.jobs.record import Submission, _write_records
+    from swiftslurm.jobs.target import resolve
+
+    run, bin_dir = tmp_path / "run", tmp_path / "bin"
+    run.mkdir()
+    bin_dir.mkdir()
+    _write_records(str(run), [Submission("slurm", ["5012"], str(run), [str(run)], str(run / "logs" / "submitit")).to_json()])
+    for name, text in FORGOTTEN.items():
+        (bin_dir / name).write_text(text.format(cwd=tmp_path, run=run))
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    sub, tasks = resolve("5012")
+    assert sub is not None and sub.output_dir == str(run) and [t.task_dir for t in tasks] == [str(run)]
+    with pytest.raises(SwiftSlurmError, match="cannot find where job 5013 wrote"):
+        resolve("5013")  # sacct has no row of it
+
 # ---------------------------------------------------------------- 22.05 (captured), 23.11 and 24.11 (reconstructed):
 # tests/data/slurm/README.md says where each file comes from.
 

@@ -45,6 +45,7 @@ from .commands import (
     show_config,
     show_hostnames,
     shown_id,
+    submit_line_paths,
 )
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     'partition_nodes',
     'exclude_and_requeue',
     'job_paths',
+    'submit_line_paths',
     'parse_batch_script',
     'batch_script',
 ]

@@ -471,9 +471,22 @@ def batch_script(job_id: str) -> str:
     return parse_batch_script(_run(["scontrol", "show", "job", "-o", job_id]).stdout)
 
 
+def submit_line_paths(line: str) -> list[str]:
+    """The absolute paths in sacct's SubmitLine, the sbatch command line as it was run (pure): the script (submitit's
+    lies in the output dir), ``--output=/...``, ``--chdir=/...``. Slurm joins the words with spaces, so a path
+    holding one is not found whole."""
+    paths = []
+    for word in line.split():
+        value = word.split("=", 1)[1] if word.startswith("-") and "=" in word else word
+        if value.startswith("/"):
+            paths.append(value)
+    return paths
+
+
 def job_paths(job_id: str) -> list[str]:
     """Paths a job wrote to or ran in (StdErr, StdOut, WorkDir), from ``scontrol show job`` while slurmctld
-    remembers it, else sacct's WorkDir; [] when neither knows the job."""
+    remembers it (MinJobAge after its end, 300 s by default), then sacct's WorkDir and the paths of its SubmitLine;
+    [] when neither knows the job."""
     show = _run(["scontrol", "show", "job", "-o", job_id], check=False)
     paths: list[str] = []
     if show.returncode == 0:
@@ -481,7 +494,8 @@ def job_paths(job_id: str) -> list[str]:
             if is_of(shown_id(fields), job_id):
                 paths += [fields[k] for k in ("StdErr", "StdOut", "WorkDir") if fields.get(k)]
     if not paths:
-        acc = _run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=JobID,WorkDir"], check=False)
-        rows = [ln.split("|", 1) for ln in acc.stdout.splitlines()] if acc.returncode == 0 else []
-        paths = [row[1].strip() for row in rows if len(row) == 2 and row[1].strip() and is_of(row[0].strip(), job_id)]
+        acc = _run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=JobID,WorkDir,SubmitLine"], check=False)
+        for row in [ln.split("|", 2) for ln in acc.stdout.splitlines()] if acc.returncode == 0 else []:
+            if len(row) >= 2 and is_of(row[0].strip(), job_id):  # SubmitLine may hold "|": it is the rest of the row
+                paths += [p for p in [row[1].strip(), *submit_line_paths(row[2] if len(row) == 3 else "")] if p]
     return list(dict.fromkeys(paths))
