@@ -142,6 +142,21 @@ def test_dpo_lora_learns_the_preference_and_logs_the_rewards(dpo_runs):
     from swiftslurm import checkpoint as ck
 
     assert ck.newest_verified(out) is not None and (ck.newest_verified(out) / "adapter_model.safetensors").exists()
+    assert "train.fused_lora: 14 LoRA projections" in whole[0]["stdout"]  # fused after TRL wrapped the model
+
+
+@pytest.mark.slow
+def test_dpo_with_peft_lora_forward_gives_the_fused_losses(tmp_path, dpo_runs):
+    """train.fused_lora = false: peft's own forward, the same dropout masks (lora_dropout 0.05 by default), the same
+    losses; the reference pass (the adapter disabled) takes peft's forward in both."""
+    _, out, *_ = dpo_runs
+    spec, peft_out = example_spec(tmp_path, "peft", max_steps=4, save_steps=100, logging_steps=1, fused_lora=False)
+    results = run(spec, peft_out)
+    assert "train.fused_lora" not in results[0]["stdout"]
+    fused, peft = losses(out), losses(peft_out)
+    assert set(peft) == {1, 2, 3, 4}
+    for step in peft:
+        assert peft[step] == pytest.approx(fused[step], rel=1e-4, abs=1e-6), (step, peft[step], fused[step])
 
 
 @pytest.mark.slow

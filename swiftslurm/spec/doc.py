@@ -94,7 +94,7 @@ DESCRIPTIONS: dict[str, str] = {
     "train.compile": "regional `torch.compile`: each decoder layer compiled in place (one graph serves every layer; checkpoints unchanged; "
                      "Liger's kernels off with it). Off by default: on an H200 it gave an 8B LoRA +3% (within run-to-run noise) for "
                      "~105 s more start-up on every start and requeue, and a 0.5B full fine-tune 0.87x (docs/benchmarks.md)",
-    "train.fused_lora": "LoRA (SFT, PT): each adapted projection runs its frozen base and the adapter in one autograd function, the same "
+    "train.fused_lora": "LoRA (every task): each adapted projection runs its frozen base and the adapter in one autograd function, the same "
                         "function as peft's with fewer full-width passes and no per-projection copy of the dropped-out input "
                         "(train/kernels/lora.py); not under ZeRO-3 or `compile`; `false` = peft's own forward",
     "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an "

@@ -99,6 +99,16 @@ class SFTTrainer(Trainer):
         return self.optimizer
 
     # ---- measurements
+    def after_trl_init(self) -> None:
+        """TRL's trainers apply LoRA (``peft_config``) inside their ``__init__``: their subclasses call this once it
+        returned, to count the FLOPs of the model as it is now and (``train.fused_lora``) fuse its LoRA projections,
+        as ``sft._build_model`` does for SFT and PT."""
+        self.count_model_flops()
+        if self.job.get("fused_lora"):
+            from .kernels import lora
+
+            lora.install(self.model, say=self.args.process_index == 0)
+
     def count_model_flops(self) -> None:
         """``flops_per_token`` from the model as it is now: TRL's trainers apply LoRA (``peft_config``) inside their
         ``__init__``, after ``sft.train`` counted the parameters, so their subclasses call this once it returned."""

@@ -22,6 +22,7 @@ by hooks on the module's own forward) are never patched.
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -110,4 +111,13 @@ def fuse_lora(model) -> int:
             continue
         module.forward = types.MethodType(_fused_forward, module)  # type: ignore[method-assign]
         fused += 1
+    return fused
+
+
+def install(model, say: bool) -> int:
+    """``fuse_lora`` and, when ``say`` (rank 0) and any were fused, the log line that says how many."""
+    fused = fuse_lora(model)  # not ZeRO-3: its partitioned weights are gathered by hooks on peft's own forward
+    if fused and say:
+        logging.getLogger("swiftslurm.train").warning(
+            "train.fused_lora: %d LoRA projections run base + adapter in one autograd function", fused)
     return fused

@@ -54,7 +54,7 @@ def trainer_class():
         def __init__(self, *args, max_prompt_length: int | None = None, **kwargs):
             self.max_prompt_length = max_prompt_length  # read by _prepare_dataset, inside TRL's __init__
             super().__init__(*args, **kwargs)
-            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
+            self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)

@@ -86,7 +86,7 @@ def trainer_class():
         def __init__(self, *args, reward_failures: list, **kwargs):
             self.reward_failures = reward_failures  # filled by the Guarded reward functions of this rank
             super().__init__(*args, **kwargs)
-            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
+            self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             """Prompts, not token tensors: count them as samples here; their tokens once generated (below)."""

@@ -50,7 +50,7 @@ def trainer_class():
     class SwiftKTOTrainer(SFTTrainer, KTOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.count_model_flops()  # TRL applied LoRA (peft_config) inside __init__
+            self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
 
     return SwiftKTOTrainer
 

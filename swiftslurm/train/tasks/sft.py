@@ -187,7 +187,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         job = {"name": spec.job.name, "train_type": spec.train.train_type, "checksum": spec.checkpoint.checksum,
                "keep": spec.checkpoint.keep, "signal_grace_s": spec.slurm.signal_grace_s,
                "global_batch": parallel.global_batch(spec), "spec_fingerprint": fingerprint, "packing": kern.packs,
-               "zero_stage": _zero_stage(ds_config), **parallel.degrees_json(spec)}
+               "zero_stage": _zero_stage(ds_config), "fused_lora": fuses_lora(spec), **parallel.degrees_json(spec)}
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
                                  eval_dataset)
         from ..trainer import StoppedBeforeFirstStep
@@ -301,6 +301,11 @@ def _open_trackers(spec: JobSpec, dist: DistEnv, output_dir: str, start, stack: 
     return open_trackers(spec, dist, output_dir, own, stack)
 
 
+def fuses_lora(spec: JobSpec) -> bool:
+    """``train.fused_lora`` applies: LoRA, and no ``compile`` (which traces peft's forward)."""
+    return spec.train.train_type == "lora" and spec.train.fused_lora and not spec.train.compile
+
+
 def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv):
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
@@ -326,12 +331,10 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
     if tiled and dist.rank == 0:
         log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)
-    if spec.train.train_type == "lora" and spec.train.fused_lora and not spec.train.compile:
-        from ..kernels.lora import fuse_lora
+    if fuses_lora(spec):  # SFT, PT: the task wrapped it above (TRL's tasks wrap it later: trainer.SFTTrainer.after_trl_init)
+        from ..kernels import lora
 
-        fused = fuse_lora(model)  # not ZeRO-3: its partitioned weights are gathered by hooks on peft's own forward
-        if fused and dist.rank == 0:
-            log.warning("train.fused_lora: %d LoRA projections run base + adapter in one autograd function", fused)
+        lora.install(model, say=dist.rank == 0)
     if spec.train.compile:
         from ..kernels.compile import compile_layers
 
