@@ -234,6 +234,13 @@ def _precision(spec_train: TrainView) -> dict[str, Any]:
     return {"bf16": {"enabled": bool(spec_train.bf16)}, "fp16": fp16}
 
 
+# Under every preset and user file (which, like [deepspeed], win): DeepSpeed's throughput timer (its samples/s log
+# line, which swiftslurm does not read) synchronizes the device at each forward's start and each step's end by
+# default, two host syncs per step that keep the CPU from queueing the next step while the GPU works. Unsynchronized
+# it times the host instead (DeepSpeed's docs: "the CPU timer provides sufficient accuracy in many cases").
+HOUSE_DEFAULTS: dict[str, Any] = {"timers": {"throughput": {"synchronized": False}}}
+
+
 def build(base: dict[str, Any], overrides: dict[str, Any], spec_train: TrainView, world_size: int,
           source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
     """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings).
@@ -242,7 +249,7 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train: TrainView
     it is given. With sequence or tensor parallel the ranks of one group train on the same samples, and
     Accelerate/DeepSpeed count data-parallel ranks only (world / (sequence_parallel x tensor_parallel)):
     the plan shows that global batch (``sizing.layout``)."""
-    merged = deep_merge(base, overrides)
+    merged = deep_merge(deep_merge(HOUSE_DEFAULTS, base), overrides)
     problems = validate(merged, bf16=bool(spec_train.bf16))
     if problems:
         raise SpecError(source, problems)

@@ -7,7 +7,7 @@ Each preset goes the way a user's spec goes: ``dsconfig.build_for_spec`` (preset
 batch/precision keys) -> ``train.sft.train`` (HF Trainer + a real DeepSpeed engine, DS_ACCELERATOR=cpu).
 An EXAMPLE.toml brings its own ``train.deepspeed``, ``[deepspeed]`` table, precision and checkpointing onto
 the tiny model. A VARIANT is a preset-free spec of its own. Prints one JSON line per run: {"preset", "ok", "steps", "loss",
-"learning_rate", "optimizer", "zero_stage", "ds_config", "error"}. A refusal
+"learning_rate", "grad_norm", "optimizer", "zero_stage", "ds_config", "error"}. A refusal
 (SwiftSlurmError) is reported with its message, never raised: the test decides what may be refused.
 """
 
@@ -146,7 +146,7 @@ def main(out_root: str, presets: list[str]) -> int:
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
-                       learning_rate=[r.get("learning_rate") for r in stepped])
+                       learning_rate=[r.get("learning_rate") for r in stepped], grad_norm=[r.get("grad_norm") for r in stepped])
         except SwiftSlurmError as exc:
             row.update(refused=True, error=exc.message())
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it

@@ -74,6 +74,20 @@ def test_overrides_deep_merge_over_preset():
     assert ds["steps_per_print"] == 7
 
 
+def test_throughput_timer_does_not_sync_unless_a_config_asks(tmp_path):
+    """DeepSpeed's throughput timer syncs the device twice a step by default; ours does not, under every preset and
+    user file, and a [deepspeed] table or a user file that sets it wins (the rest of its section kept)."""
+    for name in dsconfig.preset_names():
+        ds, _ = dsconfig.build_for_spec(make_spec(name))
+        assert ds["timers"] == {"throughput": {"synchronized": False}}, name
+    ds, _ = dsconfig.build_for_spec(make_spec("zero2", {"timers": {"throughput": {"synchronized": True, "enabled": True}}}))
+    assert ds["timers"] == {"throughput": {"synchronized": True, "enabled": True}}
+    f = tmp_path / "my_ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 2}, "timers": {"throughput": {"synchronized": True}}}))
+    ds, _ = dsconfig.build_for_spec(make_spec(str(f)))
+    assert ds["timers"] == {"throughput": {"synchronized": True}}
+
+
 def test_optimizer_type_is_dropped_with_a_warning():
     ds, warnings = dsconfig.build_for_spec(make_spec("zero2", {"optimizer": {"type": "Lamb", "params": {}}}))
     assert "optimizer" not in ds

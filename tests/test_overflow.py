@@ -3,7 +3,8 @@
 With the skip moved onto the device, a NaN gradient must still leave every weight, moment and Adam step count as
 it was, a finite step must still update them, and DeepSpeed's own check (its per-parameter scan and host test)
 must not run. Where the device cannot skip (no fused AdamW), where the user asked DeepSpeed to apply non-finite
-steps, and outside ZeRO-1/2 bf16, nothing is changed."""
+steps, and outside ZeRO-1/2 bf16, nothing is changed. The trainer takes DeepSpeed's gradient norm as the engine
+holds it (no host read per step)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def steps(eng, zopt):
     s12.is_invalid_grad_norm = host_test
     x = torch.randn(2, 8, dtype=next(eng.module.parameters()).dtype)
     out = []
-    for scale in (1.0, float("nan"), 1.0, float("inf")):
+    for scale in (1.0, float("nan"), 1000.0, float("inf")):  # the third is clipped (gradient_clipping 1.0)
         before = [p.detach().clone() for p in eng.module.parameters()]
         master = zopt.single_partition_of_fp32_groups[0].detach().clone()
         eng.backward((eng(x).float().pow(2).mean() * scale))
@@ -65,7 +66,8 @@ def steps(eng, zopt):
                     "nan": any(bool(torch.isnan(p).any()) for p in after)
                            or bool(torch.isnan(zopt.single_partition_of_fp32_groups[0]).any())
                            or bool(torch.isnan(state["exp_avg"]).any()),
-                    "adam_step": float(state["step"])})
+                    "adam_step": float(state["step"]),
+                    "master": zopt.single_partition_of_fp32_groups[0].detach().double().sum().item()})
     s12.is_invalid_grad_norm = real_test
     return {"steps": out, **calls}
 
@@ -74,7 +76,7 @@ def run(case):
     eng, zopt = engine()
     applied = skip_nonfinite_on_device(Wrapper(zopt))
     return {"applied": applied, "again": skip_nonfinite_on_device(zopt), "kept": kept_reason(Wrapper(zopt)),
-            **steps(eng, zopt)}
+            "clip_on_device": getattr(zopt, "_swiftslurm_clip_on_device", False), **steps(eng, zopt)}
   if case == "bf16_untouched":
     eng, zopt = engine()
     return {"applied": False, **steps(eng, zopt)}
@@ -92,6 +94,23 @@ def run(case):
     return {"applied": skip_nonfinite_on_device(Wrapper(zopt)), "torch_optimizer": skip_nonfinite_on_device(zopt.optimizer),
             "kept": kept_reason(Wrapper(zopt))}
 
+def run_grad_norm():
+    """The Trainer's grad norm under DeepSpeed: what our trainer hands its loop, against Accelerate's wrapper."""
+    from types import SimpleNamespace
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+    from swiftslurm.train.trainer import SFTTrainer
+    eng, zopt = engine()
+    eng.backward(eng(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean())
+    eng.step()
+    wrapped = DeepSpeedEngineWrapper(eng)
+    trainer = object.__new__(SFTTrainer)  # only the two grad-norm methods are called
+    trainer.is_deepspeed_enabled = True
+    trainer.accelerator = SimpleNamespace(deepspeed_engine_wrapped=wrapped)
+    norm = trainer._get_grad_norm(eng, trainer._clip_grad_norm(eng))
+    held = eng.get_global_grad_norm()
+    return {"ours": type(norm).__name__, "held": norm is held, "value": float(norm),
+            "accelerate": type(wrapped.get_global_grad_norm()).__name__, "accelerate_value": wrapped.get_global_grad_norm()}
+
 def run_wrapped(opaque):
     import functools
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
@@ -105,10 +124,10 @@ def run_wrapped(opaque):
     finally:
         Z.step = real
 
-print("RESULT " + json.dumps({case: run_wrapped(case == "opaque") if case in ("wrapped", "opaque") else run(case)
-                             for case in sys.argv[1:]}))
+print("RESULT " + json.dumps({case: run_wrapped(case == "opaque") if case in ("wrapped", "opaque")
+                             else run_grad_norm() if case == "grad_norm" else run(case) for case in sys.argv[1:]}))
 '''
-CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque"]
+CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque", "grad_norm"]
 SKIPPED = {"changed": False, "master_changed": False, "nan": False}
 
 
@@ -126,7 +145,7 @@ def results(tmp_path_factory) -> dict:
 
 
 def without_step(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "adam_step"}
+    return {k: v for k, v in row.items() if k not in ("adam_step", "master")}
 
 
 def test_a_nonfinite_step_is_skipped_on_the_device_and_finite_ones_applied(results):
@@ -137,14 +156,16 @@ def test_a_nonfinite_step_is_skipped_on_the_device_and_finite_ones_applied(resul
     assert without_step(nan) == SKIPPED and without_step(inf) == SKIPPED  # weights, master copy, moments untouched
     assert finite_again["changed"] and not finite_again["nan"]
     assert [s["adam_step"] for s in res["steps"]] == [1.0, 1.0, 2.0, 2.0]  # a skipped step does not count
-    # DeepSpeed's check never ran: no scan, and the norm was tested on the host only by the clipping (once a step)
-    assert res["scan"] == 0 and res["host_norm_test"] == 4
+    # DeepSpeed's check never ran (no scan), and its clipping did not test the norm on the host either
+    assert res["scan"] == 0 and res["host_norm_test"] == 0 and res["clip_on_device"] is True
 
 
 def test_deepspeed_left_alone_checks_on_the_host_with_the_same_outcome(results):
     res = results["bf16_untouched"]
     assert [s["changed"] for s in res["steps"]] == [True, False, True, False] and not any(s["nan"] for s in res["steps"])
-    assert res["scan"] == 4  # every step, finite or not
+    assert res["scan"] == 4 and res["host_norm_test"] >= 4  # every step, finite or not
+    # the same master weights after every step, the clipped third one included: the clipping's arithmetic is DeepSpeed's
+    assert [s["master"] for s in results["bf16"]["steps"]] == [s["master"] for s in res["steps"]]
 
 
 def test_without_fused_adamw_deepspeed_keeps_its_check(results):
@@ -180,3 +201,11 @@ def test_a_wrapped_deepspeed_step_is_read_through_its_wrapper(results):
     assert results["wrapped"] == {"applied": True, "kept": None}
     assert results["opaque"]["applied"] is False
     assert "no longer has the shape" in results["opaque"]["kept"]
+
+
+def test_the_grad_norm_stays_on_the_device_until_a_logging_step(results):
+    """Accelerate's wrapper reads DeepSpeed's norm on the host (``.item()``: a GPU sync every step); the trainer
+    hands its loop the engine's own tensor, which the Trainer reads only when it logs. Same value."""
+    row = results["grad_norm"]
+    assert row["accelerate"] == "float" and row["ours"] == "Tensor" and row["held"], row
+    assert row["value"] == row["accelerate_value"] > 0

@@ -157,6 +157,44 @@ def test_meter_counts_useful_and_total_tokens_and_samples(tok):
     assert out["padding_ratio"] == pytest.approx(10 / 22) and out["useful_tokens"] == 12 and out["total_tokens"] == 22
 
 
+class OnDevice(torch.Tensor):
+    """A batch tensor as Accelerate hands it over on a GPU (``is_cuda``), whose reads on the host are counted:
+    each ``int()`` / ``.item()`` of a GPU tensor waits for the GPU."""
+
+    reads = 0
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def __int__(self):
+        OnDevice.reads += 1
+        return int(self.as_subclass(torch.Tensor))
+
+    def item(self):
+        OnDevice.reads += 1
+        return self.as_subclass(torch.Tensor).item()
+
+
+def test_meter_reads_counts_on_the_gpu_once_per_logging_step(tok):
+    """Batches already on the GPU are counted there: no host read per step (each would be a sync), one at
+    ``settle``; the totals are those of the same batches counted on the CPU."""
+    a = {"input_ids": [5, 6, 7], "labels": [5, 6, 7], "attention_mask": [1, 1, 1]}
+    b = {"input_ids": [8, 9], "labels": [8, 9], "attention_mask": [1, 1]}
+    batches = [packing.PackingCollator(8, tok.pad_token_id)([[a, b], [b]]), Collator(tok.pad_token_id)([a, b])] * 3
+    on_cpu, on_gpu = StepMeter(), StepMeter()
+    OnDevice.reads = 0
+    for batch in batches:
+        on_cpu.add_batch(dict(batch), 0.0)
+        on_gpu.add_batch({k: v.as_subclass(OnDevice) for k, v in batch.items()}, 0.0)
+    assert OnDevice.reads == 0 and on_gpu.tokens < on_cpu.tokens
+    on_gpu.settle()
+    assert 0 < OnDevice.reads <= 2  # tokens and samples, once each
+    assert (on_gpu.tokens, on_gpu.total_tokens, on_gpu.samples) == (on_cpu.tokens, on_cpu.total_tokens, on_cpu.samples) == (36, 66, 15)
+    on_gpu.settle()  # nothing left to read
+    assert on_gpu.tokens == 36
+
+
 def test_padding_ratio_of_packed_rows(tok):
     lengths = lognormal_lengths(400, seed=3, cap=512)
     ds = SFTDataset([{"input_ids": [7] * n, "labels": [7] * n, "attention_mask": [1] * n} for n in lengths])

@@ -162,6 +162,8 @@ def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], c
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         dataloader_pin_memory=t.dataloader_pin_memory and cuda,
+        # a pinned batch is copied to the GPU without waiting for the copy (and so for the previous step's work)
+        accelerator_config={"non_blocking": bool(t.dataloader_pin_memory and cuda)},
         use_liger_kernel=liger is not None,  # kernels.resolve_liger: None = off, else transformers' liger_kernel_config
         liger_kernel_config=liger or None,
         disable_tqdm=True,

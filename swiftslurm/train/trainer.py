@@ -45,7 +45,11 @@ def _gather_hashes(own: dict[str, dict]) -> dict[str, dict]:
     return merged
 
 
-def _all_reduce(values: list[float], op, device) -> list[float]:
+def _all_reduce(values: list[float], op, device, world_size: int | None = None) -> list[float]:
+    """``values`` reduced over every rank. With ``world_size`` 1 there is nothing to reduce: the values come back
+    as they are, without the collective and the device round trip (a host sync) it would cost at every step."""
+    if world_size == 1:
+        return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if tdist.is_available() and tdist.is_initialized():
         tdist.all_reduce(t, op=op)
@@ -119,6 +123,25 @@ class SFTTrainer(Trainer):
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.flops_per_token = flops_per_token(total, trainable)
 
+    # ---- no host sync per step: the grad norm stays a tensor until a logging step reads it
+    def _deepspeed_norm(self):
+        """The norm DeepSpeed computed in this step, as it holds it (a device tensor, a float, or None): accelerate's
+        ``get_global_grad_norm`` and the Trainer's ``_get_grad_norm`` call ``.item()`` on it, a host sync every step
+        that keeps the CPU from queueing the next step while the optimizer runs. ``_maybe_log_save_evaluate`` reads
+        it (``.item()``) only at logging steps."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return wrapped.engine.get_global_grad_norm() if wrapped is not None else None
+
+    def _clip_grad_norm(self, model):
+        if self.is_deepspeed_enabled:  # DeepSpeed clips inside its step (gradient_clipping): only its norm is wanted
+            return self._deepspeed_norm()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.is_deepspeed_enabled:
+            return grad_norm if grad_norm is not None else self._deepspeed_norm()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         self.meter.begin_step()
         batches = []
@@ -134,6 +157,7 @@ class SFTTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)
+            self.meter.settle()
             own = self.meter.gpu.take() if self.meter.gpu is not None else None
             slots = rank_slots(own, self.args.process_index, self.args.world_size)  # every rank's value, each in its slot
             tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
@@ -274,7 +298,7 @@ class ScheduleCallback(TrainerCallback):
             self.watchdog.step_done(state.global_step)
         saving = control.should_save or state.global_step in self.forced
         stop = self.should_stop() or (self.deadline is not None and self.deadline.due(saving))
-        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device)
+        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device, args.world_size)
         if flag > 0:
             self.stopped_for_requeue = True
             control.should_save = True

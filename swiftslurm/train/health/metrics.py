@@ -157,6 +157,7 @@ class StepMeter:
         self.tokens = 0  # useful (non-padding) tokens
         self.total_tokens = 0  # every position, padding included
         self.samples = 0
+        self._on_device: dict[str, Any] = {}  # counts summed on the GPU, not yet read (``settle``)
 
     def begin_step(self) -> None:
         if self._step_start is None:
@@ -172,11 +173,32 @@ class StepMeter:
         mask = batch.get("attention_mask")
         ids = batch["input_ids"]
         if "real_tokens" in stats:
-            self.tokens += int(stats["real_tokens"].sum())
+            self._count("tokens", stats["real_tokens"])
+        elif mask is not None:
+            self._count("tokens", mask)
         else:
-            self.tokens += int(mask.sum()) if mask is not None else int(ids.numel())
+            self.tokens += int(ids.numel())
         self.total_tokens += int(ids.numel())
-        self.samples += int(stats["samples"].sum()) if "samples" in stats else int(ids.shape[0])
+        if "samples" in stats:
+            self._count("samples", stats["samples"])
+        else:
+            self.samples += int(ids.shape[0])
+
+    def _count(self, name: str, values: Any) -> None:
+        """Add ``values.sum()`` to ``name``. A batch Accelerate already moved to the GPU is summed there and read at
+        the next ``settle`` (a logging step): ``int()`` of a GPU sum would wait for the GPU at every step."""
+        if getattr(values, "is_cuda", False):
+            total = values.sum()
+            held = self._on_device.get(name)
+            self._on_device[name] = total if held is None else held + total
+        else:
+            setattr(self, name, getattr(self, name) + int(values.sum()))
+
+    def settle(self) -> None:
+        """Fold the counts still on the device into ``tokens`` / ``samples`` (one sync; the trainer's log calls it)."""
+        for name, total in self._on_device.items():
+            setattr(self, name, getattr(self, name) + int(total))
+        self._on_device = {}
 
     def end_step(self) -> None:
         if self._step_start is None:

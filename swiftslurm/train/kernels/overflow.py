@@ -7,8 +7,10 @@ every gradient of its partition for inf/NaN (``check_overflow``: about eight sma
 issued while it sits idle. On one H200 the 0.5B shape's step took 25 ms with this module's skip against 60-62 ms
 with DeepSpeed's check (docs/benchmarks.md, "Fifth run"); turned off instead, DeepSpeed applies a NaN gradient.
 
-``skip_nonfinite_on_device`` keeps the skip and drops those two syncs (the clipping keeps its own host test of
-the norm, as with the check off). It turns DeepSpeed's check off on that one optimizer object and gives the torch
+``skip_nonfinite_on_device`` keeps the skip and drops those two syncs, and the third that DeepSpeed's clipping makes
+(``unscale_and_clip_grads`` tests the norm on the host to clip by inf where it is not finite): the same arithmetic,
+with that test as a ``torch.where`` on the device, where the method still has the shape it relies on (``CLIP_NEEDS``;
+else DeepSpeed's clipping is kept). It turns DeepSpeed's check off on that one optimizer object and gives the torch
 optimizer under it, fused AdamW (the Trainer's default), the norm's verdict as ``found_inf``, the device-side flag
 torch's fused kernels take from ``GradScaler``: where the global norm is not finite the kernel leaves weights,
 moments and step count as they were, and nothing reads the flag on the host. The norm is all-reduced, so every
@@ -33,6 +35,9 @@ from typing import Any
 
 # step() must set the norm before it runs the torch optimizer, and read check_grad_overflow at step time
 STEP_NEEDS = ("self._global_grad_norm = scaled_global_grad_norm", "self._optimizer_step(i)", "if self.check_grad_overflow:")
+# unscale_and_clip_grads must still clip by the norm, an invalid one read as inf, and divide by the combined scale
+CLIP_NEEDS = ("if is_invalid_grad_norm(clip_norm):", "clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad",
+              "clip = torch.clamp(clip, min=1.0)", "combined_scale = clip * self.loss_scale", ".mul_(1. / combined_scale)")
 
 
 def _zero_optimizer(optimizer: Any):
@@ -137,4 +142,34 @@ def skip_nonfinite_on_device(optimizer: Any) -> bool:
     inner.step = step
     zero.check_grad_overflow = False  # read by step() each time: no scan, no host test of the norm
     zero._swiftslurm_skip_on_device = True
+    _clip_on_device(zero)
+    return True
+
+
+def _clip_on_device(zero: Any) -> bool:
+    """DeepSpeed's ``unscale_and_clip_grads`` without its host test of the norm (module doc); True when installed."""
+    import torch
+
+    try:
+        source = inspect.getsource(type(zero).unscale_and_clip_grads)
+    except (OSError, TypeError, AttributeError):
+        return False
+    if not all(line in source for line in CLIP_NEEDS):
+        return False
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        if zero.clip_grad == 0.0 and zero.loss_scale == 1.0:
+            return
+        combined_scale = zero.loss_scale
+        if zero.clip_grad > 0.0:
+            norm = torch.as_tensor(total_norm, dtype=torch.float, device=zero.device)
+            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
+            clip = torch.clamp(((norm / zero.loss_scale) + 1e-6) / zero.clip_grad, min=1.0)
+            combined_scale = clip * zero.loss_scale
+        for grad in grad_groups_flat:
+            for part in grad if isinstance(grad, list) else [grad]:
+                part.data.mul_(1. / combined_scale)
+
+    zero.unscale_and_clip_grads = unscale_and_clip_grads
+    zero._swiftslurm_clip_on_device = True
     return True
