@@ -47,3 +47,20 @@ def test_bad_values_are_spec_errors():
     for extra in ("max_grad_norm = -1", "ddp_timeout = 0", "max_grad_norm = nan"):
         with pytest.raises(SpecError):
             spec_of(extra)
+
+
+def test_a_nonfinite_loss_is_logged_as_the_mean_so_far_without_a_host_read():
+    """HF's logging_nan_inf_filter reads each micro-batch's loss on the host; ours is off in TrainingArguments and
+    the trainer applies the same rule on the device: the logged sum grows by the mean of the losses summed since
+    the last log, exactly as the Trainer's loop adds it."""
+    import torch
+
+    from swiftslurm.train.tasks.sft import training_arguments
+    from swiftslurm.train.trainer import finite_or_mean
+
+    assert training_arguments(spec_of(), "/tmp/unused", load_preset("zero2"), cuda=False).logging_nan_inf_filter is False
+    summed = torch.tensor(6.0)  # three steps of 2.0 since the last log
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        hf = summed + summed / (1 + 2)  # the loop's branch: _tr_loss += _tr_loss / (1 + global_step - last_logged)
+        assert torch.equal(summed + finite_or_mean(torch.tensor(bad), summed, 2), hf)
+    assert finite_or_mean(torch.tensor(1.5), summed, 2).item() == 1.5

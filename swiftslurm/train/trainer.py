@@ -56,6 +56,12 @@ def _all_reduce(values: list[float], op, device, world_size: int | None = None) 
     return t.tolist()
 
 
+def finite_or_mean(loss: torch.Tensor, summed: torch.Tensor, steps_since_log: int) -> torch.Tensor:
+    """HF's ``logging_nan_inf_filter`` without reading the loss on the host: an inf/NaN micro-batch loss counts as the
+    mean of the losses summed since the last log (``summed / (1 + steps_since_log)``), as the Trainer's loop does."""
+    return torch.where(torch.isfinite(loss), loss, summed / (1 + steps_since_log))
+
+
 class SFTTrainer(Trainer):
     """Trainer + swiftslurm's save protocol and measurements. ``job`` carries spec facts for the meta."""
 
@@ -141,6 +147,16 @@ class SFTTrainer(Trainer):
         if self.is_deepspeed_enabled:
             return grad_norm if grad_norm is not None else self._deepspeed_norm()
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's own step; its loop then adds the loss to the logged sum. The Trainer's ``logging_nan_inf_filter``
+        (off in our TrainingArguments) tests each micro-batch's loss on the host for inf/NaN, a sync that waits for the
+        backward and the optimizer step; the same filter is applied here on the device (``finite_or_mean``)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        summed = getattr(self, "_tr_loss", None)
+        if not isinstance(summed, torch.Tensor) or not isinstance(loss, torch.Tensor):
+            return loss
+        return finite_or_mean(loss, summed, self.state.global_step - self._globalstep_last_logged)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         self.meter.begin_step()
