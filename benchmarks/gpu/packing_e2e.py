@@ -63,15 +63,20 @@ VARIANTS = {
     "swiftslurm_nods": lambda assets: {"deepspeed": '"none"'},  # plain torch AdamW, no DeepSpeed (bf16 weights)
     "swiftslurm_zero1": lambda assets: {"deepspeed": '"zero1"'},
     "swiftslurm_nocheck": lambda assets: {},  # + DS_EXTRA below
-    "swiftslurm_tsync_off": lambda assets: {"gradient_checkpointing": None},  # the defaults + DS_EXTRA below
+    "swiftslurm_tsync_on": lambda assets: {"gradient_checkpointing": None},  # the defaults + DS_EXTRA below
+    "swiftslurm_stepsync": lambda assets: {"gradient_checkpointing": None},  # the defaults + a device sync per step (ARM_ENV)
 }
 # [deepspeed] overrides of an arm (merged into its preset by swiftslurm)
 DS_EXTRA = {
     # DeepSpeed's per-parameter inf/NaN scan before each bf16 step, off (a non-finite step is then applied, not skipped)
     "swiftslurm_nocheck": "[deepspeed.bf16]\ncheck_grad_overflow = false\n",
-    # DeepSpeed's throughput timer without its two device syncs per step (at the forward's start and the step's end)
-    "swiftslurm_tsync_off": "[deepspeed.timers.throughput]\nsynchronized = false\n",
+    # DeepSpeed's throughput timer with its two device syncs per step (the forward's start, the step's end): DeepSpeed's
+    # default, which swiftslurm turns off
+    "swiftslurm_tsync_on": "[deepspeed.timers.throughput]\nsynchronized = true\n",
 }
+# environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
+# reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
+ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
@@ -184,9 +189,10 @@ checks = []
     results: dict[str, dict] = {}
     for n, arm in enumerate(a.arms.split(",")):
         env = None
-        if a.probe or a.profile:
+        if a.probe or a.profile or arm in ARM_ENV:
             env = dict(os.environ, PHASE_PROBE_OUT=str(out / f"probe_{n}_{arm}.jsonl"), PHASE_PROBE_PROFILE=a.profile,
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), os.environ.get("PYTHONPATH")])))
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), os.environ.get("PYTHONPATH")])),
+                       **ARM_ENV.get(arm, {}))
         if arm in VARIANTS:
             spec, run_dir = write_spec(arm)
             shutil.rmtree(run_dir, ignore_errors=True)

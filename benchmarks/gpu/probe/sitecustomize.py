@@ -6,7 +6,8 @@ imported, DeepSpeedEngine's forward, backward and step are wrapped. Each call re
 the step); the gap from one step's end to the next step's forward is the trainer loop (data, callbacks,
 logging). Rank 0 writes one JSON row per step. PHASE_PROBE_PROFILE=A:B also runs torch.profiler over steps
 A..B-1 and writes FILE.prof.txt (top ops by CUDA and by CPU time). Used by packing_e2e.py --probe; it changes
-nothing else in the process.
+nothing else in the process, except with PHASE_PROBE_STEP_SYNC=1: a device sync after every optimizer step, the
+baseline arm for the host syncs swiftslurm took out of the step (what a per-step ``.item()`` costs).
 """
 
 import functools
@@ -18,6 +19,7 @@ import sys
 import time
 
 _OUT = os.environ.get("PHASE_PROBE_OUT")
+_STEP_SYNC = os.environ.get("PHASE_PROBE_STEP_SYNC") == "1"
 _PHASES = ("forward", "backward", "step")
 # labelled for the profiler's tables only (a record_function range each; nothing is timed by the probe itself)
 _LABELS = {
@@ -82,6 +84,8 @@ class _Probe:
         ev1 = torch.cuda.Event(enable_timing=True) if ev0 is not None else None
         if ev1 is not None:
             ev1.record()
+        if phase == "step" and _STEP_SYNC and ev1 is not None:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         if self.cur is None:
             return
