@@ -397,6 +397,41 @@ def test_rank_0_ends_a_walltime_stop_only_after_the_other_ranks_report_theirs(tm
     assert "rank(s) 1 did not report" in caplog.text
 
 
+def test_stale_stop_reports_do_not_count(tmp_path, caplog, monkeypatch):
+    """A report left by an earlier run (a job whose id the cluster reused, a rank 0 that died before clearing the
+    folder) or by another in-job restart attempt is not taken for a rank that has stopped: rank 0 waits for this run's."""
+    import logging
+    from types import SimpleNamespace
+
+    import swiftslurm.node.requeue as rq
+    from swiftslurm.train.health.watchdog import ATTEMPT_ENV
+
+    ranks = [SimpleNamespace(rank=r, world_size=3, requeue_id="77", restart_count=0) for r in range(3)]
+    log = logging.getLogger("test-stale-stops")
+    monkeypatch.delenv(ATTEMPT_ENV, raising=False)
+    report_stopped(str(tmp_path), ranks[1])
+    report_stopped(str(tmp_path), ranks[2])
+    (stale,) = (tmp_path / ".swiftslurm-stops").glob("77.0*/rank-1")
+    old = rq.STARTED - rq.STALE_SLACK_S - 3600  # an hour before this process started
+    os.utime(stale, (old, old))
+    with caplog.at_level(logging.WARNING, "test-stale-stops"):
+        await_other_ranks(ranks[0], str(tmp_path), 0.5, log)
+    assert "rank(s) 1 did not report" in caplog.text  # rank 2's report is this run's
+
+    report_stopped(str(tmp_path), ranks[1])  # attempt 0 reported; the step is restarted in the job (attempt 1)
+    report_stopped(str(tmp_path), ranks[2])
+    monkeypatch.setenv(ATTEMPT_ENV, "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "test-stale-stops"):
+        await_other_ranks(ranks[0], str(tmp_path), 0.5, log)
+    assert "rank(s) 1, 2 did not report" in caplog.text
+    report_stopped(str(tmp_path), ranks[1])
+    report_stopped(str(tmp_path), ranks[2])
+    caplog.clear()
+    await_other_ranks(ranks[0], str(tmp_path), 5.0, log)
+    assert "did not report" not in caplog.text
+
+
 def test_requeues_are_counted_per_job_not_per_directory():
     """A new submission (new job id) starts a new count; an older job that had the same id (a cluster whose
     ids restarted) is told apart by SLURM_RESTART_COUNT, which only grows within one job."""

@@ -7,6 +7,10 @@ rank and with it the step and the job (sacct FAILED, not COMPLETED), and (b) und
 reported its stop in ``<task dir>/.swiftslurm-stops/``: Slurm's signal reaches the ranks at different
 moments, and rank 0's exit (non-zero) or requeue would otherwise kill a rank still saving.
 
+A report counts only for the run that wrote it: the folder is named by the job id, Slurm's restart count and the
+supervisor's in-job restart attempt, and a report older than this process (a job whose id the cluster reused, a
+rank 0 that died before clearing the folder) is stale, never taken for a rank that has stopped.
+
 Requeues are counted per job (Slurm keeps the job id, ``123`` or ``123_4``, across requeues), so a new
 ``submit`` of the same spec starts a new count. Records of an earlier job that had the same id (a
 cluster whose job ids restarted) are told apart by SLURM_RESTART_COUNT, which only grows within a job.
@@ -15,6 +19,7 @@ cluster whose job ids restarted) are told apart by SLURM_RESTART_COUNT, which on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -34,6 +39,9 @@ NOT_REQUEUED_EXIT = 75
 # outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
 REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
 POLL_S = 0.2
+# a report's mtime comes from the node (or file server) that wrote it: this much clock skew is forgiven
+STALE_SLACK_S = 120.0
+STARTED = time.time()  # this process's start (the module is imported as the rank starts): older reports are stale
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,17 @@ def _record(out_dir: str, entry: dict[str, Any]) -> None:
 
 
 def _stops_dir(out_dir: str, dist: DistEnv) -> Path:
-    return Path(out_dir, STOPS_DIR, f"{dist.requeue_id}.{dist.restart_count}")
+    from ..train.health.watchdog import ATTEMPT_ENV  # the supervisor's in-job restart attempt (absent: 0)
+
+    return Path(out_dir, STOPS_DIR, f"{dist.requeue_id}.{dist.restart_count}.{os.environ.get(ATTEMPT_ENV) or 0}")
+
+
+def _reported(report: Path) -> bool:
+    """``report`` was written by this run: it exists and is not older than this process (less the clock slack)."""
+    try:
+        return report.lstat().st_mtime >= STARTED - STALE_SLACK_S
+    except OSError:
+        return False
 
 
 def report_stopped(out_dir: str, dist: DistEnv) -> None:
@@ -117,7 +135,7 @@ def report_stopped(out_dir: str, dist: DistEnv) -> None:
 def missing_stops(out_dir: str, dist: DistEnv) -> list[int]:
     """The ranks (other than 0) that have not reported their stop yet."""
     where = _stops_dir(out_dir, dist)
-    return [r for r in range(1, dist.world_size) if not (where / f"rank-{r}").exists()]
+    return [r for r in range(1, dist.world_size) if not _reported(where / f"rank-{r}")]
 
 
 def await_other_ranks(dist: DistEnv, out_dir: str, timeout_s: float, log) -> None:
