@@ -45,15 +45,31 @@ def _gather_hashes(own: dict[str, dict]) -> dict[str, dict]:
     return merged
 
 
-def _all_reduce(values: list[float], op, device, world_size: int | None = None) -> list[float]:
-    """``values`` reduced over every rank. With ``world_size`` 1 there is nothing to reduce: the values come back
-    as they are, without the collective and the device round trip (a host sync) it would cost at every step."""
+def _all_reduce(values: list[float], op, device, world_size: int | None = None, group=None) -> list[float]:
+    """``values`` reduced over every rank (over ``group``, a gloo group, on the CPU, when given). With ``world_size``
+    1 there is nothing to reduce: the values come back as they are, without the collective and the device round
+    trip (a host sync) it would cost at every step."""
     if world_size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device="cpu" if group is not None else device)
     if tdist.is_available() and tdist.is_initialized():
-        tdist.all_reduce(t, op=op)
+        tdist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def stop_flag_group(backend: str | None = None, timeout_s: float | None = None):
+    """A gloo group for the per-step stop flag when the default group is not gloo (NCCL on GPUs), else None (the
+    default group already reduces on the CPU, or one rank has nothing to agree with). On NCCL the flag would be
+    copied to the GPU, reduced behind the step's kernels and read back: the CPU would wait for the whole step at
+    every step end instead of queueing the next one. On gloo it waits only for the other ranks' CPUs. Collective:
+    every rank calls it at the same point (``ScheduleCallback.on_train_begin``)."""
+    import datetime
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return None
+    if (backend or str(tdist.get_backend())) == "gloo":
+        return None
+    return tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s) if timeout_s else None)
 
 
 def finite_or_mean(loss: torch.Tensor, summed: torch.Tensor, steps_since_log: int) -> torch.Tensor:
@@ -271,7 +287,8 @@ class ScheduleCallback(TrainerCallback):
     """Forced saves at fractions of max_steps and at the last step, plus the walltime stop.
 
     The stop flag is all-reduced with MAX every step, so every rank stops at the same step even when
-    only one of them saw the signal. On a stop: save now, then stop training.
+    only one of them saw the signal (on a gloo group when the default one is NCCL: ``stop_flag_group``).
+    On a stop: save now, then stop training.
     """
 
     def __init__(self, should_stop: Callable[[], bool], fractions: list[float], meter: StepMeter, watchdog: Any = None,
@@ -283,9 +300,11 @@ class ScheduleCallback(TrainerCallback):
         self.watchdog = watchdog  # a watchdog.ProgressWatchdog: re-armed at every step end
         self.stopped_for_requeue = False
         self.forced: set[int] = set()
+        self.flag_group = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
+        self.flag_group = stop_flag_group(timeout_s=args.ddp_timeout)
         from .kernels.overflow import kept_reason, skip_nonfinite_on_device
         from .resume.worldsize import untie_step_counters
 
@@ -314,7 +333,7 @@ class ScheduleCallback(TrainerCallback):
             self.watchdog.step_done(state.global_step)
         saving = control.should_save or state.global_step in self.forced
         stop = self.should_stop() or (self.deadline is not None and self.deadline.due(saving))
-        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device, args.world_size)
+        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device, args.world_size, self.flag_group)
         if flag > 0:
             self.stopped_for_requeue = True
             control.should_save = True
