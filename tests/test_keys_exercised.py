@@ -146,7 +146,7 @@ def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path
     log = (tmp_path / "stderr").open("w+")
     watchdog = ProgressWatchdog(0, 1800, target=log, environ={FLOOR_ENV: "0.3"})
     schedule = ScheduleCallback(lambda: False, [], Meter(), watchdog)
-    args, state = type("Args", (), {"device": "cpu"})(), TrainerState(max_steps=100)
+    args, state = type("Args", (), {"device": "cpu", "world_size": 1})(), TrainerState(max_steps=100)
     try:
         for step in range(1, 6):  # past the warm-up: armed with the 0.3 s floor
             state.global_step = step
