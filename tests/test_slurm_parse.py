@@ -258,3 +258,16 @@ def test_expand_job_ids_edge_cases():
     assert slurm.expand_job_ids("7+0") == ["7+0"]
     assert slurm.expand_job_ids("7_[1-999999999999]") == ["7_[1-999999999999]"]  # not expanded into memory
     assert slurm.expand_job_ids("7_[x-3]") == ["7_[x-3]"]
+
+
+def test_an_array_cancelled_before_any_task_started_is_cancelled_for_each_task(tmp_path):
+    """Captured: arrays cancelled while pending are one sacct row under the bare id (``1259``, no task range); each
+    task takes that row, where it had none and was shown PENDING until the unseen grace ran out."""
+    from swiftslurm.jobs.send import Submission
+
+    recs = slurm.parse_sacct(read("sacct_array_cancelled_pending.txt"))
+    assert sorted(recs) == ["1259", "1260", "1261"]
+    tasks = ["1259_0", "1259_1", "1260_0", "1260_1", "1261_0"]
+    sub = Submission("slurm", tasks, str(tmp_path), [str(tmp_path / str(i)) for i in range(5)], "", job_name="site")
+    assert [r.state for r in sub._rows_from(recs)] == ["CANCELLED"] * 5
+    assert slurm.task_record(recs, "1262_0") is None and slurm.task_record(recs, "1259").state == "CANCELLED"

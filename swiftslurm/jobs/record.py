@@ -157,7 +157,7 @@ class Submission:
         unseen = "UNKNOWN" if time.time() - self.submitted_at > UNSEEN_GRACE_S else "PENDING"
         rows = []
         for index, (jid, task_dir) in enumerate(zip(job_ids or self.job_ids, self.task_dirs, strict=False)):
-            rec = records.get(jid)
+            rec = slurm.task_record(records, jid)
             if rec is not None and self.job_name and rec.name and rec.name != self.job_name:
                 rec = None  # the id now belongs to another job: Slurm forgot ours
             if rec is None or rec.state == "UNKNOWN":

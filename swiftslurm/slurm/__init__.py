@@ -46,6 +46,7 @@ from .commands import (
     show_hostnames,
     shown_id,
     submit_line_paths,
+    task_record,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     'job_records',
     'is_of',
     'records_of',
+    'task_record',
     'shown_id',
     'scancel',
     'parse_exc_node_list',

@@ -253,6 +253,15 @@ def is_of(job_id: str, asked: str) -> bool:
     return job_id == asked or ("_" not in asked and job_id.partition("_")[0] == asked)
 
 
+def task_record(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
+    """The record of ``job_id`` (``123``, or an array task ``123_4``) among ``records`` (pure). An array cancelled
+    before any of its tasks started is one sacct row under its bare id (``123``, no ``_[0-3]`` range; captured:
+    tests/data/slurm/sacct_array_cancelled_pending.txt): that row stands for each of its tasks without a row."""
+    found = records.get(job_id)
+    base, sep, _ = job_id.partition("_")
+    return records.get(base) if found is None and sep else found
+
+
 def records_of(records: dict[str, JobRecord], job_ids: list[str]) -> dict[str, JobRecord]:
     """Only the records of the asked jobs (``is_of``)."""
     return {jid: rec for jid, rec in records.items() if any(is_of(jid, asked) for asked in job_ids)}
