@@ -22,6 +22,7 @@ from transformers import Trainer, TrainerCallback
 from .. import checkpoint as ck
 from ..checkpoint import savetime
 from ..taskdir import SAVE_LINK_DIR
+from .collective import all_reduce_values, stop_flag_group
 from .health.gpuutil import gpu_fields, rank_slots
 from .health.metrics import MetricsFile, StepMeter
 
@@ -43,33 +44,6 @@ def _gather_hashes(own: dict[str, dict]) -> dict[str, dict]:
     for part in parts or []:
         merged.update(part or {})
     return merged
-
-
-def _all_reduce(values: list[float], op, device, world_size: int | None = None, group=None) -> list[float]:
-    """``values`` reduced over every rank (over ``group``, a gloo group, on the CPU, when given). With ``world_size``
-    1 there is nothing to reduce: the values come back as they are, without the collective and the device round
-    trip (a host sync) it would cost at every step."""
-    if world_size == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device="cpu" if group is not None else device)
-    if tdist.is_available() and tdist.is_initialized():
-        tdist.all_reduce(t, op=op, group=group)
-    return t.tolist()
-
-
-def stop_flag_group(backend: str | None = None, timeout_s: float | None = None):
-    """A gloo group for the per-step stop flag when the default group is not gloo (NCCL on GPUs), else None (the
-    default group already reduces on the CPU, or one rank has nothing to agree with). On NCCL the flag would be
-    copied to the GPU, reduced behind the step's kernels and read back: the CPU would wait for the whole step at
-    every step end instead of queueing the next one. On gloo it waits only for the other ranks' CPUs. Collective:
-    every rank calls it at the same point (``ScheduleCallback.on_train_begin``)."""
-    import datetime
-
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return None
-    if (backend or str(tdist.get_backend())) == "gloo":
-        return None
-    return tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s) if timeout_s else None)
 
 
 def finite_or_mean(loss: torch.Tensor, summed: torch.Tensor, steps_since_log: int) -> torch.Tensor:
@@ -192,7 +166,7 @@ class SFTTrainer(Trainer):
             self.meter.settle()
             own = self.meter.gpu.take() if self.meter.gpu is not None else None
             slots = rank_slots(own, self.args.process_index, self.args.world_size)  # every rank's value, each in its slot
-            tokens, samples, total, *utils = _all_reduce([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
+            tokens, samples, total, *utils = all_reduce_values([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
                                                          tdist.ReduceOp.SUM, self.args.device)
             # the ranks of a TP group train on copies of one batch; SP ranks on shards of the same samples
             tp, sp = self.job.get("tensor_parallel", 1), self.job.get("sequence_parallel", 1)
@@ -320,7 +294,7 @@ class ScheduleCallback(TrainerCallback):
             log.warning("deepspeed: its bf16 inf/NaN check stays on (two host syncs per optimizer step): %s", kept)
         # USR2 while loading: the first step's end may come after the time limit (a big model, a slow filesystem), so
         # stop now, agreed by all ranks; the newest verified checkpoint is still the resume point, nothing to save
-        (flag,) = _all_reduce([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        (flag,) = all_reduce_values([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
         if flag > 0:
             self.stopped_for_requeue = True
             log.warning("walltime stop before the first step of this run (the signal came while loading): stopping for "
@@ -333,7 +307,7 @@ class ScheduleCallback(TrainerCallback):
             self.watchdog.step_done(state.global_step)
         saving = control.should_save or state.global_step in self.forced
         stop = self.should_stop() or (self.deadline is not None and self.deadline.due(saving))
-        (flag,) = _all_reduce([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device, args.world_size, self.flag_group)
+        (flag,) = all_reduce_values([1.0 if stop else 0.0], tdist.ReduceOp.MAX, args.device, args.world_size, self.flag_group)
         if flag > 0:
             self.stopped_for_requeue = True
             control.should_save = True
