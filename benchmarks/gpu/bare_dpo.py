@@ -33,7 +33,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(a.model)
     bf16 = bool(ds_config.get("bf16", {}).get("enabled"))  # the precision of swiftslurm's run (CPU smoke: fp32)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, use_kernels=False)
     peft_config = None
     if a.lora:
         from peft import LoraConfig
@@ -46,7 +46,7 @@ def main():
         bf16=bf16, deepspeed=ds_config, report_to="none", dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False, max_length=a.seq, beta=0.1, use_cpu=not torch.cuda.is_available(),
     )
-    ref = None if a.lora else AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
+    ref = None if a.lora else AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, use_kernels=False)
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tok,
                          peft_config=peft_config, callbacks=[StepLog(os.path.join(a.out, "steps.jsonl"))])
     trainer.train()

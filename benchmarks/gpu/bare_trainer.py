@@ -65,7 +65,7 @@ def main():
     with open(a.ds) as fh:
         ds_config = json.load(fh)
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, use_kernels=False)  # no Hub kernels (offline)
     if a.lora:
         from peft import LoraConfig, get_peft_model
 

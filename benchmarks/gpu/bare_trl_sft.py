@@ -53,7 +53,8 @@ def main():
     records = [json.loads(line) for line in open(a.data)]
     data = Dataset.from_list([{"prompt": r["instruction"] + ("\n" + r["input"] if r.get("input") else ""), "completion": r["output"]}
                               for r in records])
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation=a.attn)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation=a.attn,
+                                                 use_kernels=False)
     peft_config = None
     if a.lora:
         from peft import LoraConfig
