@@ -6,7 +6,7 @@ KV heads, MLP 14336), LoRA r16 alpha 32 on all of them, bf16, frozen bases; atte
 mix of q, k and v (the same in both arms), so what differs is the LoRA wrapper only. Prints the median time of a
 forward + backward over 8192 tokens, the peak memory, and fused/peft ratios, for lora_dropout 0.05 (the default) and 0.
 
-    cd /tmp && python3 <repo>/benchmarks/gpu/lora_layer.py [--layers 4] [--tokens 8192] [--out DIR]
+    cd /tmp && python3 <repo>/benchmarks/gpu/lora_layer.py [--check] [--layers 4] [--tokens 8192] [--out DIR]
     python3 benchmarks/gpu/lora_layer.py --small       # a CPU smoke run
 """
 
@@ -83,6 +83,43 @@ def timed(model, x, steps: int, warmup: int, device) -> tuple[float, float]:
     return statistics.median(times) * 1000, peak
 
 
+def check(device, tokens: int) -> list[dict]:
+    """The in-kernel dropout (kernels/lora_dropout.py) against fp32 torch with the mask the kernels drew (their seed
+    drawn again under the same torch seed): output, input gradient and both adapter gradients, a few shapes/ranks."""
+    from swiftslurm.train.kernels import lora_dropout
+    from swiftslurm.train.kernels.lora import LoraLinear
+
+    rows = []
+    for n_in, n_out, rank, p in ((4096, 1024, 16, 0.05), (14336, 4096, 16, 0.05), (4096, 14336, 8, 0.1),
+                                 (4096, 4096, 64, 0.3), (1000, 300, 12, 0.5)):
+        torch.manual_seed(0)
+        x = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(n_out, n_in, device=device) * n_in ** -0.5).bfloat16()
+        a = (torch.randn(rank, n_in, device=device) * n_in ** -0.5).bfloat16()
+        b = (torch.randn(n_out, rank, device=device) * 0.1).bfloat16()
+        g = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
+        ins = [t.clone().requires_grad_(t is not w) for t in (x, w, a, b)]
+        torch.manual_seed(7)
+        y = LoraLinear.apply(ins[0], ins[1], None, ins[2], ins[3], 2.0, p)
+        y.backward(g)
+        torch.manual_seed(7)
+        mask = lora_dropout.keep_mask(lora_dropout.new_seed(device), tokens, n_in, p, device)
+        ref = [t.float().requires_grad_(t is not w) for t in (x, w, a, b)]
+        y_ref = ref[0] @ ref[1].t() + 2.0 * ((ref[0] * mask * lora_dropout.keep_scale(p)) @ ref[2].t()) @ ref[3].t()
+        y_ref.backward(g.float())
+
+        def err(got, want):
+            return round(float((got.float() - want).abs().max() / want.abs().max()), 5)
+
+        row = {"check": "in_kernel_dropout", "in": n_in, "out": n_out, "rank": rank, "p": p,
+               "kept": round(float(mask.float().mean()), 4), "y": err(y, y_ref), "grad_x": err(ins[0].grad, ref[0].grad),
+               "grad_a": err(ins[2].grad, ref[2].grad), "grad_b": err(ins[3].grad, ref[3].grad)}
+        row["ok"] = max(row["y"], row["grad_x"], row["grad_a"], row["grad_b"]) < 2e-2 and abs(row["kept"] - (1 - p)) < 0.01
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -92,8 +129,13 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a CPU smoke run on a small shape")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one fused step (dropout 0.05)")
+    ap.add_argument("--check", action="store_true", help="first check the in-kernel dropout against torch (GPU)")
     a = ap.parse_args()
     device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
+    if a.check:
+        checked = check(device, a.tokens)
+        if not all(r["ok"] for r in checked):
+            raise SystemExit("in-kernel dropout differs from torch (rows above)")
     hidden, kv, mlp = (256, 64, 512) if a.small else (4096, 1024, 14336)
     tokens = 256 if a.small else a.tokens
     rows = []

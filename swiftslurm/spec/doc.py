@@ -96,7 +96,9 @@ DESCRIPTIONS: dict[str, str] = {
                      "~105 s more start-up on every start and requeue, and a 0.5B full fine-tune 0.87x (docs/benchmarks.md)",
     "train.fused_lora": "LoRA (every task): each adapted projection runs its frozen base and the adapter in one autograd function, the same "
                         "function as peft's with fewer full-width passes and no per-projection copy of the dropped-out input "
-                        "(train/kernels/lora.py); not under ZeRO-3 or `compile`; `false` = peft's own forward",
+                        "(train/kernels/lora.py); on GPUs the LoRA dropout mask is drawn inside the adapter's matmuls (Triton), "
+                        "nothing stored: the same law as peft's masks, not the same draws; not under ZeRO-3 or `compile`; "
+                        "`false` = peft's own forward",
     "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an "
                               "H200 it halved memory but cost 12-23% of packed tokens/s; `plan` names it when it would make a run fit), `false`, or "
                               "`auto` = its RMSNorm, RoPE and SwiGLU where `liger-kernel` is installed on a GPU (not ZeRO-3, not DPO), never the fused loss",

@@ -9,11 +9,15 @@ dropped-out copy of ``x`` per projection for the backward (q, k and v each keep 
   is added by the matmul itself (``addmm_`` into the base output);
 - the backward adds the adapter's input gradient into the base's the same way (no dropout: ``addmm_``; with
   dropout the mask is applied by the add itself, ``addcmul_``);
-- it keeps ``x`` (shared by the projections that read it) and the dropout mask, and rebuilds the dropped-out input
-  in the backward, so dropout costs one bool mask per projection instead of a mask and a copy of the input.
+- it keeps ``x`` (shared by the projections that read it) and the dropout mask (on GPUs only the mask's seed), and
+  rebuilds the dropped-out input in the backward, so dropout costs at most one bool mask per projection instead of a
+  mask and a copy of the input.
 
-The dropout draws its mask with ``torch.native_dropout``, the kernel ``nn.Dropout`` runs on a GPU, after the base
-matmul, as peft does: under a fixed seed the masks are peft's. Only a plain case is taken; anything else runs peft's
+With ``lora_dropout > 0`` on a GPU (bf16/fp16, rank up to 128, Triton importable) the mask is drawn inside the
+adapter's GEMMs from a seed (``lora_dropout.py``): nothing is stored and no pass is spent on it; the masks follow the
+same law as peft's (kept with probability 1 - p, scaled by 1/(1 - p)) but are not the ones peft draws under the same
+seed. Elsewhere (CPUs, other dtypes, wider ranks) the dropout draws its mask with ``torch.native_dropout``, the kernel
+``nn.Dropout`` runs, after the base matmul, as peft does: under a fixed seed the masks are peft's. Only a plain case is taken; anything else runs peft's
 own forward, decided at every call: adapters disabled or merged, several active adapters, a LoRA variant (DoRA, ...),
 extra forward arguments, a base that is not a plain ``nn.Linear`` (quantized, tensor-parallel), ``fan_in_fan_out``,
 a LoRA bias, a trainable base weight, dtypes that differ, or autocast on. Parameters partitioned by ZeRO-3 (gathered
@@ -37,33 +41,65 @@ class LoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, p: float):
         y = F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        dropped, mask = torch.native_dropout(flat, p, True) if p > 0 else (flat, None)
-        h = (dropped @ lora_a.t()).mul_(scaling)  # [tokens, r]: scaled here, not after B
+        kernels = _in_kernel_dropout(x, lora_a.shape[0]) if p > 0 else None
+        if kernels is not None:  # the mask drawn inside the GEMMs from a seed: nothing stored (lora_dropout.py)
+            flat = flat.contiguous()
+            mask = kernels.new_seed(x.device)
+            h = kernels.down(flat, lora_a.contiguous(), mask, p, scaling * kernels.keep_scale(p))
+        else:
+            dropped, mask = torch.native_dropout(flat, p, True) if p > 0 else (flat, None)
+            h = (dropped @ lora_a.t()).mul_(scaling)  # [tokens, r]: scaled here, not after B
         y.view(-1, y.shape[-1]).addmm_(h, lora_b.t())
         ctx.save_for_backward(x, mask, weight, lora_a, lora_b, h)
         ctx.p = p
         ctx.scaling = scaling
+        ctx.kernels = kernels
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, mask, weight, lora_a, lora_b, h = ctx.saved_tensors
-        keep = 1.0 / (1.0 - ctx.p) if mask is not None else 1.0
+        kernels = ctx.kernels
+        keep = 1.0 if mask is None else kernels.keep_scale(ctx.p) if kernels is not None else 1.0 / (1.0 - ctx.p)
         g = grad.reshape(-1, grad.shape[-1])
         grad_b = g.t() @ h
         grad_h = (g @ lora_b).mul_(ctx.scaling)  # [tokens, r]
         flat = x.reshape(-1, x.shape[-1])
-        dropped = flat if mask is None else torch.ops.aten.native_dropout_backward(flat, mask, keep)
-        grad_a = grad_h.t() @ dropped
+        if kernels is not None:  # mask is the seed
+            flat = flat.contiguous()
+            grad_a = kernels.grad_a(grad_h, flat, mask, ctx.p, keep)
+        else:
+            dropped = flat if mask is None else torch.ops.aten.native_dropout_backward(flat, mask, keep)
+            grad_a = grad_h.t() @ dropped
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = g @ weight
             if mask is None:
                 grad_x.addmm_(grad_h, lora_a)
+            elif kernels is not None:
+                kernels.grad_x_add(grad_x, grad_h, lora_a.contiguous(), mask, ctx.p, keep)
             else:
                 grad_x.addcmul_(grad_h @ lora_a, mask, value=keep)  # the mask applied in the add: one pass, not two
             grad_x = grad_x.view(x.shape)
         return grad_x, None, None, grad_a, grad_b, None, None
+
+
+_KERNELS: list = []
+
+
+def _in_kernel_dropout(x: torch.Tensor, rank: int) -> Any:
+    """``lora_dropout``'s Triton kernels where they take this input (a CUDA tensor, bf16/fp16, rank up to 128) and
+    Triton imports; else None (torch's dropout)."""
+    if not x.is_cuda:
+        return None
+    if not _KERNELS:
+        try:
+            from swiftslurm.train.kernels import lora_dropout
+        except ImportError:  # no Triton
+            lora_dropout = None  # type: ignore[assignment]
+        _KERNELS.append(lora_dropout)
+    kernels = _KERNELS[0]
+    return kernels if kernels is not None and kernels.supported(x, rank) else None
 
 
 def _dropout_p(module: Any) -> float | None:
