@@ -425,6 +425,18 @@ def test_stale_stop_reports_do_not_count(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, "test-stale-stops"):
         await_other_ranks(ranks[0], str(tmp_path), 0.5, log)
     assert "rank(s) 1, 2 did not report" in caplog.text
+    # not a report either, however fresh: a link (here to this run's own report of rank 2) or a folder of rank 1's name
+    for fake in ("link", "folder"):
+        report_stopped(str(tmp_path), ranks[2])
+        (where,) = (tmp_path / ".swiftslurm-stops").glob("77.0.1")
+        if fake == "link":
+            (where / "rank-1").symlink_to(where / "rank-2")
+        else:
+            (where / "rank-1").mkdir()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "test-stale-stops"):
+            await_other_ranks(ranks[0], str(tmp_path), 0.5, log)
+        assert "rank(s) 1 did not report" in caplog.text, fake
     report_stopped(str(tmp_path), ranks[1])
     report_stopped(str(tmp_path), ranks[2])
     caplog.clear()

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,11 +119,13 @@ def _stops_dir(out_dir: str, dist: DistEnv) -> Path:
 
 
 def _reported(report: Path) -> bool:
-    """``report`` was written by this run: it exists and is not older than this process (less the clock slack)."""
+    """``report`` was written by this run: a regular file (``report_stopped`` writes one; a link or a folder of that
+    name was put there by something else), not older than this process (less the clock slack)."""
     try:
-        return report.lstat().st_mtime >= STARTED - STALE_SLACK_S
+        st = report.lstat()
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_mtime >= STARTED - STALE_SLACK_S
 
 
 def report_stopped(out_dir: str, dist: DistEnv) -> None:
