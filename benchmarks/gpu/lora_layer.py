@@ -117,6 +117,23 @@ def check(device, tokens: int) -> list[dict]:
         row["ok"] = max(row["y"], row["grad_x"], row["grad_a"], row["grad_b"]) < 2e-2 and abs(row["kept"] - (1 - p)) < 0.01
         rows.append(row)
         print(json.dumps(row), flush=True)
+    # under activation checkpointing the recompute must draw the forward's mask (torch restores the CUDA RNG state)
+    x, w, a, b = (torch.randn(s, device=device, dtype=torch.bfloat16) * 0.05 for s in ((tokens, 4096), (1024, 4096),
+                                                                                       (16, 4096), (1024, 16)))
+    results = []
+    for checkpointed in (False, True):
+        ins = [t.clone().requires_grad_(t is not w) for t in (x, w, a, b)]
+        torch.manual_seed(11)
+        fn = lambda *t: LoraLinear.apply(t[0], t[1], None, t[2], t[3], 2.0, 0.1)  # noqa: E731
+        y = torch.utils.checkpoint.checkpoint(fn, *ins, use_reentrant=False) if checkpointed else fn(*ins)
+        y.float().square().sum().backward()
+        results.append([y.detach(), ins[0].grad, ins[2].grad, ins[3].grad])
+    row = {"check": "in_kernel_dropout_checkpointed", "y_equal": bool(torch.equal(results[0][0], results[1][0])),
+           "grads": [round(float((g1.float() - g0.float()).abs().max() / g0.float().abs().max()), 6)
+                     for g0, g1 in zip(results[0][1:], results[1][1:], strict=True)]}
+    row["ok"] = row["y_equal"] and max(row["grads"]) == 0.0  # the same masks, and no atomics: bit for bit
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     return rows
 
 

@@ -7,7 +7,8 @@ third). Here the mask is a function of a seed and the element's index (Philox, `
 reads ``x`` draws it again in registers:
 
 - ``down``: ``h = s * dropout(x) @ A^T``, ``[tokens, r]``;
-- ``grad_a``: ``grad_A = grad_h^T @ dropout(x)``, ``[r, in]``, the tokens split over programs and summed in fp32;
+- ``grad_a``: ``grad_A = grad_h^T @ dropout(x)``, ``[r, in]``, the tokens split over programs, their fp32 partial
+  sums added in a fixed order (deterministic);
 - ``grad_x_add``: ``grad_x += dropout'(grad_h @ A)``, the mask and the 1/(1-p) applied in the add.
 
 The mask costs arithmetic, not memory traffic: one Philox-4x32 call gives eight 16-bit draws (eight elements of a
@@ -79,8 +80,8 @@ def _grad_a(gh_ptr, x_ptr, out_ptr, seed_ptr, n_rows, n_cols, rank, rows_per_spl
         if DROP:
             x = tl.where(_keep(seed_ptr, rows, pid_k * BLOCK_K, n_cols, thr, BLOCK_T, BLOCK_K), x, 0.0)
         acc = tl.dot(gh, x, acc)
-    tl.atomic_add(out_ptr + rr[:, None] * n_cols + cols[None, :], acc * scale,
-                  mask=(cols[None, :] < n_cols) & (rr[:, None] < rank))
+    part = out_ptr + split.to(tl.int64) * rank * n_cols  # this split's partial sum; summed after, in a fixed order
+    tl.store(part + rr[:, None] * n_cols + cols[None, :], acc * scale, mask=(cols[None, :] < n_cols) & (rr[:, None] < rank))
 
 
 @triton.jit
@@ -154,16 +155,17 @@ def grad_a(grad_h: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float, 
     """``scale * grad_h^T @ (mask * x)``: ``[r, K]`` in x's dtype (summed in fp32 over the tokens)."""
     n_rows, n_cols = x.shape
     rank = grad_h.shape[1]
-    out = torch.zeros((rank, n_cols), device=x.device, dtype=torch.float32)
     block_t, block_k = 64, 128
     col_blocks = triton.cdiv(n_cols, block_k)
-    # enough programs for every SM several times over: the tokens are split, each split adds its part atomically
+    # enough programs for every SM several times over: the tokens are split, each split writes its partial sum, and
+    # the splits are added in a fixed order (no atomics: the same gradient bit for bit on every run)
     splits = max(1, min(triton.cdiv(n_rows, block_t), triton.cdiv(4 * _sms(x.device), col_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_t) * block_t
     splits = triton.cdiv(n_rows, rows_per_split)
-    _grad_a[(col_blocks, splits)](grad_h, x, out, seed, n_rows, n_cols, rank, rows_per_split, threshold(p), scale,
+    parts = torch.empty((splits, rank, n_cols), device=x.device, dtype=torch.float32)
+    _grad_a[(col_blocks, splits)](grad_h, x, parts, seed, n_rows, n_cols, rank, rows_per_split, threshold(p), scale,
                                   R=_padded(rank), BLOCK_T=block_t, BLOCK_K=block_k, DROP=p > 0)
-    return out.to(x.dtype)
+    return parts.sum(0).to(x.dtype)
 
 
 def grad_x_add(grad_x: torch.Tensor, grad_h: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float,
