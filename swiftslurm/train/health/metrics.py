@@ -173,18 +173,18 @@ class StepMeter:
         mask = batch.get("attention_mask")
         ids = batch["input_ids"]
         if "real_tokens" in stats:
-            self._count("tokens", stats["real_tokens"])
+            self.count("tokens", stats["real_tokens"])
         elif mask is not None:
-            self._count("tokens", mask)
+            self.count("tokens", mask)
         else:
             self.tokens += int(ids.numel())
         self.total_tokens += int(ids.numel())
         if "samples" in stats:
-            self._count("samples", stats["samples"])
+            self.count("samples", stats["samples"])
         else:
             self.samples += int(ids.shape[0])
 
-    def _count(self, name: str, values: Any) -> None:
+    def count(self, name: str, values: Any) -> None:
         """Add ``values.sum()`` to ``name``. A batch Accelerate already moved to the GPU is summed there and read at
         the next ``settle`` (a logging step): ``int()`` of a GPU sum would wait for the GPU at every step."""
         if getattr(values, "is_cuda", False):

@@ -106,7 +106,8 @@ def trainer_class():
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
             masks = [out[k] for k in ("prompt_mask", "completion_mask") if isinstance(out.get(k), torch.Tensor)]
-            self.meter.tokens += int(sum(int(m.sum()) for m in masks))
+            for m in masks:  # summed on the device where they are there, read at the next log (StepMeter.count)
+                self.meter.count("tokens", m)
             self.meter.total_tokens += int(sum(m.numel() for m in masks))
             return out
 
