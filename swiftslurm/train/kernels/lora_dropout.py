@@ -155,6 +155,8 @@ def grad_a(grad_h: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float, 
     """``scale * grad_h^T @ (mask * x)``: ``[r, K]`` in x's dtype (summed in fp32 over the tokens)."""
     n_rows, n_cols = x.shape
     rank = grad_h.shape[1]
+    if n_rows == 0:  # no tokens (an empty shard): nothing to split
+        return torch.zeros((rank, n_cols), device=x.device, dtype=x.dtype)
     block_t, block_k = 64, 128
     col_blocks = triton.cdiv(n_cols, block_k)
     # enough programs for every SM several times over: the tokens are split, each split writes its partial sum, and
