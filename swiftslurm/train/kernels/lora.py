@@ -17,11 +17,13 @@ With ``lora_dropout > 0`` on a GPU (bf16/fp16, rank up to 128, Triton importable
 adapter's GEMMs from a seed (``lora_dropout.py``): nothing is stored and no pass is spent on it; the masks follow the
 same law as peft's (kept with probability 1 - p, scaled by 1/(1 - p)) but are not the ones peft draws under the same
 seed. Elsewhere (CPUs, other dtypes, wider ranks) the dropout draws its mask with ``torch.native_dropout``, the kernel
-``nn.Dropout`` runs, after the base matmul, as peft does: under a fixed seed the masks are peft's. Only a plain case is taken; anything else runs peft's
-own forward, decided at every call: adapters disabled or merged, several active adapters, a LoRA variant (DoRA, ...),
-extra forward arguments, a base that is not a plain ``nn.Linear`` (quantized, tensor-parallel), ``fan_in_fan_out``,
-a LoRA bias, a trainable base weight, dtypes that differ, or autocast on. Parameters partitioned by ZeRO-3 (gathered
-by hooks on the module's own forward) are never patched.
+``nn.Dropout`` runs, after the base matmul, as peft does: under a fixed seed the masks are peft's.
+
+Only a plain case is taken; anything else runs peft's own forward, decided at every call: adapters disabled or
+merged, several active adapters, a LoRA variant (DoRA, ...), extra forward arguments, a base that is not a plain
+``nn.Linear`` (quantized, tensor-parallel), ``fan_in_fan_out``, a LoRA bias, a trainable base weight, dtypes that
+differ, or autocast on. Parameters partitioned by ZeRO-3 (gathered by hooks on the module's own forward) are never
+patched.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``kernels/lora.py`` with ``lora_dropout > 0`` drew a mask with ``torch.native_dropout`` (a pass over the
 ``[tokens, in]`` input that writes a dropped-out copy and a mask), kept the mask for the backward, and rebuilt the
 dropped-out input there (another pass) for ``grad_A``, then applied the mask to the adapter's input gradient (a
-third). Here the mask is a function of a seed and the element's index (Philox, ``tl.rand``), so each kernel that
-reads ``x`` draws it again in registers:
+third). Here the mask is a function of a seed and the element's index (Philox, ``tl.randint4x``), so each kernel
+that reads ``x`` draws it again in registers:
 
 - ``down``: ``h = s * dropout(x) @ A^T``, ``[tokens, r]``;
 - ``grad_a``: ``grad_A = grad_h^T @ dropout(x)``, ``[r, in]``, the tokens split over programs, their fp32 partial
@@ -22,6 +22,8 @@ for tests.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -189,12 +191,7 @@ def keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float, device) ->
     return out
 
 
-_SMS: dict = {}
-
-
+@functools.cache
 def _sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    """The device's SM count (grad_a splits its tokens to fill them); 4 elsewhere (Triton's CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
