@@ -28,6 +28,7 @@ patched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from typing import Any
@@ -47,13 +48,16 @@ class LoraLinear(torch.autograd.Function):
         if kernels is not None:  # the mask drawn inside the GEMMs from a seed: nothing stored (lora_dropout.py)
             flat = flat.contiguous()
             mask = kernels.new_seed(x.device)
-            h = kernels.down(flat, lora_a.contiguous(), mask, p, scaling * kernels.keep_scale(p))
+            keep = kernels.keep_scale(p)  # 1/(1 - p) for the p the kernels apply (p on a 1/65536 grid)
+            h = kernels.down(flat, lora_a.contiguous(), mask, p, scaling * keep)
         else:
+            keep = 1.0 / (1.0 - p) if p > 0 else 1.0
             dropped, mask = torch.native_dropout(flat, p, True) if p > 0 else (flat, None)
             h = (dropped @ lora_a.t()).mul_(scaling)  # [tokens, r]: scaled here, not after B
         y.view(-1, y.shape[-1]).addmm_(h, lora_b.t())
         ctx.save_for_backward(x, mask, weight, lora_a, lora_b, h)
         ctx.p = p
+        ctx.keep = keep
         ctx.scaling = scaling
         ctx.kernels = kernels
         return y
@@ -61,8 +65,7 @@ class LoraLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, mask, weight, lora_a, lora_b, h = ctx.saved_tensors
-        kernels = ctx.kernels
-        keep = 1.0 if mask is None else kernels.keep_scale(ctx.p) if kernels is not None else 1.0 / (1.0 - ctx.p)
+        kernels, keep = ctx.kernels, ctx.keep
         g = grad.reshape(-1, grad.shape[-1])
         grad_b = g.t() @ h
         grad_h = (g @ lora_b).mul_(ctx.scaling)  # [tokens, r]
@@ -86,7 +89,14 @@ class LoraLinear(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b, None, None
 
 
-_KERNELS: list = []
+@functools.cache
+def _dropout_kernels() -> Any:
+    """The ``lora_dropout`` module, or None where Triton does not import (imported once, at the first GPU call)."""
+    try:
+        from swiftslurm.train.kernels import lora_dropout
+    except ImportError:
+        return None
+    return lora_dropout
 
 
 def _in_kernel_dropout(x: torch.Tensor, rank: int) -> Any:
@@ -94,13 +104,7 @@ def _in_kernel_dropout(x: torch.Tensor, rank: int) -> Any:
     Triton imports; else None (torch's dropout)."""
     if not x.is_cuda:
         return None
-    if not _KERNELS:
-        try:
-            from swiftslurm.train.kernels import lora_dropout
-        except ImportError:  # no Triton
-            lora_dropout = None  # type: ignore[assignment]
-        _KERNELS.append(lora_dropout)
-    kernels = _KERNELS[0]
+    kernels = _dropout_kernels()
     return kernels if kernels is not None and kernels.supported(x, rank) else None
 
 
