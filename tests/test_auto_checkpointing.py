@@ -93,3 +93,66 @@ def test_a_spec_trained_without_plan_resolves_auto_the_same_way():
     gpu = validate_spec(parse_toml('[job]\nname = "j"\n[slurm]\ngpus_per_node = 1\ngpu_memory_gb = 141\n[train]\n'
                                    'model = "tiny-llama"\ndataset = "d.jsonl"\n'))
     assert resolve_auto_checkpointing(gpu, {"zero_optimization": {"stage": 2}}).train.gradient_checkpointing is False
+
+
+QWEN_15B = ('model = "Qwen/Qwen2.5-1.5B"\ntrain_type = "full"\nbf16 = true\nmax_length = 4096\nper_device_train_batch_size = 2\n'
+            "{extra}\n[train.model_shape]\nhidden_size = 1536\nnum_layers = 28\nheads = 12\nkv_heads = 2\n"
+            "intermediate_size = 8960\nvocab_size = 151936\ntie_word_embeddings = true")
+
+
+def plan_with(tmp_path: Path, train: str, gpu_gb: float, liger_installed: bool) -> dict:
+    """``plan --json`` in a process whose Python has (a stand-in) liger-kernel importable, or not."""
+    import os
+    import subprocess
+
+    from test_sizing import ROOT
+
+    fake = tmp_path / "site"
+    (fake / "liger_kernel").mkdir(parents=True, exist_ok=True)
+    (fake / "liger_kernel" / "__init__.py").write_text("")
+    path = spec_file(tmp_path, train, slurm=f"nodes = 1\ntasks_per_node = 1\ngpus_per_node = 1\ngpu_memory_gb = {gpu_gb}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([str(fake)] if liger_installed else []))}
+    run = subprocess.run([sys.executable, "-m", "swiftslurm", "plan", "--json", str(path)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)["memory"][0]
+
+
+def test_full_fine_tuning_of_1_5b_at_80gb_trains_without_checkpointing(tmp_path):
+    """Issue #34: the estimate was 43% over the 1.5B shape's measured peak (49.8 GiB at 4096 x 2 on an H200), so "auto"
+    asked for checkpointing at 80 GB (a third of the step's speed). Now off, with or without Liger's kernels counted;
+    the 3B shape (measured 79.5 GiB) keeps it on at 80 GB."""
+    for installed in (True, False):
+        m = plan_with(tmp_path, QWEN_15B.format(extra=""), 80, installed)
+        assert m["gradient_checkpointing"]["on"] is False, m
+        assert ("Liger's RMSNorm, RoPE and SwiGLU counted" in m["gradient_checkpointing"]["why"]) is installed
+        assert "step_reuses_activations" in m["per_rank_gib"]
+    three_b = QWEN_15B.replace("hidden_size = 1536\nnum_layers = 28\nheads = 12", "hidden_size = 2048\nnum_layers = 36\nheads = 16")
+    assert plan_with(tmp_path, three_b.replace("8960", "11008").format(extra=""), 80, True)["gradient_checkpointing"]["on"] is True
+
+
+def test_liger_is_counted_exactly_where_the_nodes_will_run_it():
+    """``sizing.check.liger_layers`` against the node's own rule (``kernels.choose.resolve_liger`` and the tasks that
+    take it) over every combination: the estimate never counts Liger's smaller activations where it will not run."""
+    import itertools
+    from types import SimpleNamespace
+
+    from swiftslurm.sizing import check
+    from swiftslurm.train.kernels.choose import KernelError, NodeFacts, resolve_liger
+
+    for requested, stage, compiled, task, gpus, installed in itertools.product(
+            (True, False, "auto"), (0, 2, 3), (False, True), ("sft", "pt", "dpo", "grpo"), (True, False), (True, False)):
+        t = SimpleNamespace(use_liger_kernel=requested, compile=compiled, task=task)
+        try:
+            config, _ = resolve_liger(requested, stage, NodeFacts(cuda=gpus, liger=installed), compiled)
+        except KernelError:
+            continue  # the node refuses to start: nothing to size
+        runs = config is not None and task in ("sft", "pt")
+        saved = check.liger_installed
+        check.liger_installed = lambda installed=installed: installed  # what this Python would find
+        try:
+            assert check.liger_layers(t, stage, gpus, look=True) is runs, (requested, stage, compiled, task, gpus, installed)
+            if not check.liger_layers(t, stage, gpus, look=False):  # without looking, "auto" is never counted
+                assert requested is not True or not runs
+        finally:
+            check.liger_installed = saved

@@ -29,25 +29,29 @@ SHAPES = {  # transformers config values
              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True},
     "1.5b": {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
              "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True},
+    "3b": {"model_type": "qwen2", "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "intermediate_size": 11008, "vocab_size": 151936, "tie_word_embeddings": True},
     "tiny": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 259, "tie_word_embeddings": False},
 }
 
 
-def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool, liger: bool = False) -> dict:
+def estimate(shape_name: str, stage: int, length: int, micro: int, ckpt: bool, liger: bool = False,
+             liger_layers: bool = False) -> dict:
     from swiftslurm.sizing.layout import Layout
     from swiftslurm.sizing.memory import GIB, Settings
     from swiftslurm.sizing.memory import estimate as est
     from swiftslurm.sizing.shape import shape_from_config
 
     shape = shape_from_config(SHAPES[shape_name], shape_name)
-    e = est(shape, Settings(stage, False, False, "full", 8, "all-linear", True, ckpt, length, 80.0, 1, fused_loss=liger), Layout(1, 1, 1, micro, 1))
+    e = est(shape, Settings(stage, False, False, "full", 8, "all-linear", True, ckpt, length, 80.0, 1, fused_loss=liger,
+                            liger_layers=liger or liger_layers), Layout(1, 1, 1, micro, 1))
     return {"estimate_allocated_gib": e.allocated_bytes / GIB, "estimate_total_gib": e.total_bytes / GIB,
             "parts_gib": {k: round(v / GIB, 3) for k, v in e.parts.items()}}
 
 
 def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: bool, tiled: bool = False,
-        liger: bool = False) -> dict:
+        liger: bool = False, liger_layers: bool = False) -> dict:
     """One training run in this process: the measured peak after ``steps`` steps."""
     import torch
 
@@ -59,6 +63,7 @@ def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: 
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     from swiftslurm import dsconfig
+    from swiftslurm.train.kernels.choose import LIGER_FAST
 
     cfg = dict(SHAPES[shape_name])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg, max_position_embeddings=max(length, 64))
@@ -88,7 +93,8 @@ def one(shape_name: str, stage: int, length: int, micro: int, steps: int, ckpt: 
                              learning_rate=1e-5, bf16=True, gradient_checkpointing=ckpt,
                              gradient_checkpointing_kwargs={"use_reentrant": False} if ckpt else None, deepspeed=ds,
                              save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True, use_cpu=not cuda,
-                             remove_unused_columns=False, dataloader_pin_memory=False, use_liger_kernel=liger)
+                             remove_unused_columns=False, dataloader_pin_memory=False, use_liger_kernel=liger or liger_layers,
+                             **({"liger_kernel_config": LIGER_FAST} if liger_layers and not liger else {}))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     Trainer(model=model, args=args, train_dataset=Rows()).train()
@@ -106,33 +112,36 @@ def main() -> int:
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--tiled-mlp", action="store_true", help="[parallel] tiled_mlp: measure with the MLPs tiled")
     ap.add_argument("--liger", action="store_true", help="use_liger_kernel: the fused linear cross-entropy (no logits)")
+    ap.add_argument("--liger-layers", action="store_true", help='use_liger_kernel = "auto" on a GPU: Liger\'s RMSNorm, RoPE, SwiGLU')
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "stage,length": run one configuration in this process
     a = ap.parse_args()
     ckpt = not a.no_checkpointing
     if a.one:
         stage, length = map(int, a.one.split(","))
-        print("RESULT " + json.dumps(one(a.shape, stage, length, a.micro, a.steps, ckpt, a.tiled_mlp, a.liger)), flush=True)
+        print("RESULT " + json.dumps(one(a.shape, stage, length, a.micro, a.steps, ckpt, a.tiled_mlp, a.liger, a.liger_layers)), flush=True)
         return 0
     rows = []
     print(f"{'stage':>5} {'tokens':>7} {'estimate GiB':>12} {'measured GiB':>12} {'error':>7}  parts (GiB)")
+    kinds = {"tiled_mlp": a.tiled_mlp, "liger": a.liger, "liger_layers": a.liger_layers}
     for stage in map(int, a.stages.split(",")):
         for length in map(int, a.lengths.split(",")):
-            est = estimate(a.shape, stage, length, a.micro, ckpt, a.liger)
+            est = estimate(a.shape, stage, length, a.micro, ckpt, a.liger, a.liger_layers)
             cmd = [sys.executable, __file__, "--shape", a.shape, "--micro", str(a.micro), "--steps", str(a.steps), "--one", f"{stage},{length}"]
-            cmd += (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else [])
+            cmd += (["--no-checkpointing"] if not ckpt else []) + (["--tiled-mlp"] if a.tiled_mlp else []) + (["--liger"] if a.liger else []) \
+                + (["--liger-layers"] if a.liger_layers else [])
             run = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
             if run.returncode or not lines:
                 tail = (run.stderr.strip().splitlines() or ["?"])[-1]
-                row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, "measured_gib": None,
+                row = {"stage": stage, "tokens": length * a.micro, **kinds, **est, "measured_gib": None,
                        "error": tail[:200]}
                 print(f"{stage:>5} {length * a.micro:>7} {est['estimate_allocated_gib']:>12.2f} {'failed':>12}  {tail[:120]}")
             else:
                 got = json.loads(lines[-1][len("RESULT "):])
                 m = got["measured_gib"]
                 err = (est["estimate_allocated_gib"] - m) / m if m else None
-                row = {"stage": stage, "tokens": length * a.micro, "tiled_mlp": a.tiled_mlp, "liger": a.liger, **est, **got, "relative_error": err}
+                row = {"stage": stage, "tokens": length * a.micro, **kinds, **est, **got, "relative_error": err}
                 print(f"{stage:>5} {length * a.micro:>7} {est['estimate_allocated_gib']:>12.2f} "
                       f"{'n/a (CPU)' if m is None else f'{m:.2f}':>12} {'' if err is None else f'{err:+.0%}':>7}  {est['parts_gib']}")
             rows.append(row)

@@ -81,7 +81,8 @@ def sizing_table(plan: Plan) -> Table | None:
         gib = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
         labels = {"weights": "weights", "gradients_optimizer": "gradients + optimizer", "activations": "activations",
                   "logits_loss": "logits + loss", "overhead": "CUDA, NCCL, fragmentation",
-                  "reference_model": "reference model (GRPO KL)", "generation_kv_cache": "generation KV cache (GRPO)"}
+                  "reference_model": "reference model (GRPO KL)", "generation_kv_cache": "generation KV cache (GRPO)",
+                  "step_reuses_activations": "the step's fp32 gradients, in memory the backward freed"}
         for name, value in m.parts.items():
             table.add_row(labels.get(name, name), gib(value))
         verdict = "[green]fits[/]" if m.fits else "[bold red]does not fit[/]"

@@ -135,7 +135,8 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
                         reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
-                        **grpo_settings(t))
+                        liger_layers=liger_layers(t, stage, gpus, read_disk), lora_dropout=t.lora_dropout,
+                        fused_lora=t.fused_lora and not t.compile and stage < 3, **grpo_settings(t))
     decided = None
     if auto:
         decided = resolve_checkpointing(shape, settings, layout, gpus)
@@ -145,11 +146,31 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                   cautions, decided), problems
 
 
+def liger_layers(t: Any, stage: int, gpus: bool, look: bool) -> bool:
+    """Whether the nodes will run Liger's RMSNorm, RoPE and SwiGLU (which keep fewer activations than the model's
+    own): the rules of ``train.kernels.choose.resolve_liger`` for SFT/PT on GPUs. ``true`` takes them (a node without
+    liger-kernel refuses to start); ``"auto"`` where liger-kernel is installed, which only ``look`` asks of this
+    Python (the nodes import the same environment); without looking, not counted (the larger estimate)."""
+    if not gpus or stage >= 3 or getattr(t, "task", "sft") not in OWN_TRAINER or t.use_liger_kernel is False:
+        return False
+    if t.use_liger_kernel is True:
+        return True
+    return look and not t.compile and liger_installed()
+
+
+LIGER_COUNTED = "; Liger's RMSNorm, RoPE and SwiGLU counted"
+
+
+def liger_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 # train.gradient_checkpointing = "auto": off only when the estimate without it, grown by this margin, fits the GPU.
-# Measured on an H200 (docs/benchmarks.md, "gradient_checkpointing = auto"): the 8B LoRA shape without checkpointing
-# (4096-token rows, micro-batch 2) peaked at 89.8 GiB allocated where the estimate's allocator part said 78.5 (-13%)
-# and its total 87.3 (-3%); with checkpointing 29.4 against 29.1. 15% on the total covers that run's peak plus the CUDA
-# context and fragmentation the total counts, so "off" is only chosen where the run really fits.
+# Measured on an H200 (docs/benchmarks.md, "The estimate against measured peaks"): without checkpointing the
+# estimate's allocator part is +1%..+11% over every measured peak (0.5B/1.5B/3B full, 8B LoRA), its total (which adds
+# fragmentation, the CUDA context and NCCL) more; 15% on the total keeps "off" to runs that really fit.
 AUTO_CHECKPOINTING_MARGIN = 0.15
 CPU_CHECKPOINTING = "a CPU job (slurm.gpus_per_node = 0) has no GPU memory to size against; on, as before"
 
@@ -163,7 +184,7 @@ def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gp
     without = estimate(shape, replace(s, gradient_checkpointing=False), layout)
     need = without.total_bytes * (1 + AUTO_CHECKPOINTING_MARGIN)
     found = (f"estimated {without.total_bytes / GIB:.1f} GiB per GPU without it (+{AUTO_CHECKPOINTING_MARGIN:.0%} margin = "
-             f"{need / GIB:.1f}), slurm.gpu_memory_gb = {s.gpu_memory_gb:g}")
+             f"{need / GIB:.1f}{LIGER_COUNTED if s.liger_layers else ''}), slurm.gpu_memory_gb = {s.gpu_memory_gb:g}")
     if need <= s.gpu_memory_gb * GIB:
         return False, f"off (auto): {found}; recomputing activations would only cost speed"
     return True, f"on (auto): {found}; it does not fit without"

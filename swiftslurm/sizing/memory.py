@@ -9,7 +9,13 @@ model states   DeepSpeed's own formulas (``estimate_zero2_model_states_mem_needs
                Tensor parallel divides the decoder layers' parameters (not the embeddings).
 activations    tokens per rank = micro-batch x max_length / sequence_parallel. With gradient checkpointing a
                layer keeps its input (hidden x tokens) and one layer at a time holds its full activations;
-               without, every layer holds them. Plus the logits and the loss's fp32 copies (vocab x tokens).
+               without, every layer holds them. What a layer keeps depends on its kernels: Liger's RMSNorm and
+               SwiGLU keep fewer tensors than transformers' eager ones (``liger_layers``), and peft's LoRA forward
+               keeps a dropped-out copy of each adapted projection's input (``lora_dropout_bytes``). Plus the
+               logits and the loss's fp32 copies (vocab x tokens).
+peak           the forward and backward hold the activations beside the weights, the optimizer's states and the
+               16-bit gradients; the optimizer step's fp32 gradients (mixed precision) are made after the backward
+               has freed the activations, so the peak counts the larger of the two, not their sum.
 overhead       the CUDA context and kernels (outside torch's allocator), NCCL's buffers when there are
                several ranks, and the caching allocator's fragmentation (a fraction of what is allocated).
 
@@ -24,17 +30,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import Layout
-from .shape import ModelShape
+from .shape import ModelShape, lora_projections
 from .tasks import extra_trainable, head_params_delta, logits_per_token, sequences_per_sample
 
 GIB = 1 << 30
+FUSED_DROPOUT_MAX_RANK = 128  # train/kernels/lora_dropout.py MAX_RANK: the widest adapter its kernels take
 ZERO_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for the CPU side
-# full activations of one layer, in elements per token: hidden-sized tensors (norm inputs/outputs, q, attention
-# output, o_proj input, residuals: 10 x hidden), k and v (2 x kv width), the MLP's gate, up, act and product
-# (4 x intermediate). Flash/sdpa/flex keep no seq x seq matrix.
+# full activations of one layer, in elements per token, with transformers' eager kernels: hidden-sized tensors that
+# tensor parallel splits (ACT_HIDDEN_TERMS: each RMSNorm keeps an fp32 copy of its input and its normalised output
+# beside its scaled output; q, the attention output, o_proj's input) and the residual stream's two that it does not
+# (RESIDUAL_TERMS), k and v (2 x kv width), the MLP's gate, up, act and product (4 x intermediate). Flash/sdpa/flex
+# keep no seq x seq matrix.
 ACT_HIDDEN_TERMS = 10
+RESIDUAL_TERMS = 2
 ACT_INTERMEDIATE_TERMS = 4
-LOGIT_BYTES_EXTRA = 8  # the loss upcasts logits to fp32 and keeps log-probs (4 + 4 bytes per logit) beside them
+# with Liger's RMSNorm, RoPE and SwiGLU (use_liger_kernel): a norm keeps its input and output, SwiGLU its gate and up
+# (the product is kept by down_proj): 8 x hidden in all, 3 x intermediate. Measured on one H200 (docs/benchmarks.md,
+# "Fifth run: the memory estimate against every measured peak"): the 8B LoRA step at 8,192 tokens held 155.6 KB per
+# token and layer, which these terms give; Liger saved 6.50 GiB on the 1.5B full step, these terms say 6.45.
+ACT_HIDDEN_TERMS_LIGER = 6
+ACT_INTERMEDIATE_TERMS_LIGER = 3
+# beside the model-dtype logits, the loss's fp32 work: at the backward's start the fp32 log-probs, their gradient and
+# the logits' fp32 gradient (4 + 4 + 4 bytes per logit; the forward holds less: an fp32 copy and the log-probs). The
+# 0.5B shape, whose peak is the loss (vocabulary 151,936 on hidden 896), measured 94.1 GiB at 32,768 tokens where 8
+# extra bytes gave 86.0 (-9%); 10 give 95.3 (+1%)
+LOGIT_BYTES_EXTRA = 10
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces: not in max_memory_allocated
 NCCL_BYTES = int(0.5 * GIB)  # NCCL's communicator buffers when world > 1
 FRAGMENTATION = 0.10  # the caching allocator's reserved-but-unused share
@@ -93,6 +113,9 @@ class Settings:
     reference_copy: bool = False  # a frozen copy of the starting weights (KTO full fine-tuning: tasks.py)
     reference_weights: bool = False  # GRPO with a KL term, full fine-tuning: a frozen copy of the model's weights
     generation_sequences: int = 0  # GRPO: sequences one rank generates at once (their KV cache at max_length)
+    liger_layers: bool = False  # Liger's RMSNorm/RoPE/SwiGLU replace the model's (use_liger_kernel true, or "auto" with it installed)
+    lora_dropout: float = 0.0  # train.lora_dropout (LoRA): what its forward keeps depends on fused_lora
+    fused_lora: bool = True  # train.fused_lora in effect (not under ZeRO-3 or compile): the mask drawn in the kernel
 
 
 @dataclass(frozen=True)
@@ -118,8 +141,10 @@ class MemoryEstimate:
                 "trainable_params": self.trainable_params, "notes": list(self.notes)}
 
 
-def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int) -> tuple[int, int, int]:
-    """(weights bytes, grads + optimizer bytes, cpu bytes per node) on one rank."""
+def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int) -> tuple[int, int, int, int]:
+    """(weights bytes, grads + optimizer bytes, the part of those made only in the optimizer step, cpu bytes per
+    node) on one rank. The step's part: mixed precision's fp32 gradients (4 bytes per trainable parameter, sharded as
+    the optimizer is), made from the 16-bit ones once the backward is over."""
     tp, n = layout.tensor_parallel, layout.zero_partitions
     total = shape.num_layers * shape.layer_params // tp + shape.embedding_params + shape.hidden_size + head_params_delta(shape, s.task)
     if s.train_type == "full":
@@ -128,6 +153,7 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
     w_bytes = 2 if s.half_precision else 4
     # per trainable parameter, beyond its weights: mixed precision 18 (DeepSpeed's multiplier), fp32 12 (grads, moments)
     state_bytes = 18 if s.half_precision else 12
+    step_bytes = 4 if s.half_precision else 0  # fp32 training accumulates its gradients in fp32 through the backward
     nodes = max(1, layout.world_size // max(1, s.ranks_per_node))
     if s.zero_stage == 3:
         # DeepSpeed: 4 x the largest layer (gathered, and the next one prefetched) + 18 bytes/param over the ranks,
@@ -135,22 +161,22 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
         weights = 2 * w_bytes * shape.largest_layer_params + (0 if s.offload_param else w_bytes * frozen // n)
         sharded = 18 if s.half_precision else 16
         if not s.offload_optimizer:
-            states = sharded * trainable // n
+            states, step = sharded * trainable // n, step_bytes * trainable // n
         else:
-            states = 0 if s.offload_param else w_bytes * trainable // n
+            states, step = (0 if s.offload_param else w_bytes * trainable // n), 0
         cpu = zero3_model_states(trainable, shape.largest_layer_params, s.ranks_per_node, nodes, True, s.offload_param)[0] \
             if s.offload_optimizer else 0
-        return weights, states, cpu
+        return weights, states, step, cpu
     weights = w_bytes * total
     if s.offload_optimizer:  # ZeRO-Offload: grads and optimizer states live on the CPU
-        return weights, 0, zero2_model_states(trainable, s.ranks_per_node, nodes, True)[0]
+        return weights, 0, 0, zero2_model_states(trainable, s.ranks_per_node, nodes, True)[0]
     if s.zero_stage == 2:
         states = state_bytes * trainable // n
     elif s.zero_stage == 1:  # model-dtype gradients whole on every rank, the rest sharded
         states = w_bytes * trainable + (state_bytes - w_bytes) * trainable // n
     else:
         states = state_bytes * trainable
-    return weights, states, 0
+    return weights, states, step_bytes * trainable // (n if s.zero_stage else 1), 0
 
 
 def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
@@ -159,8 +185,10 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     b = 2 if s.half_precision else 4
     h, tp = shape.hidden_size, layout.tensor_parallel
     kv_width = shape.num_kv_heads * shape.dim_per_head
-    per_token = (ACT_HIDDEN_TERMS * h + 2 * kv_width) // tp + ACT_INTERMEDIATE_TERMS * shape.intermediate_size // tp + 2 * h
-    one_layer = b * tokens * per_token
+    hidden_terms, inter_terms = (ACT_HIDDEN_TERMS_LIGER, ACT_INTERMEDIATE_TERMS_LIGER) if s.liger_layers else \
+        (ACT_HIDDEN_TERMS, ACT_INTERMEDIATE_TERMS)
+    per_token = (hidden_terms * h + 2 * kv_width) // tp + inter_terms * shape.intermediate_size // tp + RESIDUAL_TERMS * h
+    one_layer = b * tokens * per_token + tokens * _lora_dropout_bytes(shape, s) // tp
     if s.gradient_checkpointing:
         acts = b * tokens * h * shape.num_layers + one_layer  # each layer's input + one layer recomputed
     else:
@@ -170,6 +198,21 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     else:
         logits = tokens * logits_per_token(shape, s.task) * (b + LOGIT_BYTES_EXTRA)
     return acts, logits
+
+
+def _lora_dropout_bytes(shape: ModelShape, s: Settings) -> int:
+    """Bytes per token and layer that LoRA dropout keeps for the backward, over the adapted projections' inputs.
+    peft's forward keeps each projection's dropped-out copy of its input (q, k and v one each); measured on an H200
+    (8B LoRA r16, p = 0.05): 17.8 GiB over the fused path's peak at 8,192 tokens, ~1.9 bytes per element in bf16.
+    The fused projection (``train.fused_lora``) draws the mask inside its Triton kernels on GPUs (bf16/fp16, rank up
+    to 128: nothing kept) and keeps torch's boolean mask elsewhere (1 byte per element)."""
+    if s.train_type != "lora" or s.lora_dropout <= 0:
+        return 0
+    dims = shape.linear_dims()
+    names, _ = lora_projections(s.lora_targets)
+    per_element = (1 if not s.half_precision or s.lora_rank > FUSED_DROPOUT_MAX_RANK else 0) if s.fused_lora else \
+        (2 if s.half_precision else 4)
+    return per_element * sum(dims[n][0] for n in names)
 
 
 def _fused_loss_bytes(shape: ModelShape, s: Settings, tokens: int, b: int) -> int:
@@ -208,16 +251,21 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
         trainable += extra_trainable(shape, s.task, s.train_type)
         if not exact:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
-    weights, states, cpu = _model_states(shape, s, layout, trainable)
+    if s.liger_layers:
+        notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU (use_liger_kernel = true, or \"auto\" where "
+                     "liger-kernel is installed), which keep fewer tensors than the model's own")
+    weights, states, step, cpu = _model_states(shape, s, layout, trainable)
     acts, logits = _activations(shape, s, layout)
     # a frozen reference copy (KTO full fine-tuning): the model's dtype, sharded like the policy under ZeRO-3
     ref = (2 if s.half_precision else 4) * total // (layout.zero_partitions if s.zero_stage == 3 else 1) if s.reference_copy else 0
     rl = _rl_parts(shape, s, layout)
-    allocated = weights + ref + states + acts + logits + sum(rl.values())
+    # the step's fp32 gradients take memory the backward has freed (activations, logits): the peak is the larger
+    reuse = min(step, acts + logits)
+    allocated = weights + ref + states + acts + logits + sum(rl.values()) - reuse
     frag = int(FRAGMENTATION * allocated)
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
     parts = {"weights": weights, **({"reference": ref} if ref else {}), "gradients_optimizer": states, "activations": acts,
-             "logits_loss": logits, **rl, "overhead": overhead}
+             "logits_loss": logits, **rl, **({"step_reuses_activations": -reuse} if reuse else {}), "overhead": overhead}
     return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
 
 

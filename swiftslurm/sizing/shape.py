@@ -18,6 +18,16 @@ from ..fsutil import CONFIG_CAP, Unreadable, read_json
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def lora_projections(targets: str | list[str]) -> tuple[set[str], bool]:
+    """(the projections of LINEAR_NAMES that ``lora_target_modules`` adapts, exact): "all-linear" (or "all") is every
+    one; a list counts the names it shares with LINEAR_NAMES (a module name ending in one, like "self_attn.q_proj",
+    counts too). A list naming none of them (custom modules) is taken as every projection: exact is then False."""
+    if isinstance(targets, str):
+        targets = list(LINEAR_NAMES) if targets in ("all-linear", "all") else [targets]
+    names = {n for n in LINEAR_NAMES for t in targets if t == n or t.endswith("." + n)}
+    return (names, True) if names else (set(LINEAR_NAMES), False)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     hidden_size: int
@@ -69,11 +79,7 @@ class ModelShape:
         none of them (custom modules) counts all-linear, an upper bound: exact is then False.
         """
         dims = self.linear_dims()
-        if isinstance(targets, str):
-            targets = list(LINEAR_NAMES) if targets in ("all-linear", "all") else [targets]
-        names = {n for n in LINEAR_NAMES for t in targets if t == n or t.endswith("." + n)}
-        exact = bool(names)
-        names = names or set(LINEAR_NAMES)
+        names, exact = lora_projections(targets)
         per_layer = sum(rank * (dims[n][0] + dims[n][1]) for n in names)
         return self.num_layers * per_layer, exact
 
