@@ -124,10 +124,48 @@ def run_wrapped(opaque):
     finally:
         Z.step = real
 
+def run_norm(case):
+    """The gradient norm of norm_in_one_pass against DeepSpeed's own, step by step on two engines from one seed (one
+    step clipped, one NaN); 'opaque': a get_grad_norm_direct whose source cannot be read is left alone."""
+    import functools
+    from swiftslurm.train.kernels.overflow import norm_in_one_pass
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+    if case == "norm_opaque":
+        real = Z.get_grad_norm_direct
+        Z.get_grad_norm_direct = lambda self, *a, **k: real(self, *a, **k)
+        try:
+            eng, zopt = engine()
+            return {"applied": norm_in_one_pass(Wrapper(zopt))}
+        finally:
+            Z.get_grad_norm_direct = real
+    out = {}
+    for arm in ("deepspeed", "ours"):
+        eng, zopt = engine(check=False)
+        applied = norm_in_one_pass(Wrapper(zopt)) if arm == "ours" else False
+        casts = {"vector_norm": 0}
+        real_norm = torch.linalg.vector_norm
+        def counting(*a, **k):
+            casts["vector_norm"] += 1
+            return real_norm(*a, **k)
+        torch.linalg.vector_norm = counting
+        norms, masters = [], []
+        x = torch.randn(2, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        for scale in (1.0, 1000.0, 3.0):
+            eng.backward(eng(x).float().pow(2).mean() * scale)
+            eng.step()
+            norms.append(float(eng.get_global_grad_norm()))
+            masters.append(zopt.single_partition_of_fp32_groups[0].detach().double().tolist())
+        torch.linalg.vector_norm = real_norm
+        out[arm] = {"applied": applied, "again": norm_in_one_pass(zopt) if arm == "ours" else None, "norms": norms,
+                    "masters": masters, **casts}
+    return out
+
 print("RESULT " + json.dumps({case: run_wrapped(case == "opaque") if case in ("wrapped", "opaque")
-                             else run_grad_norm() if case == "grad_norm" else run(case) for case in sys.argv[1:]}))
+                             else run_norm(case) if case.startswith("norm") else run_grad_norm() if case == "grad_norm"
+                             else run(case) for case in sys.argv[1:]}))
 '''
-CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque", "grad_norm"]
+CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque", "grad_norm", "norm",
+         "norm_opaque"]
 SKIPPED = {"changed": False, "master_changed": False, "nan": False}
 
 
@@ -209,3 +247,16 @@ def test_the_grad_norm_stays_on_the_device_until_a_logging_step(results):
     row = results["grad_norm"]
     assert row["accelerate"] == "float" and row["ours"] == "Tensor" and row["held"], row
     assert row["value"] == row["accelerate_value"] > 0
+
+
+def test_the_gradient_norm_in_one_pass_is_deepspeeds_norm(results):
+    """norm_in_one_pass: no per-gradient vector_norm (one a step is left, on the combined norm); the norms (one step clipped by gradient_clipping 1.0) and the
+    master weights after each step equal DeepSpeed's own to fp32 rounding; idempotent; an unreadable method is kept."""
+    ds, ours = results["norm"]["deepspeed"], results["norm"]["ours"]
+    assert ours["applied"] is True and ours["again"] is True
+    assert ds["vector_norm"] - ours["vector_norm"] == 3 * 4  # four gradients a step, three steps: none left per gradient
+    assert ds["norms"][1] > 1.0  # the clipped step: its norm decides the clip factor
+    assert ours["norms"] == pytest.approx(ds["norms"], rel=1e-6)
+    for a, b in zip(ours["masters"], ds["masters"]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    assert results["norm_opaque"]["applied"] is False

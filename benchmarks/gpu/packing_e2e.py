@@ -46,6 +46,7 @@ VARIANTS = {
     "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
+    "swiftslurm_dsnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, DeepSpeed's own grad norm (ARM_PATH)
     "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
     "swiftslurm_micro16": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "16"},  # 4x the rows per step
     "swiftslurm_peftlora": lambda assets: {"gradient_checkpointing": None, "fused_lora": "false"},  # the defaults with peft's LoRA forward
@@ -76,7 +77,9 @@ DS_EXTRA = {
 }
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
-ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
+ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}, "swiftslurm_dsnorm": {"PHASE_PROBE_DSNORM": "1"}}
+# an arm run with a sitecustomize of its own on PYTHONPATH (no probe): dsnorm/ puts DeepSpeed's per-gradient norm back
+ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm"}
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
@@ -189,7 +192,10 @@ checks = []
     results: dict[str, dict] = {}
     for n, arm in enumerate(a.arms.split(",")):
         env = None
-        if a.probe or a.profile or arm in ARM_ENV:
+        probed = bool(a.probe or a.profile or (arm in ARM_ENV and arm not in ARM_PATH))
+        if arm in ARM_PATH and not probed:  # its own sitecustomize (under the probe, the probe's applies it: PHASE_PROBE_DSNORM)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ARM_PATH[arm]), os.environ.get("PYTHONPATH")])))
+        if probed:
             env = dict(os.environ, PHASE_PROBE_OUT=str(out / f"probe_{n}_{arm}.jsonl"), PHASE_PROBE_PROFILE=a.profile,
                        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), os.environ.get("PYTHONPATH")])),
                        **ARM_ENV.get(arm, {}))
@@ -245,7 +251,7 @@ checks = []
             res.update(rc=rc, peak_mb=round(peak) if peak else None)
         if res.get("useful_tokens_s"):  # LoRA: no weight gradients of the frozen base, 4 x params per token
             res["mfu"] = round((4 if a.lora else 6) * params * res["useful_tokens_s"] / (H200_BF16_TFLOPS * 1e12), 4)
-        if env:
+        if probed:
             res["phases_ms"] = phases(out / f"probe_{n}_{arm}.jsonl", a.warmup)
         results[arm] = res
         record(out, {"what": "packing_e2e", "arm": arm, **res})

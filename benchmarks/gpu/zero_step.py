@@ -9,7 +9,9 @@ clipping 1.0. Each variant runs in its own process, so every one builds its own 
 
 - `default`: DeepSpeed as configured by default (its per-gradient scan and host test of the norm every step);
 - `config_off`: `bf16.check_grad_overflow = false` (no check at all: a NaN step is applied);
-- `swiftslurm`: the default engine after `skip_nonfinite_on_device` (the check moved onto the device).
+- `swiftslurm`: the default engine after `skip_nonfinite_on_device` (the check moved onto the device);
+- `swiftslurm_norm`: that and `norm_in_one_pass` (the gradient norm from one `torch._foreach_norm` instead of a cast
+  and a norm per gradient): what swiftslurm's trainer runs.
 
 Prints one JSON line per variant: ms per `engine.step()` (median over --steps after --warmup, each step ended
 by a device sync, so the whole step's GPU work is in it), then the ratio of each variant's time to `default`'s.
@@ -24,14 +26,14 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("default", "config_off", "swiftslurm")
+VARIANTS = ("default", "config_off", "swiftslurm", "swiftslurm_norm")
 
 
 def one(variant: str, steps: int, warmup: int, small: bool) -> dict:
     import deepspeed
     import torch
 
-    from swiftslurm.train.kernels.overflow import skip_nonfinite_on_device
+    from swiftslurm.train.kernels.overflow import norm_in_one_pass, skip_nonfinite_on_device
 
     cuda = torch.cuda.is_available()
     hidden, ffn, layers, vocab = (896, 4864, 24, 151936) if cuda and not small else (64, 128, 4, 1000)
@@ -49,8 +51,10 @@ def one(variant: str, steps: int, warmup: int, small: bool) -> dict:
            "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
-    if variant == "swiftslurm" and not skip_nonfinite_on_device(zero):
+    if variant.startswith("swiftslurm") and not skip_nonfinite_on_device(zero):
         raise SystemExit("skip_nonfinite_on_device did not apply (see train/overflow.py kept_reason)")
+    if variant == "swiftslurm_norm" and not norm_in_one_pass(zero):
+        raise SystemExit("norm_in_one_pass did not apply (DeepSpeed's get_grad_norm_direct changed shape)")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for _ in range(warmup + steps):

@@ -279,7 +279,7 @@ class ScheduleCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.forced = {max(1, round(f * state.max_steps)) for f in self.fractions} | {state.max_steps}
         self.flag_group = stop_flag_group(timeout_s=args.ddp_timeout)
-        from .kernels.overflow import kept_reason, skip_nonfinite_on_device
+        from .kernels.overflow import kept_reason, norm_in_one_pass, skip_nonfinite_on_device
         from .resume.worldsize import untie_step_counters
 
         # after any checkpoint load, before the first step: a ZeRO-3 universal load shares one step counter
@@ -292,6 +292,8 @@ class ScheduleCallback(TrainerCallback):
                         "(DeepSpeed's per-step inf/NaN check and its host syncs are off)")
         elif state.is_world_process_zero and (kept := kept_reason(optimizer)):  # the reason is rank 0's to say
             log.warning("deepspeed: its bf16 inf/NaN check stays on (two host syncs per optimizer step): %s", kept)
+        if norm_in_one_pass(optimizer) and state.is_world_process_zero:  # ZeRO-1/2 (overflow.py)
+            log.info("deepspeed: the gradient norm is taken in one multi-tensor pass (torch._foreach_norm)")
         # USR2 while loading: the first step's end may come after the time limit (a big model, a slow filesystem), so
         # stop now, agreed by all ranks; the newest verified checkpoint is still the resume point, nothing to save
         (flag,) = all_reduce_values([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)

@@ -191,3 +191,8 @@ def _install() -> None:
 
 if _OUT and os.environ.get("RANK", "0") == "0":
     _install()
+
+if os.environ.get("PHASE_PROBE_DSNORM") == "1":  # packing_e2e's swiftslurm_dsnorm arm under the probe: dsnorm/'s change too
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dsnorm", "sitecustomize.py"))
