@@ -257,6 +257,6 @@ def test_the_gradient_norm_in_one_pass_is_deepspeeds_norm(results):
     assert ds["vector_norm"] - ours["vector_norm"] == 3 * 4  # four gradients a step, three steps: none left per gradient
     assert ds["norms"][1] > 1.0  # the clipped step: its norm decides the clip factor
     assert ours["norms"] == pytest.approx(ds["norms"], rel=1e-6)
-    for a, b in zip(ours["masters"], ds["masters"]):
+    for a, b in zip(ours["masters"], ds["masters"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
     assert results["norm_opaque"]["applied"] is False

@@ -220,7 +220,7 @@ def norm_in_one_pass(optimizer: Any) -> bool:
         if float(norm_type) != 2.0:
             return deepspeeds(gradients, params, norm_type)
         counted = []
-        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
+        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params, strict=False):  # as DeepSpeed pairs them
             if hasattr(p, s12.PIPE_REPLICATED) and p.ds_pipe_replicated:
                 continue
             if s12.is_model_parallel_parameter(p) or zero.model_parallel_rank == 0:
