@@ -156,3 +156,28 @@ def test_liger_is_counted_exactly_where_the_nodes_will_run_it():
                 assert requested is not True or not runs
         finally:
             check.liger_installed = saved
+
+
+QWEN_05B_ACCUM = ('model = "Qwen/Qwen2.5-0.5B"\ntrain_type = "full"\nbf16 = true\nmax_length = 2048\n'
+                  "per_device_train_batch_size = 4\ngradient_accumulation_steps = {accum}\n{extra}\n[train.model_shape]\n"
+                  "hidden_size = 896\nnum_layers = 24\nheads = 14\nkv_heads = 2\nintermediate_size = 4864\nvocab_size = 151936\n"
+                  "tie_word_embeddings = true")
+
+
+def test_plan_advises_a_larger_micro_batch_in_place_of_accumulation_where_it_fits(tmp_path):
+    """The same rows per optimizer step in fewer passes: the largest micro-batch whose estimate (+15%) fits, named
+    with the accumulation that keeps the global batch; never without accumulation to trade, unpacked, or on a CPU."""
+    said = lambda m: [a for a in m["advice"] if a.startswith("train.per_device_train_batch_size")]  # noqa: E731
+    h200 = plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 141, True)
+    assert said(h200) == [said(h200)[0]] and said(h200)[0].startswith(
+        "train.per_device_train_batch_size = 16 with gradient_accumulation_steps = 1: the same 16 rows per optimizer step in 1 pass instead of 4"), h200
+    a100 = plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 80, True)
+    assert said(a100)[0].startswith("train.per_device_train_batch_size = 8 with gradient_accumulation_steps = 2: the same 16 rows"), a100
+    assert said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=3, extra=""), 141, True))[0].startswith(
+        "train.per_device_train_batch_size = 12 with gradient_accumulation_steps = 1")
+    assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=3, extra=""), 80, True))  # 12 rows do not fit 80 GB
+    assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=1, extra=""), 141, True))
+    assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra="packing = false"), 141, True))
+    assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 20, True))  # nothing larger fits
+    cpu = spec_file(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""))
+    assert not said(json.loads(cli(cpu, "plan", "--json").stdout)["memory"][0])

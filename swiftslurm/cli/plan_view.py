@@ -82,7 +82,7 @@ def sizing_table(plan: Plan) -> Table | None:
         labels = {"weights": "weights", "gradients_optimizer": "gradients + optimizer", "activations": "activations",
                   "logits_loss": "logits + loss", "overhead": "CUDA, NCCL, fragmentation",
                   "reference_model": "reference model (GRPO KL)", "generation_kv_cache": "generation KV cache (GRPO)",
-                  "step_reuses_activations": "the step's fp32 gradients, in memory the backward freed"}
+                  "step_reuses_activations": "fp32 grads reuse freed memory"}
         for name, value in m.parts.items():
             table.add_row(labels.get(name, name), gib(value))
         verdict = "[green]fits[/]" if m.fits else "[bold red]does not fit[/]"
