@@ -164,10 +164,21 @@ QWEN_05B_ACCUM = ('model = "Qwen/Qwen2.5-0.5B"\ntrain_type = "full"\nbf16 = true
                   "tie_word_embeddings = true")
 
 
-def test_plan_advises_a_larger_micro_batch_in_place_of_accumulation_where_it_fits(tmp_path):
+def plan_in_process(tmp_path: Path, train: str, gpu_gb: float | None) -> dict:
+    """``plan --json``'s ``memory`` entry of task 0, made in this process (``gpu_gb`` None: a CPU job)."""
+    slurm = "nodes = 1\ntasks_per_node = 1" + ("" if gpu_gb is None else f"\ngpus_per_node = 1\ngpu_memory_gb = {gpu_gb}")
+    raw = parse_toml(spec_file(tmp_path, train, slurm=slurm).read_text())
+    return make_plan(validate_spec(raw), raw, str(tmp_path), check_disk=True).to_json()["memory"][0]
+
+
+def test_plan_advises_a_larger_micro_batch_in_place_of_accumulation_where_it_fits(tmp_path, monkeypatch):
     """The same rows per optimizer step in fewer passes: the largest micro-batch whose estimate (+15%) fits, named
     with the accumulation that keeps the global batch; never without accumulation to trade, unpacked, or on a CPU."""
+    from swiftslurm.sizing import check
+
+    monkeypatch.setattr(check, "liger_installed", lambda: True)  # as on the GPU machine: Liger's layers counted
     said = lambda m: [a for a in m["advice"] if a.startswith("train.per_device_train_batch_size")]  # noqa: E731
+    plan_with = lambda tmp_path, train, gb, _: plan_in_process(tmp_path, train, gb)  # noqa: E731
     h200 = plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 141, True)
     assert said(h200) == [said(h200)[0]] and said(h200)[0].startswith(
         "train.per_device_train_batch_size = 16 with gradient_accumulation_steps = 1: the same 16 rows per optimizer step in 1 pass instead of 4"), h200
@@ -179,5 +190,4 @@ def test_plan_advises_a_larger_micro_batch_in_place_of_accumulation_where_it_fit
     assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=1, extra=""), 141, True))
     assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra="packing = false"), 141, True))
     assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 20, True))  # nothing larger fits
-    cpu = spec_file(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""))
-    assert not said(json.loads(cli(cpu, "plan", "--json").stdout)["memory"][0])
+    assert not said(plan_in_process(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), None))
