@@ -11,7 +11,7 @@ activations    tokens per rank = micro-batch x max_length / sequence_parallel. W
                layer keeps its input (hidden x tokens) and one layer at a time holds its full activations;
                without, every layer holds them. What a layer keeps depends on its kernels: Liger's RMSNorm and
                SwiGLU keep fewer tensors than transformers' eager ones (``liger_layers``), and peft's LoRA forward
-               keeps a dropped-out copy of each adapted projection's input (``lora_dropout_bytes``). Plus the
+               keeps a dropped-out copy of each adapted projection's input (``_lora_dropout_bytes``). Plus the
                logits and the loss's fp32 copies (vocab x tokens).
 peak           the forward and backward hold the activations beside the weights, the optimizer's states and the
                16-bit gradients; the optimizer step's fp32 gradients (mixed precision) are made after the backward

@@ -64,14 +64,19 @@ def _zero_optimizer(optimizer: Any):
     return None
 
 
-def _step_order_holds(zero: Any) -> bool:
+def _source_with(zero: Any, method: str, needs: tuple[str, ...]) -> str | None:
+    """The source of DeepSpeed's ``method`` on ``zero``'s class (through ``functools.wraps`` wrappers) when it still
+    has every line of ``needs``; None otherwise, or where it cannot be read."""
     try:
-        source = inspect.getsource(type(zero).step)
-    except (OSError, TypeError):
-        return False
-    if not all(line in source for line in STEP_NEEDS):
-        return False
-    return source.index(STEP_NEEDS[0]) < source.index(STEP_NEEDS[1])
+        source = inspect.getsource(getattr(type(zero), method))
+    except (OSError, TypeError, AttributeError):
+        return None
+    return source if all(line in source for line in needs) else None
+
+
+def _step_order_holds(zero: Any) -> bool:
+    source = _source_with(zero, "step", STEP_NEEDS)
+    return source is not None and source.index(STEP_NEEDS[0]) < source.index(STEP_NEEDS[1])
 
 
 def _fused_adam(inner: Any) -> bool:
@@ -162,11 +167,7 @@ def _clip_on_device(zero: Any) -> bool:
     """DeepSpeed's ``unscale_and_clip_grads`` without its host test of the norm (module doc); True when installed."""
     import torch
 
-    try:
-        source = inspect.getsource(type(zero).unscale_and_clip_grads)
-    except (OSError, TypeError, AttributeError):
-        return False
-    if not all(line in source for line in CLIP_NEEDS):
+    if _source_with(zero, "unscale_and_clip_grads", CLIP_NEEDS) is None:
         return False
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
@@ -207,13 +208,9 @@ def norm_in_one_pass(optimizer: Any) -> bool:
         return False
     if getattr(zero, "_swiftslurm_norm_in_one_pass", False):
         return True
-    try:
-        source = inspect.getsource(type(zero).get_grad_norm_direct)
-        import deepspeed.runtime.zero.stage_1_and_2 as s12
-    except (OSError, TypeError, AttributeError, ImportError):
+    if _source_with(zero, "get_grad_norm_direct", NORM_NEEDS) is None or not hasattr(torch, "_foreach_norm"):
         return False
-    if not all(line in source for line in NORM_NEEDS) or not hasattr(torch, "_foreach_norm"):
-        return False
+    import deepspeed.runtime.zero.stage_1_and_2 as s12  # imported already: zero is its class
     deepspeeds = zero.get_grad_norm_direct
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
