@@ -25,6 +25,7 @@ probe/sitecustomize.py); ``--profile A:B`` also writes torch.profiler tables of 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -47,6 +48,7 @@ VARIANTS = {
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_dsnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, DeepSpeed's own grad norm (ARM_PATH)
+    "swiftslurm_syncs": lambda assets: {"gradient_checkpointing": None},  # the defaults with two host syncs a step put back (ARM_PATH)
     "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
     "swiftslurm_micro16": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "16"},  # 4x the rows per step
     "swiftslurm_peftlora": lambda assets: {"gradient_checkpointing": None, "fused_lora": "false"},  # the defaults with peft's LoRA forward
@@ -79,7 +81,7 @@ DS_EXTRA = {
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
 ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}, "swiftslurm_dsnorm": {"PHASE_PROBE_DSNORM": "1"}}
 # an arm run with a sitecustomize of its own on PYTHONPATH (no probe): dsnorm/ puts DeepSpeed's per-gradient norm back
-ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm"}
+ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm", "swiftslurm_syncs": HERE / "syncs"}
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
@@ -104,8 +106,12 @@ def throughput(rows: list[dict], useful_key: str, warmup: int) -> dict:
     span = [by_step[s] for s in range(warmup + 1, last + 1) if s in by_step]
     useful = sum(r.get(useful_key) or 0 for r in span)
     wall = by_step[last]["time"] - by_step[warmup]["time"]
+    # each logging interval's own rate (min / median / max): how steady the run was, beside its mean
+    marks = [by_step[warmup]] + span
+    rates = sorted((r.get(useful_key) or 0) / (r["time"] - p["time"]) for p, r in itertools.pairwise(marks) if r["time"] > p["time"])
     return {"steps": len(span), "useful_tokens": int(useful), "wall_s": round(wall, 2),
-            "useful_tokens_s": round(useful / wall) if wall > 0 else None}
+            "useful_tokens_s": round(useful / wall) if wall > 0 else None,
+            "interval_tokens_s": [round(rates[0]), round(statistics.median(rates)), round(rates[-1])] if rates else None}
 
 
 def phases(path: Path, warmup: int) -> dict:
@@ -207,9 +213,10 @@ checks = []
             res = throughput(rows, "useful_tokens", a.warmup)
             peaks = [r["gpu_mem_peak_mb"] for r in rows if "gpu_mem_peak_mb" in r]
             pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
+            waits = [r["data_wait_ratio"] for r in rows if r.get("step", 0) > a.warmup and "data_wait_ratio" in r]
             res.update(rc=rc, peak_mb=round(max(peaks)) if peaks else None,
                        padding_ratio=round(statistics.median(pads), 4) if pads else None,
-                       )
+                       data_wait_ratio=round(statistics.median(waits), 4) if waits else None)
             summary = run_dir / "train-summary.json"
             if summary.exists():
                 res["attn"] = json.loads(summary.read_text()).get("attn_implementation")

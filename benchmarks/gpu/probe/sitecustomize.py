@@ -6,8 +6,9 @@ imported, DeepSpeedEngine's forward, backward and step are wrapped. Each call re
 the step); the gap from one step's end to the next step's forward is the trainer loop (data, callbacks,
 logging). Rank 0 writes one JSON row per step. PHASE_PROBE_PROFILE=A:B also runs torch.profiler over steps
 A..B-1 and writes FILE.prof.txt (top ops by CUDA and by CPU time). Used by packing_e2e.py --probe; it changes
-nothing else in the process, except with PHASE_PROBE_STEP_SYNC=1: a device sync after every optimizer step, the
-baseline arm for the host syncs swiftslurm took out of the step (what a per-step ``.item()`` costs).
+nothing else in the process (PHASE_PROBE_SYNCS=A:B lists the host syncs of steps A..B-1: ``_SyncTrace``), except
+with PHASE_PROBE_STEP_SYNC=1: a device sync after every optimizer step, the baseline arm for the host syncs
+swiftslurm took out of the step (what a per-step ``.item()`` costs).
 """
 
 import functools
@@ -33,6 +34,50 @@ _LABELS = {
 }
 
 
+class _SyncTrace:
+    """PHASE_PROBE_SYNCS=A:B: over steps A..B-1, torch's sync debug mode reports every operation that makes the
+    host wait for the GPU (``.item()``, ``nonzero``, a blocking copy, ...); each report's call site outside torch is
+    counted and written to FILE.syncs.txt (sites and counts per step: what holds a small model's host back)."""
+
+    def __init__(self, out: str, spec: str) -> None:
+        self.out, self.range = out + ".syncs.txt", tuple(int(x) for x in spec.split(":"))
+        self.sites: dict[str, int] = {}
+        self.on = False
+        self.previous = None
+
+    def at_step(self, step: int) -> None:
+        import warnings
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        if step == self.range[0] and not self.on:
+            self.on, self.previous = True, warnings.showwarning
+            warnings.simplefilter("always")
+            warnings.showwarning = self.seen
+            torch.cuda.set_sync_debug_mode("warn")
+        elif step == self.range[1] and self.on:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning, self.on = self.previous, False
+            steps = self.range[1] - self.range[0]
+            with open(self.out, "w") as fh:
+                fh.write(f"host syncs over steps {self.range[0]}..{self.range[1] - 1} (count per step, call site)\n")
+                for site, n in sorted(self.sites.items(), key=lambda kv: -kv[1]):
+                    fh.write(f"{n / steps:8.1f}  {site}\n")
+
+    def seen(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        if "synchronizing" not in str(message):
+            return (self.previous or (lambda *a, **k: None))(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "sitecustomize" not in f.filename
+                  and "/warnings.py" not in f.filename]
+        site = " <- ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+        self.sites[site] = self.sites.get(site, 0) + 1
+        return None
+
+
 class _Probe:
     def __init__(self, out: str) -> None:
         self.out = out
@@ -45,6 +90,8 @@ class _Probe:
         spec = os.environ.get("PHASE_PROBE_PROFILE", "")
         self.prof_range = tuple(int(x) for x in spec.split(":")) if spec else None
         self.depth = 0
+        syncs = os.environ.get("PHASE_PROBE_SYNCS", "")
+        self.syncs = _SyncTrace(out, syncs) if syncs else None
 
     def begin(self, phase: str):
         import torch
@@ -64,6 +111,8 @@ class _Probe:
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA])
                 self.prof.__enter__()
+            if self.syncs is not None:
+                self.syncs.at_step(self.step)
             if len(self.rows) >= 10:
                 self.flush()
         ev = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
