@@ -126,7 +126,7 @@ def run_wrapped(opaque):
 
 def run_norm(case):
     """The gradient norm of norm_in_one_pass against DeepSpeed's own, step by step on two engines from one seed (one
-    step clipped, one NaN); 'opaque': a get_grad_norm_direct whose source cannot be read is left alone."""
+    step clipped, then a NaN and an inf one); 'opaque': a get_grad_norm_direct whose source cannot be read is left alone."""
     import functools
     from swiftslurm.train.kernels.overflow import norm_in_one_pass
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
@@ -150,7 +150,7 @@ def run_norm(case):
         torch.linalg.vector_norm = counting
         norms, masters = [], []
         x = torch.randn(2, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
-        for scale in (1.0, 1000.0, 3.0):
+        for scale in (1.0, 1000.0, 3.0, float("nan"), float("inf")):
             eng.backward(eng(x).float().pow(2).mean() * scale)
             eng.step()
             norms.append(float(eng.get_global_grad_norm()))
@@ -254,9 +254,10 @@ def test_the_gradient_norm_in_one_pass_is_deepspeeds_norm(results):
     master weights after each step equal DeepSpeed's own to fp32 rounding; idempotent; an unreadable method is kept."""
     ds, ours = results["norm"]["deepspeed"], results["norm"]["ours"]
     assert ours["applied"] is True and ours["again"] is True
-    assert ds["vector_norm"] - ours["vector_norm"] == 3 * 4  # four gradients a step, three steps: none left per gradient
+    assert ds["vector_norm"] - ours["vector_norm"] == 5 * 4  # four gradients a step, five steps: none left per gradient
     assert ds["norms"][1] > 1.0  # the clipped step: its norm decides the clip factor
     assert ours["norms"] == pytest.approx(ds["norms"], rel=1e-6)
-    for a, b in zip(ours["masters"], ds["masters"], strict=True):
+    assert ds["norms"][3:] == [float("inf")] * 2  # a NaN and an inf gradient: masked to -1, which DeepSpeed reports as inf
+    for a, b in zip(ours["masters"][:3], ds["masters"][:3], strict=True):  # the NaN step is applied (check off)
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
     assert results["norm_opaque"]["applied"] is False

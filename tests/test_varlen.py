@@ -124,6 +124,35 @@ def test_a_gqa_llama_through_varlen_matches_sdpa_with_the_packed_mask(kernel, fn
         assert (fake.forwards, fake.backwards) == (2, 2)
 
 
+def test_packed_rows_skip_the_mask_preparation_that_reads_the_gpu_and_a_padding_mask_is_refused(kernel, monkeypatch):
+    """No mask function is registered with varlen_attn, so transformers' mask preparation returns at once: its
+    packed-sequence detection (``find_packed_sequence_indices``, an ``.all()`` the host waits for the GPU to answer,
+    at every forward) never runs. Under sdpa it does (the counter counts). The trainer's model then refuses a
+    padding mask (a hook), where transformers would otherwise drop it."""
+    import transformers.masking_utils as masking
+
+    from swiftslurm.spec import validate_spec
+    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
+
+    kernel(reference_kernel)
+    calls = []
+    real = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loss_and_grads("sdpa", PackingCollator(16, 0)(rows()))
+    assert calls, "sdpa reads the packed mask: the detection ran"
+    calls.clear()
+    loss_and_grads(varlen.NAME, PackingCollator(16, 0, boundaries=True)(rows()))
+    assert calls == []
+    spec = validate_spec({"train": {"model": "tiny-llama", "dataset": ["d.jsonl"], "max_length": 16}})
+    model, _ = load_model_and_tokenizer(spec, False, varlen.NAME)
+    ids = torch.randint(3, 60, (2, 8))
+    for call in (lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)), lambda: model(ids, torch.ones_like(ids))):
+        with pytest.raises(ValueError, match="cannot apply a padding mask"):
+            call()
+    model.set_attn_implementation("sdpa")  # a model moved off the kernel takes masks again
+    assert model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape[:2] == (2, 8)
+
+
 def test_a_moved_boundary_changes_the_loss(kernel):
     """The comparison above can fail: the same rows with one sample boundary dropped (two samples read as
     one) give another loss."""

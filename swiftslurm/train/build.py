@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import SwiftSlurmError
 from .evaluation import eval_arguments
 from .kernels.varlen import NAME as VARLEN
+from .kernels.varlen import refuse_masks
 from .kernels.varlen import register as register_varlen
 from .tracking.identity import TRACKERS
 
@@ -53,6 +54,8 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
         tok = build_tokenizer()
         model = build_model(len(tok), train.max_length, train.seed, reward_head=reward)
         model.set_attn_implementation(attn_implementation)
+        if attn_implementation == VARLEN:
+            refuse_masks(model)
         return model, tok
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -68,6 +71,8 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
             model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
                 train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation,
                 use_kernels=False, **head)
+            if attn_implementation == VARLEN:
+                refuse_masks(model)
             return model, tok
         except (OSError, ValueError) as exc:
             last = exc

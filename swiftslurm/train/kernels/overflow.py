@@ -230,8 +230,9 @@ def norm_in_one_pass(optimizer: Any) -> bool:
         s12.dist.all_reduce(total, op=s12.dist.ReduceOp.SUM, group=zero.dp_process_group)
         zero._model_parallel_all_reduce(tensor=total, op=s12.dist.ReduceOp.SUM)
         total = total.pow(0.5)
-        s12.mask_nan_or_inf_with_val_inplace(total, device=zero.device)
-        return total
+        # DeepSpeed's inf/NaN -> -1 rule, with a Python scalar: its mask_nan_or_inf_with_val_inplace fills from a
+        # device tensor it makes from -1.0, a copy and a read that each made the host wait for the whole backward
+        return total.masked_fill_(~torch.isfinite(total), -1.0)
 
     zero.get_grad_norm_direct = get_grad_norm_direct
     zero._swiftslurm_norm_in_one_pass = True

@@ -48,12 +48,31 @@ def use_kernel(fn: Callable | None) -> None:
 
 
 def register() -> None:
-    """Make ``NAME`` a valid ``attn_implementation`` for transformers (idempotent)."""
+    """Make ``NAME`` a valid ``attn_implementation`` for transformers (idempotent).
+
+    No mask function is registered with it: the kernel takes no mask, and for an implementation without one
+    transformers' ``create_causal_mask`` returns at once. With one (the flash rule, as before), every forward first
+    ran ``find_packed_sequence_indices`` on the position ids, whose ``.all()`` made the host wait for the GPU's queue
+    to drain at the start of each step (on the 0.5B shape, the GPU then idled while the host launched the forward).
+    A padding mask, which that rule handed on to ``attention`` to be refused, is refused by ``refuse_masks``'s
+    hook on the model instead, before it could be dropped."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+
+
+def refuse_masks(model) -> None:
+    """A forward pre-hook on ``model`` that refuses an ``attention_mask``: with ``NAME`` transformers builds no mask
+    (``register``), so a padded batch's mask would otherwise be dropped silently. Packed rows carry none; the check
+    reads no tensor, so it costs no sync."""
+
+    def check(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)  # forward(input_ids, attention_mask, ...)
+        if mask is not None and getattr(module.config, "_attn_implementation", NAME) == NAME:
+            raise ValueError(f"{NAME} reads sample boundaries from the batch and cannot apply a padding mask: "
+                             "use it with packed rows (train.packing = true)")
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def boundaries(position_ids) -> dict[str, Any]:
