@@ -5,8 +5,9 @@ PyTorch ships the same variable-length kernel. Given the start of every sample i
 (``cu_seq_lens``: 0, 3, 5, 8, ... over all rows laid end to end) it runs causal attention inside each
 sample and never computes a score across samples: no mask is built, and short samples cost what short
 samples cost, not what a full row costs. transformers has no entry for it, so this module registers
-one (``NAME``) in its ``AttentionInterface``, with the flash mask rule (no mask; the boundaries come
-with the batch). ``kernels.resolve_attention``'s "auto" takes it for packed bf16/fp16 rows on a GPU that runs it.
+one (``NAME``) in its ``AttentionInterface`` and none in its mask interface, so transformers prepares no mask
+(the boundaries come with the batch; ``register`` says why, ``refuse_masks`` refuses a padding mask).
+``kernels.resolve_attention``'s "auto" takes it for packed bf16/fp16 rows on a GPU that runs it.
 
 ``PackingCollator(boundaries=True)`` adds ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k`` to every
 batch (the keys transformers' own flash path reads, which the models pass through to the attention
