@@ -97,19 +97,24 @@ def test_a_spec_trained_without_plan_resolves_auto_the_same_way():
 
 QWEN_15B = ('model = "Qwen/Qwen2.5-1.5B"\ntrain_type = "full"\nbf16 = true\nmax_length = 4096\nper_device_train_batch_size = 2\n'
             "{extra}\n[train.model_shape]\nhidden_size = 1536\nnum_layers = 28\nheads = 12\nkv_heads = 2\n"
-            "intermediate_size = 8960\nvocab_size = 151936\ntie_word_embeddings = true")
+            "intermediate_size = 8960\nvocab_size = 151936\ntie_word_embeddings = true\nmodel_type = \"qwen2\"")
 
 
-def plan_with(tmp_path: Path, train: str, gpu_gb: float, liger_installed: bool) -> dict:
-    """``plan --json`` in a process whose Python has (a stand-in) liger-kernel importable, or not."""
+def plan_with(tmp_path: Path, train: str, gpu_gb: float, liger_installed: bool, liger_table: str | None = None) -> dict:
+    """``plan --json`` in a process whose Python has (a stand-in) liger-kernel importable, or not; ``liger_table``: the
+    source of its ``transformers/monkey_patch.py`` (none: the stand-in has no such file)."""
     import os
     import subprocess
 
     from test_sizing import ROOT
 
     fake = tmp_path / "site"
-    (fake / "liger_kernel").mkdir(parents=True, exist_ok=True)
+    (fake / "liger_kernel" / "transformers").mkdir(parents=True, exist_ok=True)
     (fake / "liger_kernel" / "__init__.py").write_text("")
+    patch = fake / "liger_kernel" / "transformers" / "monkey_patch.py"
+    patch.unlink(missing_ok=True)
+    if liger_table is not None:
+        patch.write_text(liger_table)
     path = spec_file(tmp_path, train, slurm=f"nodes = 1\ntasks_per_node = 1\ngpus_per_node = 1\ngpu_memory_gb = {gpu_gb}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([str(fake)] if liger_installed else []))}
     run = subprocess.run([sys.executable, "-m", "swiftslurm", "plan", "--json", str(path)], capture_output=True, text=True,
@@ -131,6 +136,25 @@ def test_full_fine_tuning_of_1_5b_at_80gb_trains_without_checkpointing(tmp_path)
     assert plan_with(tmp_path, three_b.replace("8960", "11008").format(extra=""), 80, True)["gradient_checkpointing"]["on"] is True
 
 
+def test_liger_is_counted_only_for_a_model_type_liger_patches(tmp_path):
+    """Liger does nothing (an info-level log line) for a model type outside its table, so the estimate counts its
+    smaller activations only for a type in that table: the installed package's own (read from its source, never
+    imported), else liger-kernel 0.8.5's list; a shape without a model_type is not counted (the larger estimate)."""
+    counted = lambda m: "Liger's RMSNorm, RoPE and SwiGLU counted" in m["gradient_checkpointing"]["why"]  # noqa: E731
+    qwen = QWEN_15B.format(extra="")
+    base = plan_with(tmp_path, qwen, 80, True)
+    assert counted(base)
+    for other in (qwen.replace('model_type = "qwen2"', 'model_type = "gpt2"'), qwen.replace('\nmodel_type = "qwen2"', "")):
+        m = plan_with(tmp_path, other, 80, True)
+        assert not counted(m) and m["total_gib"] > base["total_gib"], m
+        assert m == plan_with(tmp_path, other, 80, False)  # the same estimate as without Liger at all
+    # a Liger whose own table has a new type and lacks qwen2: its table decides, not the built-in list
+    table = "import x\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    'llama': x.a,\n    'newtype': x.b,\n}\n"
+    assert counted(plan_with(tmp_path, qwen.replace('"qwen2"', '"newtype"'), 80, True, liger_table=table))
+    assert not counted(plan_with(tmp_path, qwen, 80, True, liger_table=table))
+    assert counted(plan_with(tmp_path, qwen, 80, True, liger_table="MODEL_TYPE_TO_APPLY_LIGER_FN = make()\n"))  # unreadable: the list
+
+
 def test_liger_is_counted_exactly_where_the_nodes_will_run_it():
     """``sizing.check.liger_layers`` against the node's own rule (``kernels.choose.resolve_liger`` and the tasks that
     take it) over every combination: the estimate never counts Liger's smaller activations where it will not run."""
@@ -138,30 +162,37 @@ def test_liger_is_counted_exactly_where_the_nodes_will_run_it():
     from types import SimpleNamespace
 
     from swiftslurm.sizing import check
-    from swiftslurm.train.kernels.choose import KernelError, NodeFacts, resolve_liger
+    from swiftslurm.train.kernels.choose import KernelError, NodeFacts, fit_liger_to_model, resolve_liger
 
-    for requested, stage, compiled, task, gpus, installed in itertools.product(
-            (True, False, "auto"), (0, 2, 3), (False, True), ("sft", "pt", "dpo", "grpo"), (True, False), (True, False)):
+    seen = set()
+    for requested, stage, compiled, task, gpus, installed, model_type in itertools.product(
+            (True, False, "auto"), (0, 2, 3), (False, True), ("sft", "pt", "dpo", "grpo"), (True, False), (True, False),
+            ("qwen2", "gpt2", None)):
         t = SimpleNamespace(use_liger_kernel=requested, compile=compiled, task=task)
-        try:
-            config, _ = resolve_liger(requested, stage, NodeFacts(cuda=gpus, liger=installed), compiled)
+        try:  # the node: its rules, then the loaded model's type (sft.py; the TRL tasks never take Liger)
+            config, why = resolve_liger(requested, stage, NodeFacts(cuda=gpus, liger=installed), compiled)
+            if task in ("sft", "pt"):
+                config, why = fit_liger_to_model(requested, config, why, model_type)
         except KernelError:
+            seen.add("refused")
             continue  # the node refuses to start: nothing to size
         runs = config is not None and task in ("sft", "pt")
+        seen.add(runs)
         saved = check.liger_installed
         check.liger_installed = lambda installed=installed: installed  # what this Python would find
         try:
-            assert check.liger_layers(t, stage, gpus, look=True) is runs, (requested, stage, compiled, task, gpus, installed)
-            if not check.liger_layers(t, stage, gpus, look=False):  # without looking, "auto" is never counted
+            assert check.liger_layers(t, stage, gpus, True, model_type) is runs, (requested, stage, compiled, task, gpus, installed, model_type)
+            if not check.liger_layers(t, stage, gpus, False, model_type):  # without looking, "auto" is never counted
                 assert requested is not True or not runs
         finally:
             check.liger_installed = saved
+    assert seen == {True, False, "refused"}
 
 
 QWEN_05B_ACCUM = ('model = "Qwen/Qwen2.5-0.5B"\ntrain_type = "full"\nbf16 = true\nmax_length = 2048\n'
                   "per_device_train_batch_size = 4\ngradient_accumulation_steps = {accum}\n{extra}\n[train.model_shape]\n"
                   "hidden_size = 896\nnum_layers = 24\nheads = 14\nkv_heads = 2\nintermediate_size = 4864\nvocab_size = 151936\n"
-                  "tie_word_embeddings = true")
+                  "tie_word_embeddings = true\nmodel_type = \"qwen2\"")
 
 
 def plan_in_process(tmp_path: Path, train: str, gpu_gb: float | None) -> dict:

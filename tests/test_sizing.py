@@ -53,6 +53,19 @@ def test_shape_counts_the_parameters_of_a_real_transformers_model():
     assert shape.lora_params(4, "all-linear") == (sum(p.numel() for p in lora.parameters() if p.requires_grad), True)
 
 
+def test_the_model_type_is_the_top_levels_and_only_a_short_string_is_kept():
+    """What Liger and transformers dispatch on: a multimodal config's own type, not its text part's; a config.json
+    is data, so a type that is not a short string (a list, 10k characters) is dropped, never shown or matched."""
+    from swiftslurm.sizing.shape import MODEL_TYPE_MAX
+
+    text = {k: v for k, v in QWEN_05B.items() if k != "model_type"}
+    assert (QWEN.model_type, TINY_LLAMA.model_type) == ("qwen2", "llama")
+    assert shape_from_config({"model_type": "qwen2_vl", "text_config": {**text, "model_type": "qwen2_vl_text"}}).model_type == "qwen2_vl"
+    for hostile in (["qwen2"], "x" * (MODEL_TYPE_MAX + 1), "", 7, None):
+        assert shape_from_config({**text, "model_type": hostile}).model_type is None
+    assert shape_from_config(text).to_json()["model_type"] is None
+
+
 @pytest.mark.parametrize("gpus,nodes", [(1, 1), (8, 1), (8, 4)])
 @pytest.mark.parametrize("offload", [False, True])
 def test_zero2_model_states_equal_deepspeeds_estimator(gpus, nodes, offload):

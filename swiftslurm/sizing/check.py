@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import Problem
 from . import layout as lay
+from . import liger
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
 from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
 from .tasks import holds_reference_copy
@@ -135,7 +136,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
                         reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
-                        liger_layers=liger_layers(t, stage, gpus, read_disk), lora_dropout=t.lora_dropout,
+                        liger_layers=liger_layers(t, stage, gpus, read_disk, shape.model_type), lora_dropout=t.lora_dropout,
                         fused_lora=t.fused_lora and not t.compile and stage < 3, **grpo_settings(t))
     decided = None
     if auto:
@@ -169,16 +170,17 @@ def merge_accumulation(shape: ModelShape, s: Settings, layout: lay.Layout) -> st
     return None
 
 
-def liger_layers(t: Any, stage: int, gpus: bool, look: bool) -> bool:
+def liger_layers(t: Any, stage: int, gpus: bool, look: bool, model_type: str | None) -> bool:
     """Whether the nodes will run Liger's RMSNorm, RoPE and SwiGLU (which keep fewer activations than the model's
-    own): the rules of ``train.kernels.choose.resolve_liger`` for SFT/PT on GPUs. ``true`` takes them (a node without
-    liger-kernel refuses to start); ``"auto"`` where liger-kernel is installed, which only ``look`` asks of this
-    Python (the nodes import the same environment); without looking, not counted (the larger estimate)."""
+    own): the rules of ``train.kernels.choose.resolve_liger`` for SFT/PT on GPUs, for a model of a type Liger patches
+    (``sizing.liger``; an unknown type is not counted). ``true`` takes them (a node without liger-kernel refuses to
+    start); ``"auto"`` where liger-kernel is installed, which only ``look`` asks of this Python (the nodes import the
+    same environment); without looking, not counted (the larger estimate)."""
     if not gpus or stage >= 3 or getattr(t, "task", "sft") not in OWN_TRAINER or t.use_liger_kernel is False:
         return False
-    if t.use_liger_kernel is True:
-        return True
-    return look and not t.compile and liger_installed()
+    if t.use_liger_kernel is not True and not (look and not t.compile and liger_installed()):
+        return False
+    return liger.patches(model_type, look)
 
 
 LIGER_COUNTED = "; Liger's RMSNorm, RoPE and SwiGLU counted"

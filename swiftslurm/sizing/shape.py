@@ -39,6 +39,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     head_dim: int | None = None  # None: hidden_size / num_heads
     source: str = ""  # where the shape came from (for the plan's display)
+    model_type: str | None = None  # config.json's model_type ("llama", "qwen2", ...): which kernels patch it (sizing/liger.py)
 
     @property
     def dim_per_head(self) -> int:
@@ -87,12 +88,13 @@ class ModelShape:
         return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
                 "num_kv_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size,
                 "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
-                "head_dim": self.dim_per_head, "total_params": self.total_params, "source": self.source}
+                "head_dim": self.dim_per_head, "total_params": self.total_params, "source": self.source,
+                "model_type": self.model_type}
 
 
 # the built-in test model (train/tinymodel.py builds exactly this: 2 layers, 64 wide, 4 heads, byte vocabulary)
 TINY_LLAMA = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128,
-                        vocab_size=259, tie_word_embeddings=False, source="tiny-llama (built in)")
+                        vocab_size=259, tie_word_embeddings=False, source="tiny-llama (built in)", model_type="llama")
 
 
 class ShapeError(ValueError):
@@ -113,9 +115,15 @@ SHAPE_BOUNDS: dict[str, tuple[int, int]] = {
 }
 
 
+MODEL_TYPE_MAX = 100  # characters of a model_type kept (transformers' longest is ~30)
+
+
 def shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
     """A ModelShape from a transformers config dict (Llama, Qwen2/3, Mistral, Gemma ...: the usual key names;
-    a multimodal config's ``text_config`` is used when the top level has no hidden_size)."""
+    a multimodal config's ``text_config`` is used when the top level has no hidden_size). ``model_type`` is the top
+    level's (the type transformers and Liger dispatch on), kept when it is a short string."""
+    model_type = config.get("model_type")
+    model_type = model_type if isinstance(model_type, str) and 0 < len(model_type) <= MODEL_TYPE_MAX else None
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", config["text_config"].get("tie_word_embeddings"))}
     keys = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
@@ -136,7 +144,7 @@ def shape_from_config(config: dict[str, Any], source: str = "config.json") -> Mo
     kv = _bounded(config, "num_key_value_heads", "kv_heads", source) if config.get("num_key_value_heads") is not None else None
     head_dim = _bounded(config, "head_dim", "head_dim", source) if config.get("head_dim") is not None else None
     return ModelShape(**values, num_kv_heads=kv or values["num_heads"], tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                      head_dim=head_dim, source=source)
+                      head_dim=head_dim, source=source, model_type=model_type)
 
 
 def _is_int(value: Any) -> bool:

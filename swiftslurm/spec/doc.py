@@ -144,8 +144,9 @@ DESCRIPTIONS: dict[str, str] = {
     "train.galore_update_proj_gap": "GaLore/APOLLO: steps between projection updates",
     "train.galore_scale": "GaLore/APOLLO: scale of the projected update (unset: the library default)",
     "train.model_shape": "a hub model not on disk: "
-                         "`{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim }` for `plan`'s "
-                         "memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none)",
+                         "`{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim, model_type }` "
+                         "for `plan`'s memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none); "
+                         "`model_type` (config.json's, e.g. `\"qwen2\"`) lets the estimate count Liger's layers where Liger patches that type",
     "train.eval_dataset": "files to evaluate on (formats as `dataset`): tokenized, cached and packed like the training data; not with `eval_split`",
     "train.eval_split": "hold out this fraction of `dataset`'s records for evaluation (at least one), drawn with a fixed seed (the same records "
                         "for every run and sweep task, whatever `seed` is); `0` = no split",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sizing.shape import SHAPE_BOUNDS, ModelShape
+from ..sizing.shape import MODEL_TYPE_MAX, SHAPE_BOUNDS, ModelShape
 
 MAX_DEGREE = 1024
 
@@ -38,6 +38,8 @@ class ModelShapeTable(Table):
     vocab_size: int = Field(..., ge=SHAPE_BOUNDS["vocab_size"][0], le=SHAPE_BOUNDS["vocab_size"][1])
     tie_word_embeddings: bool = False
     head_dim: int | None = Field(None, ge=SHAPE_BOUNDS["head_dim"][0], le=SHAPE_BOUNDS["head_dim"][1])
+    # config.json's model_type: which of Liger's kernels the memory estimate counts (None: none)
+    model_type: str | None = Field(None, min_length=1, max_length=MODEL_TYPE_MAX)
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelShapeTable":
@@ -52,4 +54,5 @@ class ModelShapeTable(Table):
 
     def shape(self) -> ModelShape:
         return ModelShape(self.hidden_size, self.num_layers, self.heads, self.kv_heads or self.heads, self.intermediate_size,
-                          self.vocab_size, self.tie_word_embeddings, self.head_dim, source="train.model_shape")
+                          self.vocab_size, self.tie_word_embeddings, self.head_dim, source="train.model_shape",
+                          model_type=self.model_type)

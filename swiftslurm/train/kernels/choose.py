@@ -98,6 +98,23 @@ def fit_to_model(requested: str, attn: str, why: str, head_dim: int) -> tuple[st
                       'use "auto" or "sdpa"')
 
 
+def fit_liger_to_model(requested: bool | str, liger: dict[str, bool] | None, why: str,
+                       model_type: str | None) -> tuple[dict[str, bool] | None, str]:
+    """``resolve_liger``'s choice checked against the loaded model's type: Liger patches only the types of its own
+    table (``sizing.liger``, read from the installed package) and does nothing, at info level, for the rest. So
+    "auto" turns off there and says so (the banner and the summary then say what really runs), and an explicit
+    ``true`` is refused (KernelError) rather than trained without what it asked for."""
+    from ...sizing import liger as liger_types
+
+    if liger is None or liger_types.patches(model_type, look=True):
+        return liger, why
+    found = f"Liger has no kernels for model type {model_type!r}" if model_type else "the model's config names no model_type"
+    if requested == "auto":
+        return None, f"auto: off ({found})"
+    raise KernelError("train.use_liger_kernel = true cannot run this model", found + " (Liger would leave the model as it is)",
+                      'set use_liger_kernel = "auto" or false')
+
+
 # Liger's kernels as transformers' ``liger_kernel_config``: ``true`` takes Liger's defaults (its fused linear
 # cross-entropy too); ``"auto"`` takes the ones that fuse the model's elementwise work and leaves the loss as it is.
 LIGER_ALL: dict[str, bool] = {}

@@ -173,6 +173,8 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
         start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
         model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
+        if kern.liger is None:  # the model's type ruled Liger out (fit_liger_to_model): the Trainer must not apply it
+            args.use_liger_kernel, args.liger_kernel_config = False, None
         from .. import evaluation
 
         dataset, collator, eval_dataset = evaluation.task_data(task, spec, args, tok, model, kern.attn, output_dir)
@@ -308,7 +310,8 @@ def fuses_lora(spec: JobSpec) -> bool:
 
 def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv):
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
-    wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel."""
+    wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel, or its
+    type Liger's."""
     from .. import parallel
     from ..kernels import choose as kernels
     from ..resume import source as resume_from_mod
@@ -321,6 +324,8 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         if fitted[0] != kern.attn:
             model.set_attn_implementation(fitted[0])
         kern.attn, kern.attn_why = fitted
+    kern.liger, kern.liger_why = kernels.fit_liger_to_model(spec.train.use_liger_kernel, kern.liger, kern.liger_why,
+                                                            getattr(model.config, "model_type", None))
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
     if tok.pad_token is None:
