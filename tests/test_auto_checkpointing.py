@@ -144,10 +144,15 @@ def test_liger_is_counted_only_for_a_model_type_liger_patches(tmp_path):
     qwen = QWEN_15B.format(extra="")
     base = plan_with(tmp_path, qwen, 80, True)
     assert counted(base)
-    for other in (qwen.replace('model_type = "qwen2"', 'model_type = "gpt2"'), qwen.replace('\nmodel_type = "qwen2"', "")):
+    for other, why in ((qwen.replace('model_type = "qwen2"', 'model_type = "gpt2"'), "Liger has no kernels for model type 'gpt2'"),
+                       (qwen.replace('\nmodel_type = "qwen2"', ""), "names no model_type (set train.model_shape.model_type")):
         m = plan_with(tmp_path, other, 80, True)
         assert not counted(m) and m["total_gib"] > base["total_gib"], m
-        assert m == plan_with(tmp_path, other, 80, False)  # the same estimate as without Liger at all
+        assert [n for n in m["notes"] if n.startswith("Liger's layers are not counted")] == [
+            n for n in m["notes"] if why in n] and any(why in n for n in m["notes"]), m["notes"]
+        without = plan_with(tmp_path, other, 80, False)  # the same estimate as without Liger at all, and no such note
+        assert (m["per_rank_gib"], m["total_gib"]) == (without["per_rank_gib"], without["total_gib"])
+        assert not any("Liger's layers are not counted" in n for n in without["notes"])
     # a Liger whose own table has a new type and lacks qwen2: its table decides, not the built-in list
     table = "import x\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    'llama': x.a,\n    'newtype': x.b,\n}\n"
     assert counted(plan_with(tmp_path, qwen.replace('"qwen2"', '"newtype"'), 80, True, liger_table=table))

@@ -38,6 +38,7 @@ class Sizing:
         out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
                                "notes": self.notes, "advice": self.advice}
         out.update(self.memory.to_json() if self.memory else {"fits": None})
+        out["notes"] = self.notes  # the estimate's own notes and the sizing's (Liger's model type)
         if self.checkpointing is not None:
             out["gradient_checkpointing"] = {"on": self.checkpointing[0], "why": self.checkpointing[1]}
         return out
@@ -146,7 +147,10 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     advised = advice(shape, settings, layout)
     if gpus and packs and memory.fits and (merged := merge_accumulation(shape, settings, layout)):
         advised.append(merged)
-    return Sizing(layout, shape, memory, advised, list(memory.notes), gpus, cautions, decided), problems
+    notes = list(memory.notes)
+    if not settings.liger_layers and liger_wanted(t, stage, gpus, read_disk):
+        notes.append(liger_unpatched_note(shape.model_type))
+    return Sizing(layout, shape, memory, advised, notes, gpus, cautions, decided), problems
 
 
 def merge_accumulation(shape: ModelShape, s: Settings, layout: lay.Layout) -> str | None:
@@ -176,11 +180,22 @@ def liger_layers(t: Any, stage: int, gpus: bool, look: bool, model_type: str | N
     (``sizing.liger``; an unknown type is not counted). ``true`` takes them (a node without liger-kernel refuses to
     start); ``"auto"`` where liger-kernel is installed, which only ``look`` asks of this Python (the nodes import the
     same environment); without looking, not counted (the larger estimate)."""
+    return liger_wanted(t, stage, gpus, look) and liger.patches(model_type, look)
+
+
+def liger_wanted(t: Any, stage: int, gpus: bool, look: bool) -> bool:
+    """``liger_layers`` before the model's type: the nodes would take Liger's layers for a model it patches."""
     if not gpus or stage >= 3 or getattr(t, "task", "sft") not in OWN_TRAINER or t.use_liger_kernel is False:
         return False
-    if t.use_liger_kernel is not True and not (look and not t.compile and liger_installed()):
-        return False
-    return liger.patches(model_type, look)
+    return t.use_liger_kernel is True or (look and not t.compile and liger_installed())
+
+
+def liger_unpatched_note(model_type: str | None) -> str:
+    """The estimate's note where Liger is wanted but the model's type is not one Liger patches (or is unknown)."""
+    if model_type is None:
+        return ("Liger's layers are not counted: the model's shape names no model_type (set train.model_shape.model_type, "
+                "e.g. \"qwen2\", for a hub model Liger patches)")
+    return f"Liger's layers are not counted: Liger has no kernels for model type {model_type!r} and leaves such a model as it is"
 
 
 LIGER_COUNTED = "; Liger's RMSNorm, RoPE and SwiGLU counted"
