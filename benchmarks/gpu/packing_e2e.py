@@ -79,7 +79,7 @@ DS_EXTRA = {
 }
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
-ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}, "swiftslurm_dsnorm": {"PHASE_PROBE_DSNORM": "1"}}
+ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
 # an arm run with a sitecustomize of its own on PYTHONPATH (no probe): dsnorm/ puts DeepSpeed's per-gradient norm back
 ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm", "swiftslurm_syncs": HERE / "syncs"}
 
@@ -199,12 +199,13 @@ checks = []
     for n, arm in enumerate(a.arms.split(",")):
         env = None
         probed = bool(a.probe or a.profile or (arm in ARM_ENV and arm not in ARM_PATH))
-        if arm in ARM_PATH and not probed:  # its own sitecustomize (under the probe, the probe's applies it: PHASE_PROBE_DSNORM)
+        if arm in ARM_PATH and not probed:  # its own sitecustomize (under the probe, the probe's runs it: PHASE_PROBE_ARM)
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ARM_PATH[arm]), os.environ.get("PYTHONPATH")])))
         if probed:
             env = dict(os.environ, PHASE_PROBE_OUT=str(out / f"probe_{n}_{arm}.jsonl"), PHASE_PROBE_PROFILE=a.profile,
                        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "probe"), os.environ.get("PYTHONPATH")])),
-                       **ARM_ENV.get(arm, {}))
+                       **ARM_ENV.get(arm, {}),
+                       **({"PHASE_PROBE_ARM": str(ARM_PATH[arm] / "sitecustomize.py")} if arm in ARM_PATH else {}))
         if arm in VARIANTS:
             spec, run_dir = write_spec(arm)
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -241,7 +241,7 @@ def _install() -> None:
 if _OUT and os.environ.get("RANK", "0") == "0":
     _install()
 
-if os.environ.get("PHASE_PROBE_DSNORM") == "1":  # packing_e2e's swiftslurm_dsnorm arm under the probe: dsnorm/'s change too
+if os.environ.get("PHASE_PROBE_ARM"):  # packing_e2e's arm with a sitecustomize of its own (dsnorm/, syncs/) under the probe
     import runpy
 
-    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dsnorm", "sitecustomize.py"))
+    runpy.run_path(os.environ["PHASE_PROBE_ARM"])
