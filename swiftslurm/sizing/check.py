@@ -36,9 +36,9 @@ class Sizing:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
-                               "notes": self.notes, "advice": self.advice}
+                               "advice": self.advice}
         out.update(self.memory.to_json() if self.memory else {"fits": None})
-        out["notes"] = self.notes  # the estimate's own notes and the sizing's (Liger's model type)
+        out["notes"] = self.notes  # the estimate's own notes and the sizing's (Liger's model type), over the estimate's
         if self.checkpointing is not None:
             out["gradient_checkpointing"] = {"on": self.checkpointing[0], "why": self.checkpointing[1]}
         return out

@@ -54,9 +54,7 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
         tok = build_tokenizer()
         model = build_model(len(tok), train.max_length, train.seed, reward_head=reward)
         model.set_attn_implementation(attn_implementation)
-        if attn_implementation == VARLEN:
-            refuse_masks(model)
-        return model, tok
+        return _fitted(model, attn_implementation), tok
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
@@ -71,9 +69,7 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
             model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
                 train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation,
                 use_kernels=False, **head)
-            if attn_implementation == VARLEN:
-                refuse_masks(model)
-            return model, tok
+            return _fitted(model, attn_implementation), tok
         except (OSError, ValueError) as exc:
             last = exc
     raise ModelUnavailable(
@@ -82,6 +78,13 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
         "nodes usually have no internet: download it first (`huggingface-cli download ...` into the shared "
         "HF_HOME) or set train.model to a local directory with config.json; 'tiny-llama' is a built-in test model",
     )
+
+
+def _fitted(model, attn_implementation: str):
+    """``model`` as loaded, with ``varlen_attn``'s refusal of padding masks (``varlen.refuse_masks``) where it runs."""
+    if attn_implementation == VARLEN:
+        refuse_masks(model)
+    return model
 
 
 def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobSpec:
