@@ -96,6 +96,24 @@ def file_kind(mode: int) -> str:
     return "a special file"
 
 
+FILE, DIRECTORY, MISSING = "a file", "a directory", "missing"
+
+
+def path_kind(path: str | os.PathLike[str]) -> str:
+    """What a path a user named is, never raising (``Path.is_dir`` raises for a name too long or a directory
+    it may not search): ``FILE`` (regular), ``DIRECTORY``, ``MISSING``, another kind ("a FIFO", "a socket"),
+    or "unreachable: <why>" for any other failure to look (from :func:`describe_os_error`)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return describe_os_error(path, exc).replace("unreadable", "unreachable", 1) if os.path.islink(path) else MISSING
+    except OSError as exc:
+        return describe_os_error(path, exc).replace("unreadable", "unreachable", 1)
+    except ValueError:  # a NUL byte in the name
+        return "unreachable: the name holds a NUL byte"
+    return FILE if stat.S_ISREG(mode) else file_kind(mode)
+
+
 def describe_os_error(path: str | os.PathLike[str], exc: OSError) -> str:
     """One line for an OSError met while reading ``path``: the errno name and what it means, and where a
     symlink points when it dangles ("dangling symlink to /gone/shard.pt")."""

@@ -143,3 +143,104 @@ def test_validate_ok_means_plan_ok(tmp_path):
     r = cli("validate", str(spec), cwd=tmp_path)
     assert r.returncode == 0 and "2 task(s)" in r.stdout, r.stderr
     assert cli("plan", str(spec), "--json", cwd=tmp_path).returncode == 0
+
+
+# ------------------------------------------------------------ item: a path that cannot be looked at is one message
+
+LONG = "n" * 300  # one name over NAME_MAX: stat fails with ENAMETOOLONG, which Path.is_dir/exists do not swallow
+
+
+def test_path_kind_names_what_is_there_and_never_raises(tmp_path):
+    from swiftslurm.fsutil import DIRECTORY, FILE, MISSING, path_kind
+
+    (tmp_path / "f").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    kinds = {name: path_kind(tmp_path / name) for name in ("f", "fifo", "loop", "dangling", "absent", "f/under", LONG)}
+    assert kinds == {"f": FILE, "fifo": "a FIFO", "loop": "unreachable: Too many levels of symbolic links (ELOOP)",
+                     "dangling": f"unreachable: dangling symlink to {tmp_path / 'gone'}", "absent": MISSING,
+                     "f/under": MISSING, LONG: "unreachable: File name too long (ENAMETOOLONG)"}
+    assert path_kind(tmp_path) == DIRECTORY and path_kind("/dev/null") == "a character device"
+    assert path_kind("a\0b") == "unreachable: the name holds a NUL byte"
+
+
+@pytest.mark.parametrize("args,code", [
+    (["validate", LONG], 2), (["plan", LONG], 2), (["render", LONG], 2), (["submit", LONG], 2), (["preflight", LONG], 2),
+    (["status", LONG], 1), (["logs", LONG], 1), (["plot", LONG], 1), (["doctor", LONG], 1), (["cancel", LONG], 1),
+    (["verify", LONG], 1), (["import", LONG, "--into", "out"], 2), (["export", LONG, "--to", "out"], 2),
+    (["verify", f"{LONG}/checkpoint-1"], 1), (["status", f"ok/{LONG}"], 1),
+])
+def test_every_command_given_a_path_it_cannot_look_at_says_so_in_one_message(tmp_path, monkeypatch, args, code):
+    from typer.testing import CliRunner
+
+    from swiftslurm.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok").mkdir()
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, SystemExit), (result.exception, result.output)
+    assert result.exit_code == code and "error:" in result.output and "Traceback" not in result.output, result.output
+    assert "File name too long" in result.output, result.output
+
+
+@pytest.mark.parametrize("key,line", [
+    ("train.model", f'model = "./{LONG}"'), ("train.model", f'model = "{LONG}"'),
+    ("train.dataset[0]", f'dataset = ["{LONG}.jsonl"]'), ("train.eval_dataset[0]", f'eval_dataset = ["./{LONG}/d"]'),
+    ("train.resume_from", f'resume_from = "{LONG}"'),
+])
+def test_a_spec_path_too_long_to_look_at_is_a_problem_of_its_key(tmp_path, key, line):
+    (tmp_path / "data.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    spec = tmp_path / "job.toml"
+    spec.write_text('[train]\nmodel = "tiny-llama"\ndataset = ["data.jsonl"]\n'.replace(line.split(" =")[0] + " =", "#") + line + "\n")
+    r = cli("validate", str(spec), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{key}: " in r.stderr and "File name too long (ENAMETOOLONG)" in r.stderr, r.stderr
+
+
+def test_a_spec_in_a_directory_the_user_may_not_search_is_refused_with_why(tmp_path):
+    """Another user's directory on a shared filesystem: stat fails with EACCES, which Path.is_dir raises."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "job.toml").write_text(CMD)
+    private.chmod(0o700 if os.geteuid() == 0 else 0o000)
+    env = {**os.environ, "SWIFTSLURM_DEBUG": "0", "HOME": "/tmp"}
+    as_other = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    try:
+        r = subprocess.run([*as_other, sys.executable, "-m", "swiftslurm", "validate", str(private / "job.toml")],
+                           capture_output=True, text=True, cwd="/", timeout=120, env=env)
+    finally:
+        private.chmod(0o700)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot read the spec file" in r.stderr and "Permission denied (EACCES)" in r.stderr, r.stderr
+
+
+def test_an_os_error_no_check_foresaw_is_one_message_and_debug_shows_the_traceback(tmp_path, monkeypatch):
+    """The CLI's last net: any OSError a command meets is what/found/hint, exit 1 (--debug: the traceback)."""
+    from typer.testing import CliRunner
+
+    import swiftslurm.checkpoint as ck
+    from swiftslurm.cli import app
+
+    def full_disk(*_a, **_k):
+        raise OSError(28, "No space left on device", str(tmp_path / "x"))
+
+    (tmp_path / "checkpoint-1").mkdir()
+    monkeypatch.setattr(ck, "verify", full_disk)  # what `verify` calls per checkpoint
+    result = CliRunner().invoke(app, ["verify", str(tmp_path / "checkpoint-1")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "error: a file or directory could not be used" in result.output and "No space left on device (ENOSPC)" in result.output
+    result = CliRunner().invoke(app, ["--debug", "verify", str(tmp_path / "checkpoint-1")])
+    assert isinstance(result.exception, OSError) and result.exception.errno == 28
+
+
+def test_a_reader_that_leaves_early_is_no_error(tmp_path):
+    """`swiftslurm plan --json SPEC | head -1`: the pipe closed before the write is exit 1 and nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "swiftslurm", "plan", "--json", str(ROOT / "examples/quickstart.toml")],
+                           stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and not [line for line in r.stderr.splitlines() if "WARNING" not in line], r.stderr

@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from .. import __version__
 from ..errors import SwiftSlurmError
+from ..fsutil import MISSING, path_kind
 
 app = typer.Typer(
     name="swiftslurm",
@@ -88,9 +89,25 @@ def print_error(exc: SwiftSlurmError) -> None:
         err_console.print(f"  [yellow]HINT:[/] {escape(exc.hint)}", highlight=False)
 
 
-def guarded(fn):
-    """Run a command body; typed errors become one message and the SPEC.md exit code."""
+def os_error(exc: OSError) -> SwiftSlurmError:
+    """An OSError no check caught (a path too long, a directory it may not search, a full disk) as one message."""
+    from ..fsutil import describe_os_error
+
+    where = exc.filename if exc.filename is not None else ""
+    found = f"{where}: " if where else ""
+    found += describe_os_error(where, exc).removeprefix("unreadable: ") if where else (exc.strerror or str(exc))
+    return SwiftSlurmError("a file or directory could not be used", found,
+                           "check the path (each name at most 255 bytes), its permissions and the free space; "
+                           "--debug shows where it was met")
+
+
+def guarded(fn=None, *, os_errors: bool = True):
+    """Run a command body; typed errors become one message and the SPEC.md exit code. ``os_errors``: an
+    OSError becomes one message too (exit 1); off for `run`, whose rank logs keep the traceback for doctor."""
     import functools
+
+    if fn is None:
+        return functools.partial(guarded, os_errors=os_errors)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -101,6 +118,14 @@ def guarded(fn):
                 raise
             print_error(exc)
             raise typer.Exit(exc.exit_code) from None
+        except BrokenPipeError:  # `swiftslurm logs JOB | head`: the reader left; silent, exit 1 as rich's own printing does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(1) from None
+        except OSError as exc:
+            if _state["debug"] or not os_errors:
+                raise
+            print_error(os_error(exc))
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130) from None
@@ -414,14 +439,14 @@ def export(
     from ..export.job import ExportRequest
     from .export_cmd import export_command
 
-    source_text = source if not Path(source).exists() else str(Path(source).absolute())
+    source_text = source if path_kind(source) == MISSING else str(Path(source).absolute())  # else a job id
     req = ExportRequest(source_text, to.absolute(), task, not merge_lora, dtype.value, max_shard_size, base_model, partition, account,
                         time_limit, cpus, mem)
     return export_command(console, err_console, req, executor.value, wait, as_json)
 
 
 @app.command()
-@guarded
+@guarded(os_errors=False)
 def run(
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Plan JSON (default: $SWIFTSLURM_PLAN)."),
     task: Optional[int] = typer.Option(None, "--task", help="Array task index (default: $SLURM_ARRAY_TASK_ID or 0)."),

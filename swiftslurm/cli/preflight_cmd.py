@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.markup import escape
 
 from ..errors import PreflightFailed
+from ..fsutil import FILE, path_kind
 from ..plan import Plan
 from ..preflight.report import REPORT_DIR, REPORT_JSON, print_report, read_report
 
@@ -81,7 +82,7 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
     reports: list[dict[str, Any] | None] = []
     for task in plan.tasks:
         path = _report_path(task.output_dir)
-        report = read_report(path) if path.is_file() else None
+        report = read_report(path) if path_kind(path) == FILE else None
         reports.append(report)
         if report is not None:
             label = f"task {task.index}: " if plan.is_array else ""

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from .. import checkpoint as ck
 from ..errors import CheckpointDamaged, SwiftSlurmError
+from ..fsutil import DIRECTORY, MISSING, path_kind
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints at least this large
 
@@ -59,14 +60,15 @@ def _verify_one(console: Console, ckpt: Path) -> ck.VerifyResult:
 
 def verify_command(console: Console, path: Path) -> int:
     path = Path(path)
-    if not path.exists():
+    kind = path_kind(path)
+    if kind == MISSING:
         raise SwiftSlurmError(
             "nothing to verify: the path does not exist",
             str(path),
             "give a checkpoint directory (checkpoint-N) or the job's output_dir",
         )
-    if not path.is_dir():
-        raise SwiftSlurmError("nothing to verify: not a directory", str(path), "give a checkpoint directory or an output dir")
+    if kind != DIRECTORY:
+        raise SwiftSlurmError("nothing to verify: not a directory", f"{path}: {kind}", "give a checkpoint directory or an output dir")
     groups = _groups(path)
     if not groups:
         console.print(f"no checkpoints under {escape(str(path))} (looked for checkpoint-N directories)", highlight=False)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..checkpoint import list_checkpoints, step_of, verify
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, walk_files
 from ..errors import CheckpointDamaged, SwiftSlurmError
-from ..fsutil import CONFIG_CAP, TAG_CAP, Unreadable, is_inside, read_json, read_text
+from ..fsutil import CONFIG_CAP, DIRECTORY, MISSING, TAG_CAP, Unreadable, is_inside, path_kind, read_json, read_text
 from ..jobs.target import resolve
 from ..taskdir import LATEST_BEST_NAME  # the eval's pointer (checkpoint/best.py writes it)
 
@@ -94,10 +94,14 @@ def is_checkpoint(path: Path) -> bool:
 def pick_checkpoint(source: str, task: int | None, log: Log) -> Path:
     """The checkpoint SOURCE names (not yet verified), or the task dir whose newest verified one to take."""
     path = Path(source)
-    if path.is_dir() and is_checkpoint(path):
+    kind = path_kind(path)
+    if kind == DIRECTORY and is_checkpoint(path):
         return path
-    if not path.exists() and not source.split("_")[0].isdigit():
+    if kind == MISSING and not source.split("_")[0].isdigit():
         raise ExportRefused("nothing to export: the path does not exist", source, "pass a checkpoint-N dir or the job's output dir")
+    if kind.startswith("unreachable"):
+        raise ExportRefused("nothing to export: the path cannot be looked at", f"{source}: {kind}",
+                            "check the path (each name at most 255 bytes) and its permissions")
     task_dir = task_dir_of(source, task)
     best = best_checkpoint(task_dir)
     if best is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import slurm
 from ..errors import SwiftSlurmError
-from ..fsutil import RECORD_CAP, Unreadable, read_json
+from ..fsutil import DIRECTORY, FILE, RECORD_CAP, Unreadable, path_kind, read_json
 from ..taskdir import OWNER_FILE, PLAN_FILE
 from .record import SUBMISSION_FILE, Submission, load_submission
 
@@ -42,20 +42,20 @@ def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False
     """The submission (None when no record covers a dir) and the tasks ``target`` names (see the module's list).
     ``dirs_only``: only a dir will do (`logs`, `plot` read files)."""
     path = Path(target)
-    if not path.is_dir() and dirs_only:
+    if not _is_dir(target) and dirs_only:
         raise SwiftSlurmError("logs and plots are read from an output dir", f"{target} is not a directory",
                               "pass the job.output_dir of a submitted spec (or one task dir of a sweep)")
-    if not path.is_dir():
+    if not _is_dir(target):
         job_id = _job_id(target)
         if through_record:
             return _by_job_id(job_id)
         sub = bare_job(job_id)
         return sub, refs(sub)
-    if (path / SUBMISSION_FILE).is_file():
+    if path_kind(path / SUBMISSION_FILE) == FILE:
         sub = load_submission(str(path))
         return sub, refs(sub)
     for parent in path.resolve().parents:
-        if (parent / SUBMISSION_FILE).is_file():
+        if path_kind(parent / SUBMISSION_FILE) == FILE:
             sub = load_submission(str(parent))
             found = refs(sub, only=str(path))
             if found:
@@ -66,7 +66,7 @@ def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False
 def submission_of(target: str) -> Submission:
     """The submission ``status`` and ``cancel`` act on: an output dir's latest record, a dir a hand-submitted script
     ran in (``hand_run``), or a job id as Slurm knows it."""
-    if Path(target).is_dir():
+    if _is_dir(target):
         # anything under the record's name is the record: a FIFO or a link there is refused as one, not skipped
         recorded = os.path.lexists(Path(target) / SUBMISSION_FILE)
         return load_submission(target) if recorded else hand_run(target)
@@ -132,6 +132,16 @@ def _owner_job_id(task_dir: Path) -> str:
     return job_id if ok else ""  # a local run's id (not a Slurm job), or anything else
 
 
+def _is_dir(target: str) -> bool:
+    """``target`` is a directory; a path that cannot be looked at (a name too long, a parent it may not search) is
+    refused with why, never taken for a job id."""
+    kind = path_kind(target)
+    if kind.startswith("unreachable"):
+        raise SwiftSlurmError("cannot look at the output dir named", f"{target}: {kind}",
+                              "check the path (each name at most 255 bytes) and its permissions, or pass the Slurm job id")
+    return kind == DIRECTORY
+
+
 def _job_id(target: str) -> str:
     base = target.split("_")[0]
     if not (base.isascii() and base.isdigit()):
@@ -158,7 +168,7 @@ def _by_job_id(job_id: str) -> tuple[Submission, list[TaskRef]]:
     """A job id -> the record of the output dir Slurm's recorded paths lie in, and its tasks of that job."""
     for path in slurm.job_paths(job_id):
         for parent in [Path(path), *Path(path).parents]:
-            if (parent / SUBMISSION_FILE).is_file():
+            if path_kind(parent / SUBMISSION_FILE) == FILE:  # a parent of another user's may not be searchable
                 sub = load_submission(str(parent))
                 tasks = [t for t in refs(sub) if t.job_id == job_id or (t.job_id.split("_")[0] == job_id)]
                 if tasks:

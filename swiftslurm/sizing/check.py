@@ -7,10 +7,10 @@ Takes the spec (typed by what it reads: ``view.SpecView``) and the merged DeepSp
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from ..errors import Problem
+from ..fsutil import DIRECTORY, path_kind
 from . import layout as lay
 from . import liger
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
@@ -65,7 +65,7 @@ def shape_of(spec: SpecView, read_disk: bool) -> tuple[ModelShape | None, list[P
     model = spec.train.model
     if model == "tiny-llama":
         return TINY_LLAMA, []
-    if read_disk and model and Path(model).is_dir():
+    if read_disk and model and path_kind(model) == DIRECTORY:  # a name too long is a hub id's problem, for check_files
         try:
             shape = read_config_json(model)
         except ShapeError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, SpecError, did_you_mean
-from ..fsutil import Unreadable, read_bytes
+from ..fsutil import DIRECTORY, FILE, MISSING, Unreadable, path_kind, read_bytes
 from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
     CHECKS,
     MAX_SPEC_BYTES,
@@ -256,8 +256,12 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     """Read and validate a spec file. A missing or unreadable file is a SpecError too."""
     p = Path(path)
     source = str(path)
-    if p.is_dir():
+    kind = path_kind(p)
+    if kind == DIRECTORY:
         raise SpecError(source, [Problem("", "the spec path is a directory", source, "pass the .toml file itself")])
+    if kind.startswith("unreachable"):
+        raise SpecError(source, [Problem("", "cannot read the spec file", f"{source}: {kind}",
+                                         "check the path (each name at most 255 bytes) and its permissions")])
     try:  # a regular file under the cap: a FIFO or a device in the spec's place never blocks validate
         raw = read_bytes(p, MAX_SPEC_BYTES)
     except FileNotFoundError:
@@ -298,28 +302,29 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
 
     base = base or Path.cwd()
     problems: list[Problem] = []
-    for i, ds in enumerate(spec.train.dataset):
-        p = Path(ds) if Path(ds).is_absolute() else base / ds
-        if not (p.is_file() or p.is_dir()):  # a directory: datasets' save_to_disk (its layout is checked by the scan)
-            problems.append(Problem(f"train.dataset[{i}]", "dataset file not found", str(p), "paths are relative to the directory you run swiftslurm from"))
+
+    def look(field: str, name: str, want: tuple[str, ...], missing: str, hint: str) -> None:
+        """A problem at ``field`` unless the path ``name`` (relative to ``base``) is one of ``want``."""
+        p = Path(name) if Path(name).is_absolute() else base / name
+        kind = path_kind(p)
+        if kind not in want:
+            problems.append(Problem(field, missing if kind == MISSING else f"{missing.replace(' not found', '')} cannot be used",
+                                    str(p) if kind == MISSING else f"{p}: {kind}", hint))
+
+    here = "paths are relative to the directory you run swiftslurm from"
+    for i, ds in enumerate(spec.train.dataset):  # a directory: datasets' save_to_disk (its layout is checked by the scan)
+        look(f"train.dataset[{i}]", ds, (FILE, DIRECTORY), "dataset file not found", here)
     for i, ds in enumerate(spec.train.eval_dataset):
-        p = Path(ds) if Path(ds).is_absolute() else base / ds
-        if not (p.is_file() or p.is_dir()):
-            problems.append(Problem(f"train.eval_dataset[{i}]", "eval dataset file not found", str(p),
-                                    "paths are relative to the directory you run swiftslurm from"))
+        look(f"train.eval_dataset[{i}]", ds, (FILE, DIRECTORY), "eval dataset file not found", here)
     model = spec.train.model
-    if model and model not in TINY_MODELS and (model.startswith((".", "/")) or Path(model).exists()):
-        p = Path(model) if Path(model).is_absolute() else base / model
-        if not p.is_dir():
-            problems.append(Problem("train.model", "local model directory not found", str(p),
-                                    "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json"))
+    if model and model not in TINY_MODELS and (model.startswith((".", "/")) or path_kind(model) != MISSING):
+        look("train.model", model, (DIRECTORY,), "local model directory not found",
+             "a hub id like 'Qwen/Qwen2.5-7B-Instruct' or a directory with config.json")
     if spec.train.resume_from is not None:
-        p = Path(spec.train.resume_from) if Path(spec.train.resume_from).is_absolute() else base / spec.train.resume_from
-        if not p.is_dir():
-            problems.append(Problem("train.resume_from", "checkpoint directory not found" if not p.exists() else "not a directory",
-                                    str(p), "a checkpoint-N directory of another run (or that run's output dir: its newest "
-                                    "verified checkpoint), an HF Trainer checkpoint-N, a model or a peft adapter directory; "
-                                    "relative paths start from the directory you run swiftslurm from"))
+        look("train.resume_from", spec.train.resume_from, (DIRECTORY,), "checkpoint directory not found",
+             "a checkpoint-N directory of another run (or that run's output dir: its newest verified checkpoint), an HF "
+             "Trainer checkpoint-N, a model or a peft adapter directory; relative paths start from the directory you run "
+             "swiftslurm from")
     ds = spec.train.deepspeed
     if ds.endswith(".json") or "/" in ds:
         p = Path(ds) if Path(ds).is_absolute() else base / ds
@@ -328,9 +333,7 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
         except SpecError as exc:
             problems += exc.problems
     if spec.container is not None and is_local_image(spec.container.image):
-        p = Path(spec.container.image) if Path(spec.container.image).is_absolute() else base / spec.container.image
-        if not p.is_file():
-            problems.append(Problem("container.image", f"local {spec.container.runtime} image not found", str(p),
-                                    "build or copy the image there (every node reads it), or name a registry image"))
+        look("container.image", spec.container.image, (FILE,), f"local {spec.container.runtime} image not found",
+             "build or copy the image there (every node reads it), or name a registry image")
     if problems:
         raise SpecError(source, problems)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ...errors import CheckpointDamaged, SwiftSlurmError
-from ...fsutil import is_inside, open_regular
+from ...fsutil import DIRECTORY, MISSING, is_inside, open_regular, path_kind
 from ..commit import commit, prepare_staging
 from ..manifest import ManifestError, read_manifest
 from ..names import final_dir, staging_dir
@@ -44,9 +44,10 @@ KIND_HINT = ("an HF Trainer checkpoint-N (trainer_state.json, with DeepSpeed's g
 def inspect_or_refuse(src: Path | str) -> Facts:
     """``inspect_dir`` with every refusal a typed error: not found (exit 2), not a kind we read (2), damaged (5)."""
     src = Path(src)
-    if not src.is_dir():
-        raise ImportRefused("nothing to import: " + ("not a directory" if src.exists() else "the path does not exist"),
-                            str(src), f"give {KIND_HINT}")
+    kind = path_kind(src)
+    if kind != DIRECTORY:
+        raise ImportRefused("nothing to import: " + ("the path does not exist" if kind == MISSING else "not a directory"),
+                            str(src) if kind == MISSING else f"{src}: {kind}", f"give {KIND_HINT}")
     try:
         facts = inspect_dir(src)
     except NotACheckpoint as exc:

@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ...fsutil import DIRECTORY, path_kind
 from .. import bounded
 from ..results import CheckResult, missing_tool, which
 
@@ -67,8 +68,9 @@ def check_nvme(node: str, path: str, min_iops: int, timeout_s: float = FIO_RUNTI
     expected = f">= {min_iops} IOPS (4k random read)" + ("" if binding else " (default floor: warns only)")
     if which("fio") is None:
         return [missing_tool("nvme", node, "fio")]
-    if not Path(path).is_dir():
-        return [CheckResult("nvme", node, False, f"nvme_path {path} is not a directory on {node}", expected,
+    kind = path_kind(path)
+    if kind != DIRECTORY:
+        return [CheckResult("nvme", node, False, f"nvme_path {path} is not a directory on {node} ({kind})", expected,
                             "set preflight.nvme_path to a directory on the local NVMe (e.g. /local/scratch)")]
     direct, why = direct_io_supported(path)
     target = Path(path) / f".swiftslurm-fio-{node}-{os.getpid()}"
