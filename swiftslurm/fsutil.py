@@ -25,12 +25,14 @@ goes through here, so every reader gets the same guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import math
 import os
 import pickle
+import secrets
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -46,14 +48,93 @@ def fsync_path(path: Path, directory: bool = False) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path``: write a temporary sibling, fsync, rename over ``path``, fsync the directory."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``atomic_write_text`` for bytes. The temporary sibling is created new (``O_EXCL | O_NOFOLLOW``): a file or
+    a symlink someone left under its name is never written through nor removed (another name is taken), and the
+    rename replaces a symlink at ``path`` itself, never what it points to."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for attempt in range(64):
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}" + (f".{secrets.token_hex(4)}" if attempt else ""))
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # made by this call (O_EXCL): ours to drop
+        raise
     fsync_path(path.parent, directory=True)
+
+
+class Unwritable(ValueError):
+    """A path the user named for us to write (``-o FILE``) holds what we may not replace; ``why`` says what."""
+
+    def __init__(self, path: str | os.PathLike[str], why: str) -> None:
+        self.path, self.why = str(path), why
+        super().__init__(f"{self.path}: {why}")
+
+
+def write_named_file(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write a file at a path the user named (``render -o``, ``plot -o``, ``preflight --json``): new, or
+    replacing a regular file of the user's own, atomically. A symlink (never written through), a directory, FIFO
+    or device (a FIFO would block the write), or another user's file is refused: :class:`Unwritable`."""
+    check_named_file(path)
+    atomic_write_bytes(Path(path), data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def check_named_file(path: str | os.PathLike[str]) -> None:
+    """What :func:`write_named_file` refuses, checked before anything is written (:class:`Unwritable`)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise Unwritable(path, f"a symlink (to {os.readlink(path)}), which is never written through")
+    if not stat.S_ISREG(st.st_mode):
+        raise Unwritable(path, f"{file_kind(st.st_mode)}, not a regular file")
+    if st.st_uid != os.geteuid():
+        raise Unwritable(path, f"a file of another user (uid {st.st_uid})")
+
+
+def open_append(path: str | os.PathLike[str]) -> io.FileIO:
+    """``path`` opened to append bytes (created if missing), refusing a symlink (ELOOP: never written through)
+    and anything but a regular file, without blocking (a FIFO with no reader): :class:`NotRegularFile`."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, which is never written through", str(path)) from None
+        if exc.errno == errno.ENXIO:
+            raise NotRegularFile(errno.ENXIO, "a FIFO, not a regular file", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_append_text(path: str | os.PathLike[str]) -> io.TextIOWrapper:
+    """:func:`open_append` as UTF-8 text, each line written through (a log another process tails)."""
+    return io.TextIOWrapper(io.BufferedWriter(open_append(path)), encoding="utf-8", line_buffering=True, write_through=True)
 
 
 # ---------------------------------------------------------------- reading what others may have written

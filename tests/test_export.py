@@ -165,6 +165,21 @@ def test_a_non_empty_to_is_refused_and_left_untouched(runs, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_the_export_stages_in_a_dir_it_made_and_leaves_what_holds_the_old_staging_name(runs, tmp_path):
+    """The staging dir used to be `.<to>.exporting-<pid>`, removed first as "our leftover": a dir of anyone's
+    under that name (the pid is guessable) would have been deleted. Now each export makes a new one."""
+    from swiftslurm.export.run import export_here
+
+    to = tmp_path / "model"
+    theirs = tmp_path / f".model.exporting-{os.getpid()}"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("not the export's")
+    done = export_here(str(runs / LORA), to, adapter_only=True)
+    assert Path(done.path) == to.absolute() and (to / "adapter_config.json").is_file()
+    assert (theirs / "keep.txt").read_text() == "not the export's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model", theirs.name])  # no staging dir left
+
+
 @pytest.mark.slow
 def test_an_output_dir_exports_its_best_else_its_newest_verified_checkpoint(runs, tmp_path):
     task = shutil.copytree(runs / LORA, tmp_path / "run")

@@ -489,3 +489,98 @@ def test_a_fifo_planted_at_the_nccl_log_path_never_blocks_the_preflight(tmp_path
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nccl.log")], capture_output=True, text=True, timeout=RETURN_S,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+
+
+# ------------------------------------------------------------ what we write, at a name something else holds
+
+
+def plant(tmp_path: Path) -> tuple[Path, bytes]:
+    """A file of someone else's that a symlink planted under one of our names would point at."""
+    victim = tmp_path / "elsewhere" / "theirs.txt"
+    victim.parent.mkdir()
+    victim.write_bytes(b"not yours\n")
+    return victim, victim.read_bytes()
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_its_name_nor_at_its_temporary_name(tmp_path):
+    victim, before = plant(tmp_path)
+    target = tmp_path / "swiftslurm-plan.json"
+    tmp_link = tmp_path / f".{target.name}.tmp.{os.getpid()}"  # the predictable temporary name
+    tmp_link.symlink_to(victim)
+    target.symlink_to(victim)
+    fsutil.atomic_write_text(target, "ours\n")
+    assert victim.read_bytes() == before
+    assert not target.is_symlink() and target.read_text() == "ours\n"  # the link itself was replaced
+    assert tmp_link.is_symlink() and os.readlink(tmp_link) == str(victim)  # what was there is left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["elsewhere", target.name, tmp_link.name])
+
+
+def test_a_named_output_file_is_new_or_the_users_own_regular_file(tmp_path):
+    victim, before = plant(tmp_path)
+    (tmp_path / "link").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.write_text("another user's\n")
+    os.chown(theirs, 65534, 65534)  # CI runs as root
+    refused = {}
+    for name in ("link", "fifo", "dir", "theirs"):
+        with pytest.raises(fsutil.Unwritable) as exc:
+            fsutil.write_named_file(tmp_path / name, "x")
+        refused[name] = exc.value.why
+    assert refused == {"link": f"a symlink (to {victim}), which is never written through", "fifo": "a FIFO, not a regular file",
+                       "dir": "a directory, not a regular file", "theirs": "a file of another user (uid 65534)"}
+    assert victim.read_bytes() == before and theirs.read_text() == "another user's\n"
+    fsutil.write_named_file(tmp_path / "new", "one")
+    fsutil.write_named_file(tmp_path / "new", b"two")  # the user's own regular file: replaced
+    assert (tmp_path / "new").read_bytes() == b"two"
+
+
+def test_appends_to_a_log_refuse_a_link_and_a_fifo_without_blocking(tmp_path):
+    from swiftslurm.train.health.metrics import MetricsFile
+
+    victim, before = plant(tmp_path)
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(fsutil.NotRegularFile, match="never written through"):
+        MetricsFile(tmp_path / "metrics.jsonl").write(1, {"loss": 1.0})
+    os.mkfifo(tmp_path / "rank-1.log")
+    t0 = time.monotonic()
+    with pytest.raises(fsutil.NotRegularFile, match="FIFO"):
+        fsutil.open_append_text(tmp_path / "rank-1.log")
+    assert time.monotonic() - t0 < 5 and victim.read_bytes() == before
+    MetricsFile(tmp_path / "ok" / "metrics.jsonl").write(1, {"loss": 1.0})
+    MetricsFile(tmp_path / "ok" / "metrics.jsonl").write(2, {"loss": 0.5})
+    assert [json.loads(x)["step"] for x in (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "theirs"])
+def test_render_and_plot_refuse_to_write_over_what_is_not_the_users_file(tmp_path, monkeypatch, planted):
+    from typer.testing import CliRunner
+
+    from swiftslurm.cli import app
+
+    victim, before = plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    for name in ("job.sh", "run/metrics.png"):  # render -o FILE, and plot's default PNG beside the metrics
+        where = tmp_path / name
+        if planted == "symlink":
+            where.symlink_to(victim)
+        elif planted == "fifo":
+            os.mkfifo(where)
+        else:
+            where.write_text("another user's\n")
+            os.chown(where, 65534, 65534)
+    for args in (["render", "examples/quickstart.toml", "-o", "job.sh"], ["plot", "run"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "error: will not write there" in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+    assert victim.read_bytes() == before
+    if planted == "theirs":
+        assert all((tmp_path / n).read_text() == "another user's\n" for n in ("job.sh", "run/metrics.png"))
+    (tmp_path / "job.sh").unlink()
+    assert CliRunner().invoke(app, ["render", "examples/quickstart.toml", "-o", "job.sh"]).exit_code == 0
+    assert (tmp_path / "job.sh").read_text().startswith("#!/bin/bash")

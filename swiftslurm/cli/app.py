@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from .. import __version__
 from ..errors import SwiftSlurmError
-from ..fsutil import MISSING, path_kind
+from ..fsutil import MISSING, Unwritable, check_named_file, path_kind, write_named_file
 
 app = typer.Typer(
     name="swiftslurm",
@@ -118,6 +118,12 @@ def guarded(fn=None, *, os_errors: bool = True):
                 raise
             print_error(exc)
             raise typer.Exit(exc.exit_code) from None
+        except Unwritable as exc:  # a path the user named for us to write (-o FILE)
+            if _state["debug"]:
+                raise
+            print_error(SwiftSlurmError("will not write there", f"{exc.path}: {exc.why}",
+                                        "name a new path, or remove what is there yourself if it is yours to remove"))
+            raise typer.Exit(2) from None  # as export's --to that is not new: bad input
         except BrokenPipeError:  # `swiftslurm logs JOB | head`: the reader left; silent, exit 1 as rich's own printing does
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(1) from None
@@ -238,9 +244,11 @@ def render(
 
     scripts = prepared.scripts
     paths = [out.with_name(n) for n in script_names(out.name, parts)]
+    for path in paths:  # every one, before anything is written
+        check_named_file(path)
     write_plan(the_plan, scripts, limits)
     for path, script in zip(paths, scripts, strict=True):
-        path.write_text(script)
+        write_named_file(path, script)
     if len(paths) > 1:
         each = ", ".join(f"{p} (tasks {_ranges(part.tasks)})" for p, part in zip(paths, parts, strict=True))
         err_console.print(f"the sweep needs {len(paths)} sbatch arrays: wrote one script each: {each}; submit each with sbatch FILE; they read the "

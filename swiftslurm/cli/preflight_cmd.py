@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.markup import escape
 
 from ..errors import PreflightFailed
-from ..fsutil import FILE, path_kind
+from ..fsutil import FILE, path_kind, write_named_file
 from ..plan import Plan
 from ..preflight.report import REPORT_DIR, REPORT_JSON, print_report, read_report
 
@@ -90,7 +90,7 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
     wall = time.monotonic() - t0
     doc = summary(reports, states, sub.job_ids, sub.executor, wall)
     if json_file is not None:
-        json_file.write_text(json.dumps(doc, indent=2))
+        write_named_file(json_file, json.dumps(doc, indent=2))
         console.print(f"report JSON: {json_file}", highlight=False, markup=False)
     console.print(f"preflight total wall time {wall:.1f} s (submit to report)", highlight=False)
     missing = [t.index for t, r in zip(plan.tasks, reports, strict=True) if r is None]

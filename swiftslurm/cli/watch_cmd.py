@@ -6,6 +6,7 @@ one per task whose progress moved, at most every ``interval_s`` seconds, and no 
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
@@ -19,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
+from ..fsutil import check_named_file, write_named_file
 from ..jobs.record import Submission
 from ..watch.progress import Progress, Total, Watcher, override_text, rank_by, rank_sweep, total_of
 
@@ -408,8 +410,11 @@ def plot_command(console: Console, target: str, out: Path | None) -> int:
                               "the built-in trainer writes metrics.jsonl at every logging step; wait for the first one (train.logging_steps)")
     where = Path(sub.output_dir if sub is not None and len(refs) > 1 else refs[0].task_dir)
     path = out or where / "metrics.png"
+    check_named_file(path)  # before the drawing: a link, a FIFO or another user's file there is refused
     fig = figure(series, title=f"{target}: loss (x: requeued here)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    write_named_file(path, png.getvalue())
     console.print(f"wrote {path}", highlight=False, markup=False)
     return 0

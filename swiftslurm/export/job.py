@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import slurm
+from ..fsutil import write_named_file
 from ..quoting import shell_quote
 from ..spec.model import time_limit_s
 from .source import ExportRefused
@@ -98,7 +99,7 @@ def submit_export(req: ExportRequest) -> str:
     """Write the script beside ``--to`` and ``sbatch`` it; the job id."""
     options, script = export_job(req)
     req.to.parent.mkdir(parents=True, exist_ok=True)
-    req.script_path().write_text(script)
+    write_named_file(req.script_path(), script)  # beside --to: never through a link, nor over another user's file
     return slurm.sbatch(str(req.script_path()), options)
 
 

@@ -8,7 +8,9 @@ kill leaves the hidden dir (never ``--to`` half written), and a failure removes 
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -58,7 +60,16 @@ def check_target(to: Path, source_checkpoint: Path) -> None:
 
 
 def staging_for(to: Path) -> Path:
-    return to.parent / f".{to.name}{STAGING_INFIX}{os.getpid()}"
+    """A new hidden dir beside ``to``, made here (mkdir fails on any name taken, which is then left alone and
+    another one tried); the umask's mode, as ``to`` would have."""
+    for _ in range(64):
+        stage = to.parent / f".{to.name}{STAGING_INFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            stage.mkdir()
+            return stage
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free staging name beside it", str(to))
 
 
 def write_export(src: Source, to: Path, dtype: str, weights: str, max_shard_size: str = DEFAULT_SHARD,
@@ -67,9 +78,6 @@ def write_export(src: Source, to: Path, dtype: str, weights: str, max_shard_size
     check_target(to, src.checkpoint)
     to.parent.mkdir(parents=True, exist_ok=True)
     stage = staging_for(to)
-    if stage.exists():
-        shutil.rmtree(stage)  # our own leftover: this pid's hidden name
-    stage.mkdir()
     try:
         base = _write_weights(src, stage, dtype, weights, max_shard_size, log)
         log(f"export: hashing {len(walk_files(stage))} file(s) into {MANIFEST_NAME}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import slurm
 from ..errors import SubmissionError, SwiftSlurmError, ToolMissing
+from ..fsutil import atomic_write_text
 from ..node.entry import TaskFailed, run_rank  # noqa: F401 -- TaskFailed re-exported
 from ..plan import ArrayLimits, ArrayPart, Group, Plan, write_plan
 from ..quoting import sbatch_escape, shell_quote
@@ -51,7 +52,7 @@ def _write_task_specs(plan: Plan) -> None:
     for task in plan.tasks:
         out = Path(task.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / TASK_SPEC_FILE).write_text(json.dumps(task.to_json(), indent=indent) + "\n")
+        atomic_write_text(out / TASK_SPEC_FILE, json.dumps(task.to_json(), indent=indent) + "\n")  # a link there: replaced
 
 
 def slurm_parameters(plan: Plan, group: Group | None = None, tasks: tuple[int, ...] | None = None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import hostlist
 
+from ..fsutil import open_append_text
 from ..slurm.distenv import DistEnv
 from ..taskdir import TaskPaths
 
@@ -57,7 +58,7 @@ def setup_logging(dist: DistEnv, output_dir: str) -> logging.Logger:
     else:
         path = rank_log_path(output_dir, dist.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path)
+        handler = logging.StreamHandler(open_append_text(path))  # refuses a symlink or FIFO there (FileHandler follows)
     handler._swiftslurm = True  # type: ignore[attr-defined]
     handler.setFormatter(fmt)
     log.addHandler(handler)
@@ -75,7 +76,7 @@ def enable_stack_dumps(dist: DistEnv, output_dir: str) -> None:
     if dist.rank == 0:
         target = sys.stderr
     else:
-        target = open(rank_log_path(output_dir, dist.rank), "a")  # kept open: faulthandler writes to its fd
+        target = open_append_text(rank_log_path(output_dir, dist.rank))  # kept open: faulthandler writes to its fd
     try:
         faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
     except (ValueError, RuntimeError, OSError):  # not a real file (captured stderr): no dumps

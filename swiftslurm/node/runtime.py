@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
+from ..fsutil import open_append
 from ..slurm import distenv
 from . import banner, failure, ownership, restart, signals
 from .requeue import walltime_exit
@@ -217,7 +218,7 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist: Dis
     """
     log_file = None
     if dist.rank != 0:
-        log_file = open(banner.rank_log_path(out_dir, dist.rank), "ab")
+        log_file = open_append(banner.rank_log_path(out_dir, dist.rank))
     proc = None
     try:
         try:

@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..fsutil import RECORD_CAP, atomic_write_bytes, atomic_write_text, read_json
 from ..taskdir import PREFLIGHT_DIR as REPORT_DIR
 from .results import CheckResult, Decision
 
@@ -90,8 +91,10 @@ def plot_busbw(runs: list[tuple[str, list[int], list[float]]], path: str | Path)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    atomic_write_bytes(Path(path), png.getvalue())  # never through a link someone left under the name
     return Path(path)
 
 

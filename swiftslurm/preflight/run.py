@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ..fsutil import atomic_write_text
 from . import bounded
 from .checks import allreduce, iperf, local, ports, topology
 from .coord import CoordinationError, Coordinator, preflight_ports
@@ -112,7 +113,7 @@ def run_checks(dist: DistEnv, spec: JobSpec, output_dir: str, checks: list[str],
     if rank == 0 and "sharedfs" in checks:
         nonce = secrets.token_hex(8)
         sharedfs_file.parent.mkdir(parents=True, exist_ok=True)
-        sharedfs_file.write_text(nonce)
+        atomic_write_text(sharedfs_file, nonce)  # never through a link someone left under the name
         coord.put("sharedfs/nonce", nonce)
 
     mine: list[CheckResult] = []

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import SwiftSlurmError
+from ..fsutil import atomic_write_text
 from ..slurm.distenv import free_port
 
 
@@ -110,7 +111,7 @@ def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | No
     except SwiftSlurmError as exc:  # as `swiftslurm run` does: one message and the SPEC.md exit code, no traceback
         print(f"error: {exc.message()}", file=sys.stderr, flush=True)
         return exc.exit_code
-    Path(out, f"result-rank{dist.rank}.json").write_text(json.dumps(dataclasses.asdict(result)))
+    atomic_write_text(Path(out, f"result-rank{dist.rank}.json"), json.dumps(dataclasses.asdict(result)))
     return 0
 
 

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...fsutil import open_append
+
 # dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of torch.cuda.get_device_name()
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "V100": 125.0}
 
@@ -258,5 +260,5 @@ class MetricsFile:
 
     def write(self, step: int, logs: dict[str, Any]) -> None:
         row = {"step": step, "time": time.time(), **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        with open_append(self.path) as fh:  # a symlink planted here is refused, never written through
+            fh.write((json.dumps(row) + "\n").encode("utf-8"))
