@@ -121,15 +121,7 @@ def open_append(path: str | os.PathLike[str]) -> io.FileIO:
         if exc.errno == errno.ENXIO:
             raise NotRegularFile(errno.ENXIO, "a FIFO, not a regular file", str(path)) from None
         raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "ab", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
+    return _regular(fd, path, "ab")
 
 
 def open_append_text(path: str | os.PathLike[str]) -> io.TextIOWrapper:
@@ -219,12 +211,17 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
         if not follow_symlinks and exc.errno == errno.ELOOP:
             raise NotRegularFile(errno.ELOOP, "a symlink, not a regular file", str(path)) from None
         raise
+    return _regular(fd, path, "rb")
+
+
+def _regular(fd: int, path: str | os.PathLike[str], mode: str) -> io.FileIO:
+    """The open ``fd`` as an unbuffered file, if it is a regular file (else closed, and NotRegularFile)."""
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", str(path))
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            raise NotRegularFile(errno.EINVAL, f"{file_kind(kind)}, not a regular file", str(path))
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
+        return io.FileIO(fd, mode)
     except BaseException:
         os.close(fd)
         raise
