@@ -244,3 +244,45 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path):
     finally:
         os.close(write)
     assert r.returncode == 1 and not [line for line in r.stderr.splitlines() if "WARNING" not in line], r.stderr
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("100KB", 10**5), (" 2 gb", 2 * 10**9), ("1.5MB", 1_500_000),
+                                       ("garbage", None), ("0", None), ("0.5KB", None), ("1e400GB", None), ("5", None),
+                                       ("2000TB", None), ("nanGB", None), ("-1GB", None)])
+def test_max_shard_size_is_a_size_transformers_reads_or_one_message(text, size):
+    from swiftslurm.export.source import ExportRefused, shard_bytes
+
+    if size is not None:
+        assert shard_bytes(text) == size
+        return
+    with pytest.raises(ExportRefused, match="--max-shard-size must be a size"):
+        shard_bytes(text)
+
+
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_a_bad_shard_size_is_refused_before_anything_is_loaded_or_sent(tmp_path, monkeypatch, executor):
+    from typer.testing import CliRunner
+
+    from swiftslurm import slurm
+    from swiftslurm.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(slurm, "sbatch", lambda *a, **k: pytest.fail("sent"))
+    (tmp_path / "checkpoint-1").mkdir()
+    result = CliRunner().invoke(app, ["export", "checkpoint-1", "--to", "model", "--max-shard-size", "1e400GB", "--executor", executor])
+    assert result.exit_code == 2 and "--max-shard-size must be a size" in result.output and "Traceback" not in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_preflight_refuses_its_json_path_before_the_job_runs(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from swiftslurm.cli import app, preflight_cmd
+
+    monkeypatch.setattr(preflight_cmd, "preflight_command", lambda *a, **k: pytest.fail("the preflight ran"))
+    (tmp_path / "report.json").symlink_to(tmp_path / "elsewhere.json")
+    spec = tmp_path / "job.toml"
+    spec.write_text('[slurm]\nnodes = 1\n')
+    result = CliRunner().invoke(app, ["preflight", str(spec), "--json", str(tmp_path / "report.json"), "--executor", "local"])
+    assert result.exit_code == 2 and "will not write there" in result.output and "a symlink" in result.output, result.output
+    assert not (tmp_path / "elsewhere.json").exists()

@@ -383,6 +383,8 @@ def preflight(
     """A preflight-only diagnostic job on the nodes the spec asks for (no training). Exit 4 if a check failed."""
     from .preflight_cmd import preflight_command
 
+    if json_file is not None:
+        check_named_file(json_file)  # refused now, not after the job ran
     return preflight_command(console, load_plan(spec_path), executor=executor.value, json_file=json_file)
 
 

@@ -19,7 +19,7 @@ from .. import slurm
 from ..fsutil import write_named_file
 from ..quoting import shell_quote
 from ..spec.model import time_limit_s
-from .source import ExportRefused
+from .source import ExportRefused, shard_bytes
 
 JOB_NAME = "swiftslurm-export"
 _WORD_RE = re.compile(r"[A-Za-z0-9_.,+-]+")
@@ -53,6 +53,7 @@ class ExportRequest:
 
 
 def _checked(req: ExportRequest) -> None:
+    shard_bytes(req.max_shard_size)
     for name, value in (("--partition", req.partition), ("--account", req.account)):
         if value is not None and not _WORD_RE.fullmatch(value):
             raise ExportRefused(f"{name} must be a Slurm name", repr(value), "letters, digits and _ . , + - only")

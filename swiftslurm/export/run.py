@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .source import DTYPES, ExportRefused, Source, find_source
+from .source import DTYPES, ExportRefused, Source, find_source, shard_bytes
 from .write import DEFAULT_SHARD, Exported, check_target, write_export
 
 Log = Callable[[str], None]
@@ -34,6 +34,7 @@ def export_here(source: str, to: Path, *, task: int | None = None, adapter_only:
     from .weights import require_libraries
 
     to = Path(to).absolute()
+    shard_bytes(max_shard_size)  # refused before anything is hashed or loaded
     check_target(to, Path(source).absolute())  # a non-empty --to is refused before anything is hashed or loaded
     src = find_source(source, task, base_model, log)
     kind = weights_kind(src, adapter_only)

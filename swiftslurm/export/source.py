@@ -35,6 +35,20 @@ class ExportRefused(SwiftSlurmError):
     exit_code = 2
 
 
+SHARD_RE = re.compile(r"\s*(\d{1,6}(?:\.\d{1,6})?)\s*([KMGT]B)\s*", re.IGNORECASE)
+SHARD_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # as transformers' save_pretrained reads them
+
+
+def shard_bytes(text: str) -> int:
+    """``--max-shard-size`` in bytes, checked before anything is loaded (pure): a number and KB, MB, GB or TB."""
+    m = SHARD_RE.fullmatch(text)
+    size = int(float(m.group(1)) * SHARD_UNITS[m.group(2).upper()]) if m else 0
+    if not 1000 <= size <= 10**15:
+        raise ExportRefused("--max-shard-size must be a size from 1KB to 1000TB", repr(text),
+                            "a number and KB, MB, GB or TB (powers of 1000, as transformers reads them): 5GB, 500MB")
+    return size
+
+
 @dataclass(frozen=True)
 class Source:
     """A verified checkpoint and what the export needs of it."""
