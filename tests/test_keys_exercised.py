@@ -98,6 +98,10 @@ def test_logs_node_shows_only_the_ranks_of_that_node(tmp_path):
     assert "1" in ranks and ranks <= {"0", "1"} and "node7" not in local.stdout
     both = cli("logs", str(run), "--node", "node7", "--rank", "2")
     assert both.returncode != 0 and "do not go together" in both.stderr
+    for flag, value, held in (("--node", "node9", "nodes localhost, node7"), ("--rank", "12", "ranks 1, 2")):
+        none = cli("logs", str(run), flag, value)  # a filter that matches nothing says so, and what there is
+        assert none.returncode == 0 and none.stdout == "", none.stdout
+        assert f"no log lines of {flag[2:]} {value} here; the logs hold {held}" in none.stderr, none.stderr
 
 
 def test_logs_follow_prints_lines_written_after_it_started(tmp_path):

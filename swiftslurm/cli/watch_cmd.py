@@ -340,7 +340,14 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
     reader = L.Reader([(r.task, r.task_dir, r.folder, r.job_id) for r in refs], task_nodes)
     many = len(refs) > 1
     budget = L.SCAN_BYTES if tail is None else max(64 << 10, tail * 1024)
-    per_source = [L.select(lines, rank, node) for lines in reader.new_lines(budget)]
+    read = reader.new_lines(budget)
+    per_source = [L.select(lines, rank, node) for lines in read]
+    if (rank is not None or node is not None) and not any(per_source) and not follow:  # say so, not silence
+        by_rank = rank is not None
+        held = sorted({str(ln.rank) if by_rank else ln.node for lines in read for ln in lines if by_rank or ln.node},
+                      key=int if by_rank else None)
+        what = f"{'ranks' if by_rank else 'nodes'} {', '.join(held)}" if held else "no line yet"
+        print(f"note: no log lines of {f'rank {rank}' if by_rank else f'node {node}'} here; the logs hold {what}", file=sys.stderr)
     if errors:
         from ..watch.failure import recorded
 
