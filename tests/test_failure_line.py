@@ -205,6 +205,8 @@ def test_a_preflight_without_nc_is_the_line_every_command_shows(tmp_path):
     out = tmp_path / "out"
     assert f"  task 0: {reason}\n" in cli("status", str(out)).stdout
     assert json.loads(cli("status", str(out), "--json").stdout)["tasks"][0]["failure"] == reason
+    unsorted = cli("status", str(out), "--json", "--sort", "eval_loss")  # no task logged it: the order says nothing
+    assert "note: no task has logged 'eval_loss' (yet), so the order is the tasks' own" in unsorted.stderr, unsorted.stderr
     errors = cli("logs", str(out), "--errors").stdout
     assert errors.startswith(f"failed: {reason}  (recorded by rank 0 localhost, logs/failure-rank-0.json)"), errors
     saved = json.loads((out / "logs" / "failure-rank-0.json").read_text())

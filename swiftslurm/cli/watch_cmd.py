@@ -281,6 +281,13 @@ def follow_progress(console: Console, sub: Submission, interval_s: float | None 
 
 def status_view(console: Console, sub: Submission, as_json: bool, sort: str | None = None) -> int:
     rows = progress_rows(sub) if sub.output_dir else Watcher("", []).rows(sub.statuses())
+    if sort and rows and not any(sort in r.best_values for r in rows):  # sorted by nothing: say so, and what there is
+        from ..errors import did_you_mean
+
+        logged = sorted({k for r in rows for k in r.best_values})
+        close = did_you_mean(sort, logged)
+        print(f"note: no task has logged {sort!r} (yet), so the order is the tasks' own"
+              + (f"; {close}" if close else "") + (f"; logged: {', '.join(logged)}" if logged else ""), file=sys.stderr)
     if as_json:
         sys.stdout.write(json.dumps(status_json(sub, rows, sort), indent=2) + "\n")
         return 0
