@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -205,6 +206,42 @@ def test_resume_from_a_sweep_tasks_dir_is_refused(tmp_cwd):
                                           tail="[sweep]\nlearning_rate = [1e-4]\n"),
                   "train.resume_from", "resume_from " + str(tmp_cwd / "out" / "0"), commands=("validate",))
     assert "this task's output dir" in out
+
+
+def _resume_sources(root: Path) -> dict[str, str]:
+    """Directories rank 0 would refuse as train.resume_from before reading a tensor -> what validate says."""
+    (root / "empty").mkdir(parents=True)
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")  # no weights beside it: not a model dir
+    (root / "fifo-state").mkdir()
+    os.mkfifo(root / "fifo-state" / "trainer_state.json")  # an HF Trainer checkpoint whose state would block a reader
+    (root / "deep-config").mkdir()
+    (root / "deep-config" / "adapter_config.json").write_text("[" * 100 + "]" * 100)
+    (root / "hf-out" / "checkpoint-5").mkdir(parents=True)  # an HF Trainer output dir: its checkpoints are not ours
+    (root / "hf-out" / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}')
+    return {"empty": "holds nothing", "model": "holds config.json", "fifo-state": "a FIFO, not a regular file",
+            "deep-config": "nested deeper than 64 levels", "hf-out": "hf-out: checkpoint-5"}
+
+
+@pytest.mark.parametrize("name", ["empty", "model", "fifo-state", "deep-config", "hf-out"])
+def test_resume_from_what_rank_0_would_refuse_is_refused_at_validate(tmp_cwd, name):
+    found = _resume_sources(tmp_cwd / "src")[name]
+    refused(tmp_cwd, TRAINER.format(model="tiny-llama", slurm="", train=f'resume_from = "src/{name}"', tail=""),
+            "train.resume_from", found, commands=("validate", "render"))
+
+
+def test_resume_from_sources_rank_0_takes_validate(tmp_cwd):
+    """Its own kinds pass: one HF Trainer checkpoint-N (imported on the node), one of ours, a run's output dir."""
+    hf = tmp_cwd / "hf" / "checkpoint-5"
+    hf.mkdir(parents=True)
+    (hf / "trainer_state.json").write_text('{"global_step": 5}')
+    ours = tmp_cwd / "run" / "checkpoint-3"
+    ours.mkdir(parents=True)
+    (ours / "manifest.json").write_text('{"version": 1}')  # read here; its hashes are checked on the node
+    for src in ("hf/checkpoint-5", "run/checkpoint-3", "run"):
+        (tmp_cwd / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train=f'resume_from = "{src}"', tail=""))
+        result = CliRunner().invoke(app, ["validate", str(tmp_cwd / "job.toml")])
+        assert result.exit_code == 0, (src, result.output)
 
 
 # 7. sequence parallel with packed rows needs flash attention, which a CPU job never has

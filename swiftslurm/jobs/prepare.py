@@ -39,6 +39,7 @@ def prepare(spec_path: str | os.PathLike[str], *, training: bool = False, limits
         require_training(spec, source)
     plan = make_plan(spec, load_raw(spec_path), base_dir=base_dir or os.getcwd(), source=source, check_disk=True)
     check_trackers(plan)
+    check_resume_sources(plan)
     scripts = render_all(plan, limits=limits)  # also what must go on #SBATCH lines, and the container's mounts
     check_scripts(plan, scripts)
     return Prepared(plan, scripts, scan_data(plan))
@@ -75,6 +76,48 @@ def check_trackers(plan: Plan) -> None:
         problem = login_problem(s, same_interpreter=s.container is None and s.slurm.python in (None, sys.executable))
         if problem is not None and problem not in problems:
             problems.append(problem)
+    if problems:
+        raise SpecError(plan.source, problems)
+
+
+FIRST_RECORD = {"hf-trainer": "trainer_state.json", "peft-adapter": "adapter_config.json", "hf-model": "config.json"}
+
+
+def check_resume_sources(plan: Plan) -> None:
+    """``train.resume_from``: what rank 0 would refuse after the queue wait, before any tensor is read (SpecError):
+    a directory that is no checkpoint of any kind we start from, or one whose first record (a checkpoint of ours:
+    its manifest; another's: trainer_state.json, adapter_config.json or config.json) cannot be read. Files are
+    hashed on the node (here: `swiftslurm verify`); nothing is imported or loaded here."""
+    from ..checkpoint import MANIFEST_NAME, list_checkpoints
+    from ..checkpoint.formats.foreign import kind_of
+    from ..checkpoint.formats.importer import KIND_HINT
+    from ..fsutil import CONFIG_CAP, MANIFEST_CAP, Unreadable, read_json
+
+    problems: list[Problem] = []
+    for src in dict.fromkeys(t.spec.train.resume_from for t in plan.tasks if t.spec.has_training and t.spec.train.resume_from):
+        try:
+            names = {p.name for p in os.scandir(src)}
+            steps = list_checkpoints(src) if MANIFEST_NAME not in names else []
+            if any(os.path.lexists(os.path.join(c, MANIFEST_NAME)) for c in steps):
+                continue  # another run's output dir: its newest verified checkpoint, chosen on the node
+            if steps:
+                problems.append(Problem("train.resume_from", "its checkpoint-N dirs are none of ours (no manifest.json)",
+                                        f"{src}: {', '.join(sorted(os.path.basename(c) for c in map(str, steps))[:5])}",
+                                        "point train.resume_from at one of them (an HF Trainer checkpoint-N is imported), "
+                                        "or `swiftslurm import` it first"))
+                continue
+            kind = "ours" if MANIFEST_NAME in names else kind_of(names)
+            if kind is None:
+                shown = ", ".join(sorted(names)[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
+                problems.append(Problem("train.resume_from", "not a checkpoint a run can start from", f"{src} holds {shown}",
+                                        f"a checkpoint-N of ours, a run's output dir, or {KIND_HINT}"))
+                continue
+            record = MANIFEST_NAME if kind == "ours" else FIRST_RECORD[kind]
+            read_json(os.path.join(src, record), MANIFEST_CAP if kind == "ours" else CONFIG_CAP)
+        except (OSError, Unreadable) as exc:
+            why = str(exc) if isinstance(exc, Unreadable) else f"{exc.filename or src}: {exc.strerror or exc}"
+            problems.append(Problem("train.resume_from", "the checkpoint to start from cannot be read", why,
+                                    "check the files and their permissions (`swiftslurm verify DIR` for one of ours)"))
     if problems:
         raise SpecError(plan.source, problems)
 
