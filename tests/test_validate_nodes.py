@@ -9,7 +9,10 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -242,6 +245,40 @@ def test_resume_from_sources_rank_0_takes_validate(tmp_cwd):
         (tmp_cwd / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train=f'resume_from = "{src}"', tail=""))
         result = CliRunner().invoke(app, ["validate", str(tmp_cwd / "job.toml")])
         assert result.exit_code == 0, (src, result.output)
+
+
+@pytest.mark.parametrize("out,found", [("job.toml", "job.toml: a file"), ("d.jsonl/run", "d.jsonl: a file"),
+                                       ("n" * 300, "File name too long (ENAMETOOLONG)")])
+def test_an_output_dir_that_cannot_be_made_is_refused(tmp_cwd, out, found):
+    refused(tmp_cwd, TRAINER.format(model="tiny-llama", slurm="", train="", tail="").replace('output_dir = "out"', f'output_dir = "{out}"'),
+            "job.output_dir", found)
+
+
+@pytest.mark.parametrize("key,line", [("job.output_dir", 'output_dir = "~/runs/x"'), ("job.output_dir", 'output_dir = "$SCRATCH/x"'),
+                                      ("train.dataset", 'dataset = ["${DATA}/d.jsonl"]'), ("train.model", 'model = "~/models/m"')])
+def test_a_path_a_shell_would_have_expanded_is_refused(tmp_cwd, key, line):
+    text = TRAINER.format(model="tiny-llama", slurm="", train="", tail="")
+    text = "\n".join(line if ln.split(" =")[0] == line.split(" =")[0] else ln for ln in text.splitlines()) + "\n"
+    out = refused(tmp_cwd, text, key, "'" + line.split("= ")[1].strip('[]"') + "'", commands=("validate",))
+    assert "nothing expands a leading '~' or a $VARIABLE" in out
+
+
+def test_an_output_dir_in_a_directory_the_user_cannot_write_is_refused(tmp_path):
+    """As another user (nobody): the parent exists, but mkdir there would fail on every node."""
+    shared = Path(tempfile.mkdtemp(prefix="swiftslurm-ro-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        (shared / "ro").mkdir(mode=0o755)  # root's: nobody may not create in it
+        (shared / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+        (shared / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train="", tail="")
+                                         .replace('output_dir = "out"', 'output_dir = "ro/run"'))
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "swiftslurm",
+                            "validate", "job.toml"], capture_output=True, text=True, cwd=shared, timeout=120,
+                           env={**os.environ, "HOME": str(shared), "SWIFTSLURM_DEBUG": "0"})
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"job.output_dir: the output dir cannot be made there; found {shared / 'ro'} is not writable by you" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(shared)
 
 
 # 7. sequence parallel with packed rows needs flash attention, which a CPU job never has

@@ -312,6 +312,16 @@ def check_files(spec: JobSpec, base: Path | None = None, source: str = "spec") -
                                     str(p) if kind == MISSING else f"{p}: {kind}", hint))
 
     here = "paths are relative to the directory you run swiftslurm from"
+    out = Path(spec.job.output_dir) if Path(spec.job.output_dir).is_absolute() else base / spec.job.output_dir
+    missing = out
+    while (kind := path_kind(missing)) == MISSING and missing != missing.parent:
+        missing = missing.parent  # the nearest part that exists: where the output dir would be made
+    if kind != DIRECTORY:  # a file at (or above) the output dir, or a path that cannot be looked at
+        problems.append(Problem("job.output_dir", "the output dir cannot be made there", f"{missing}: {kind}",
+                                "pick another path: the output dir and each dir above it must be directories or not exist yet"))
+    elif missing != out and not os.access(missing, os.W_OK | os.X_OK):
+        problems.append(Problem("job.output_dir", "the output dir cannot be made there", f"{missing} is not writable by you",
+                                "pick a directory you can write (on the shared filesystem every node mounts)"))
     for i, ds in enumerate(spec.train.dataset):  # a directory: datasets' save_to_disk (its layout is checked by the scan)
         look(f"train.dataset[{i}]", ds, (FILE, DIRECTORY), "dataset file not found", here)
     for i, ds in enumerate(spec.train.eval_dataset):

@@ -72,10 +72,23 @@ def explicit_master_port(value: str) -> int | None:
     return int(value)
 
 
+# what a shell would expand and nothing here does: "~/runs" would be a directory named "~" in the working dir
+_UNEXPANDED_RE = re.compile(r"^~|\$(?:\{|[A-Za-z_])")
+
+
+def _unexpanded(v: str) -> None:
+    if _UNEXPANDED_RE.search(v):
+        raise ValueError("a path written out: nothing expands a leading '~' or a $VARIABLE here (TOML is no shell; "
+                         "the nodes would get the literal text, and '~/x' would be a directory named '~'). HINT: write "
+                         "the absolute path (/home/you/runs), or a path relative to where you run swiftslurm")
+
+
 def _path(v: str) -> str:
-    """A path as the nodes will open it: non-empty, no control characters (a newline or NUL in a path is a typo)."""
+    """A path as the nodes will open it: non-empty, no control characters (a newline or NUL in a path is a typo),
+    nothing a shell would have expanded."""
     if not v.strip() or _CONTROL_RE.search(v):
         raise ValueError("a non-empty path without control characters (newline, tab, NUL, ...)")
+    _unexpanded(v)
     return v
 
 
@@ -339,6 +352,8 @@ class TrainTable(_Table):
     def _model(cls, v: str | None) -> str | None:
         if v is not None and (not v.strip() or _CONTROL_RE.search(v)):
             raise ValueError("a hub id or a path, without control characters")
+        if v is not None:
+            _unexpanded(v)
         return v
 
     @field_validator("command")
