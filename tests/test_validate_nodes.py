@@ -263,6 +263,13 @@ def test_a_path_a_shell_would_have_expanded_is_refused(tmp_cwd, key, line):
     assert "nothing expands a leading '~' or a $VARIABLE" in out
 
 
+@pytest.mark.parametrize("container,key", [('image = "~/img.sif"', "container.image"),
+                                           ('image = "docker://x/y:1"\nmounts = ["$DATA:/data"]', "container.mounts")])
+def test_a_container_path_a_shell_would_have_expanded_is_refused(tmp_cwd, container, key):
+    text = TRAINER.format(model="tiny-llama", slurm="", train="", tail=f'[container]\nruntime = "pyxis"\n{container}\n')
+    assert "nothing expands a leading '~'" in refused(tmp_cwd, text, key, "", commands=("validate",))
+
+
 def test_an_output_dir_in_a_directory_the_user_cannot_write_is_refused(tmp_path):
     """As another user (nobody): the parent exists, but mkdir there would fail on every node."""
     shared = Path(tempfile.mkdtemp(prefix="swiftslurm-ro-", dir="/tmp"))

@@ -515,6 +515,8 @@ class ContainerTable(_Table):
         if not v.strip() or v != v.strip() or any(c in v for c in "\n\r\x00,"):
             raise ValueError("an image reference ('nvcr.io#nvidia/pytorch:24.05-py3', 'docker://...') or a path to a .sif/.sqsh file, on one line, "
                              "without commas")
+        if is_local_image(v):
+            _unexpanded(v)
         return v
 
     @field_validator("mounts")
@@ -526,6 +528,7 @@ class ContainerTable(_Table):
                 raise ValueError(f"each mount as 'SRC:DST' or 'SRC:DST:FLAGS' (no commas, no line breaks), not {m!r}")
             if not match.group(2).startswith("/"):
                 raise ValueError(f"the mount destination is a path inside the container and must be absolute, not {match.group(2)!r} in {m!r}")
+            _unexpanded(match.group(1))  # the source is quoted into the script: "~/data" would reach the runtime as is
         return v
 
     @field_validator("workdir")
