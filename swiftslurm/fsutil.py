@@ -17,7 +17,8 @@ goes through here, so every reader gets the same guarantees:
   ``fstat`` before the first read); ``follow_symlinks=False`` also refuses a symlink;
 - a byte cap per kind of file (the ``*_CAP`` constants): a bigger file is refused, never read whole;
 - JSON parsed with a depth limit, finite numbers only (no NaN/Infinity, no float that overflows to inf)
-  and integers inside int64;
+  and integers inside int64 (``wide_ints``: up to 100 digits, for JSON other tools wrote: transformers
+  saves ``model_max_length = int(1e30)``);
 - no pickle: :func:`plain_unpickle` rebuilds builtin containers and scalars and refuses every class;
 - every failure is :class:`Unreadable` (a ``ValueError``) naming the file and why, never a traceback.
   A missing file stays ``FileNotFoundError`` so callers keep their "not there yet" branch.
@@ -308,6 +309,15 @@ def _bounded_int(text: str) -> int:
     return value
 
 
+WIDE_INT_DIGITS = 100  # files of other tools: transformers writes model_max_length = int(1e30) (31 digits)
+
+
+def _wide_int(text: str) -> int:
+    if len(text) > WIDE_INT_DIGITS:
+        raise ValueError(f"integer of {len(text)} digits is out of range")
+    return int(text)
+
+
 def json_depth(value: Any, limit: int) -> int:
     """How deep ``value`` nests (iterative: never recurses), stopping once past ``limit``."""
     deepest, stack = 0, [(value, 1)]
@@ -324,13 +334,14 @@ def json_depth(value: Any, limit: int) -> int:
 
 
 def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None, max_depth: int = MAX_DEPTH,
-               finite: bool = True) -> Any:
+               finite: bool = True, wide_ints: bool = False) -> Any:
     """JSON text as Python values, or Unreadable: not JSON, nested deeper than ``max_depth``, NaN/Infinity,
     a float that overflows, or an integer outside int64. ``finite=False`` lets NaN and ±Infinity through
-    (metrics, where a NaN loss is the evidence)."""
+    (metrics, where a NaN loss is the evidence). ``wide_ints``: integers of up to ``WIDE_INT_DIGITS`` digits, for
+    files other tools wrote (an HF tokenizer_config.json's 31-digit ``model_max_length`` is no damage)."""
     floats: dict[str, Any] = {"parse_constant": _refuse_constant, "parse_float": _finite_float} if finite else {}
     try:
-        value = json.loads(raw, parse_int=_bounded_int, **floats)
+        value = json.loads(raw, parse_int=_wide_int if wide_ints else _bounded_int, **floats)
     except RecursionError:
         raise Unreadable(source, f"JSON nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
@@ -345,10 +356,11 @@ def loads_json(raw: str | bytes, *, source: str | os.PathLike[str] | None = None
 
 
 def read_json(path: str | os.PathLike[str], cap: int = RECORD_CAP, *, expect: type | None = dict,
-              max_depth: int = MAX_DEPTH, follow_symlinks: bool = True) -> Any:
+              max_depth: int = MAX_DEPTH, follow_symlinks: bool = True, wide_ints: bool = False) -> Any:
     """A JSON file read through every guard above; ``expect`` (dict by default, None for any) is the shape
     the top level must have. FileNotFoundError when it is not there; Unreadable otherwise."""
-    value = loads_json(read_bytes(path, cap, follow_symlinks=follow_symlinks), source=path, max_depth=max_depth)
+    value = loads_json(read_bytes(path, cap, follow_symlinks=follow_symlinks), source=path, max_depth=max_depth,
+                       wide_ints=wide_ints)
     if expect is not None and not isinstance(value, expect):
         raise Unreadable(path, f"a JSON {_json_kind(value)} where a JSON {_json_kind(expect())} belongs")
     return value

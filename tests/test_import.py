@@ -59,6 +59,24 @@ def test_an_hf_trainer_deepspeed_checkpoint_is_described_imported_and_verifies(t
         import_dir(other, tmp_path / "ours")
 
 
+def test_the_json_transformers_writes_is_whole_and_a_step_past_int64_is_not(tmp_path):
+    """transformers saves a tokenizer with no length limit as model_max_length = int(1e30): 31 digits, beyond the
+    int64 that swiftslurm's own records hold. A file of another tool's with it is whole, not damage."""
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    src = hf_trainer_ckpt(tmp_path / "theirs")
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": VERY_LARGE_INTEGER}))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16", "max_len": VERY_LARGE_INTEGER}))
+    facts = inspect_dir(src)
+    assert not facts.problems and facts.dtype == "bfloat16", facts.problems
+    assert ck.verify(import_dir(src, tmp_path / "ours")[1]).ok
+    huge = hf_trainer_ckpt(tmp_path / "huge", step=5)
+    (huge / "trainer_state.json").write_text('{"global_step": 9223372036854775808}')
+    assert inspect_dir(huge).problems == ["trainer_state.json: no global_step (ValueError: 9223372036854775808 is not a step number)"]
+    (huge / "tokenizer_config.json").write_text('{"model_max_length": 1' + "0" * 200 + "}")  # bounded still
+    assert "tokenizer_config.json: not valid JSON: integer of 201 digits is out of range" in inspect_dir(huge).problems
+
+
 def test_zero3_and_plain_model_and_adapter_dirs(tmp_path):
     z3 = inspect_dir(hf_trainer_ckpt(tmp_path / "z3", ranks=4, stage=3, bf16=False))
     assert (z3.world_size, z3.zero_stage, z3.dtype) == (4, 3, "bfloat16")  # fp16/bf16 off in DeepSpeed: the config's dtype

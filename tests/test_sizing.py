@@ -4,6 +4,7 @@ for the refusals (one message each, exit 2, no traceback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -64,6 +65,15 @@ def test_the_model_type_is_the_top_levels_and_only_a_short_string_is_kept():
     for hostile in (["qwen2"], "x" * (MODEL_TYPE_MAX + 1), "", 7, None):
         assert shape_from_config({**text, "model_type": hostile}).model_type is None
     assert shape_from_config(text).to_json()["model_type"] is None
+
+
+def test_a_config_json_with_an_integer_past_int64_is_read(tmp_path):
+    """Other tools write integers past int64 (transformers: int(1e30) for an unlimited length); the shape's own
+    numbers are still bounded by their ranges."""
+    from swiftslurm.sizing.shape import read_config_json
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_05B, "model_max_length": 10**30}))
+    assert dataclasses.replace(read_config_json(tmp_path), source="config.json") == shape_from_config(QWEN_05B)
 
 
 @pytest.mark.parametrize("gpus,nodes", [(1, 1), (8, 1), (8, 4)])

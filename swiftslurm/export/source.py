@@ -200,7 +200,7 @@ def _str(value: Any) -> str | None:
 
 def _adapter_base(ckpt: Path) -> str | None:
     try:
-        return _str(read_json(ckpt / ADAPTER_CONFIG, CONFIG_CAP).get("base_model_name_or_path"))
+        return _str(read_json(ckpt / ADAPTER_CONFIG, CONFIG_CAP, wide_ints=True).get("base_model_name_or_path"))
     except (OSError, Unreadable):
         return None
 
@@ -208,7 +208,7 @@ def _adapter_base(ckpt: Path) -> str | None:
 def _config_dtype(ckpt: Path) -> str:
     """The dtype a model dir's config.json names, as bf16/fp16/fp32 (fp32 when it names none)."""
     try:
-        config = read_json(ckpt / "config.json", CONFIG_CAP)
+        config = read_json(ckpt / "config.json", CONFIG_CAP, wide_ints=True)
     except (OSError, Unreadable):
         return "fp32"
     named = config.get("dtype") or config.get("torch_dtype")

@@ -161,7 +161,7 @@ def lora_config(src: Source) -> Any:
     from peft import LoraConfig
 
     try:
-        raw = read_json(src.checkpoint / ADAPTER_CONFIG, CONFIG_CAP)
+        raw = read_json(src.checkpoint / ADAPTER_CONFIG, CONFIG_CAP, wide_ints=True)
         return LoraConfig.from_peft_type(**{k: v for k, v in raw.items() if k != "peft_type"})
     except (OSError, Unreadable, TypeError, ValueError) as exc:
         raise CheckpointDamaged(f"the {ADAPTER_CONFIG} of {src.checkpoint} is not a LoRA config peft reads", str(exc)[:300],

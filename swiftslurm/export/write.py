@@ -138,7 +138,7 @@ def _write_adapter(src: Source, stage: Path, dtype: str) -> None:
 
     state = {k: v.to(getattr(torch, TORCH_DTYPES[dtype])).contiguous() for k, v in adapter_state(src).items()}
     save_file(state, str(stage / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = read_json(src.checkpoint / ADAPTER_CONFIG, CONFIG_CAP)
+    config = read_json(src.checkpoint / ADAPTER_CONFIG, CONFIG_CAP, wide_ints=True)
     if src.base_model:
         config["base_model_name_or_path"] = src.base_model
     (stage / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

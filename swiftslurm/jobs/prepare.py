@@ -113,7 +113,7 @@ def check_resume_sources(plan: Plan) -> None:
                                         f"a checkpoint-N of ours, a run's output dir, or {KIND_HINT}"))
                 continue
             record = MANIFEST_NAME if kind == "ours" else FIRST_RECORD[kind]
-            read_json(os.path.join(src, record), MANIFEST_CAP if kind == "ours" else CONFIG_CAP)
+            read_json(os.path.join(src, record), MANIFEST_CAP if kind == "ours" else CONFIG_CAP, wide_ints=kind != "ours")
         except (OSError, Unreadable) as exc:
             why = str(exc) if isinstance(exc, Unreadable) else f"{exc.filename or src}: {exc.strerror or exc}"
             problems.append(Problem("train.resume_from", "the checkpoint to start from cannot be read", why,

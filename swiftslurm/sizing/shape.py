@@ -168,7 +168,7 @@ def read_config_json(model_dir: str | Path) -> ModelShape | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        data = read_json(path, CONFIG_CAP)
+        data = read_json(path, CONFIG_CAP, wide_ints=True)
     except FileNotFoundError:
         return None
     except Unreadable as exc:

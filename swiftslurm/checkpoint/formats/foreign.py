@@ -168,7 +168,7 @@ def _check_file(root: Path, rel: str, facts: Facts) -> None:
         if name.endswith(".safetensors"):
             _check_safetensors(p, size)
         elif name.endswith(".json"):
-            data = read_json(p, CONFIG_CAP, expect=None)
+            data = read_json(p, CONFIG_CAP, expect=None, wide_ints=True)
             if name.endswith(".index.json"):
                 _check_index(root, rel, data, facts)
         elif name.endswith((".pt", ".pth", ".bin")):
@@ -263,7 +263,7 @@ def _weights_dtype(root: Path, names: set[str]) -> str | None:
 
 def _config_dtype(root: Path) -> str | None:
     try:
-        config = read_json(root / "config.json", CONFIG_CAP)
+        config = read_json(root / "config.json", CONFIG_CAP, wide_ints=True)
     except (OSError, ValueError):
         return None
     dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
@@ -272,8 +272,8 @@ def _config_dtype(root: Path) -> str | None:
 
 def _trainer_facts(root: Path, names: set[str], facts: Facts) -> None:
     try:
-        step = read_json(root / "trainer_state.json", CONFIG_CAP)["global_step"]
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        step = read_json(root / "trainer_state.json", CONFIG_CAP, wide_ints=True)["global_step"]
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 1 << 63:
             raise ValueError(f"{step!r} is not a step number")
         facts.step = step
     except Unreadable as exc:

@@ -39,7 +39,7 @@ def _read(path: Path) -> dict[str, Any]:
 def _index_shards(ckpt: Path, index: Path) -> list[str]:
     """The shard files a weights index names, each a file inside ``ckpt``; RuntimeEnvError otherwise."""
     try:
-        weight_map = read_json(index, CONFIG_CAP).get("weight_map")
+        weight_map = read_json(index, CONFIG_CAP, wide_ints=True).get("weight_map")
     except (OSError, ValueError) as exc:  # Unreadable names the file and why
         raise RuntimeEnvError("the checkpoint's weights index cannot be read", str(exc), "copy the checkpoint again") from None
     shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
