@@ -170,21 +170,21 @@ def file_kind(mode: int) -> str:
     return "a special file"
 
 
-FILE, DIRECTORY, MISSING = "a file", "a directory", "missing"
+FILE, DIRECTORY, MISSING, UNREACHABLE = "a file", "a directory", "missing", "unreachable: "
 
 
 def path_kind(path: str | os.PathLike[str]) -> str:
     """What a path a user named is, never raising (``Path.is_dir`` raises for a name too long or a directory
     it may not search): ``FILE`` (regular), ``DIRECTORY``, ``MISSING``, another kind ("a FIFO", "a socket"),
-    or "unreachable: <why>" for any other failure to look (from :func:`describe_os_error`)."""
+    or ``UNREACHABLE`` + why for any other failure to look (from :func:`describe_os_error`)."""
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError) as exc:
-        return describe_os_error(path, exc).replace("unreadable", "unreachable", 1) if os.path.islink(path) else MISSING
+        return UNREACHABLE + describe_os_error(path, exc).removeprefix("unreadable: ") if os.path.islink(path) else MISSING
     except OSError as exc:
-        return describe_os_error(path, exc).replace("unreadable", "unreachable", 1)
+        return UNREACHABLE + describe_os_error(path, exc).removeprefix("unreadable: ")
     except ValueError:  # a NUL byte in the name
-        return "unreachable: the name holds a NUL byte"
+        return UNREACHABLE + "the name holds a NUL byte"
     return FILE if stat.S_ISREG(mode) else file_kind(mode)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..checkpoint import list_checkpoints, step_of, verify
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, walk_files
 from ..errors import CheckpointDamaged, SwiftSlurmError
-from ..fsutil import CONFIG_CAP, DIRECTORY, MISSING, TAG_CAP, Unreadable, is_inside, path_kind, read_json, read_text
+from ..fsutil import CONFIG_CAP, DIRECTORY, MISSING, TAG_CAP, UNREACHABLE, Unreadable, is_inside, path_kind, read_json, read_text
 from ..jobs.target import resolve
 from ..taskdir import LATEST_BEST_NAME  # the eval's pointer (checkpoint/best.py writes it)
 
@@ -113,7 +113,7 @@ def pick_checkpoint(source: str, task: int | None, log: Log) -> Path:
         return path
     if kind == MISSING and not source.split("_")[0].isdigit():
         raise ExportRefused("nothing to export: the path does not exist", source, "pass a checkpoint-N dir or the job's output dir")
-    if kind.startswith("unreachable"):
+    if kind.startswith(UNREACHABLE):
         raise ExportRefused("nothing to export: the path cannot be looked at", f"{source}: {kind}",
                             "check the path (each name at most 255 bytes) and its permissions")
     task_dir = task_dir_of(source, task)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import slurm
 from ..errors import SwiftSlurmError
-from ..fsutil import DIRECTORY, FILE, RECORD_CAP, Unreadable, path_kind, read_json
+from ..fsutil import DIRECTORY, FILE, RECORD_CAP, UNREACHABLE, Unreadable, path_kind, read_json
 from ..taskdir import OWNER_FILE, PLAN_FILE
 from .record import SUBMISSION_FILE, Submission, load_submission
 
@@ -42,10 +42,11 @@ def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False
     """The submission (None when no record covers a dir) and the tasks ``target`` names (see the module's list).
     ``dirs_only``: only a dir will do (`logs`, `plot` read files)."""
     path = Path(target)
-    if not _is_dir(target) and dirs_only:
+    is_dir = _is_dir(target)
+    if not is_dir and dirs_only:
         raise SwiftSlurmError("logs and plots are read from an output dir", f"{target} is not a directory",
                               "pass the job.output_dir of a submitted spec (or one task dir of a sweep)")
-    if not _is_dir(target):
+    if not is_dir:
         job_id = _job_id(target)
         if through_record:
             return _by_job_id(job_id)
@@ -136,7 +137,7 @@ def _is_dir(target: str) -> bool:
     """``target`` is a directory; a path that cannot be looked at (a name too long, a parent it may not search) is
     refused with why, never taken for a job id."""
     kind = path_kind(target)
-    if kind.startswith("unreachable"):
+    if kind.startswith(UNREACHABLE):
         raise SwiftSlurmError("cannot look at the output dir named", f"{target}: {kind}",
                               "check the path (each name at most 255 bytes) and its permissions, or pass the Slurm job id")
     return kind == DIRECTORY

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, SpecError, did_you_mean
-from ..fsutil import DIRECTORY, FILE, MISSING, Unreadable, path_kind, read_bytes
+from ..fsutil import DIRECTORY, FILE, MISSING, UNREACHABLE, Unreadable, path_kind, read_bytes
 from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
     CHECKS,
     MAX_SPEC_BYTES,
@@ -259,7 +259,7 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
     kind = path_kind(p)
     if kind == DIRECTORY:
         raise SpecError(source, [Problem("", "the spec path is a directory", source, "pass the .toml file itself")])
-    if kind.startswith("unreachable"):
+    if kind.startswith(UNREACHABLE):
         raise SpecError(source, [Problem("", "cannot read the spec file", f"{source}: {kind}",
                                          "check the path (each name at most 255 bytes) and its permissions")])
     try:  # a regular file under the cap: a FIFO or a device in the spec's place never blocks validate
