@@ -217,3 +217,31 @@ def test_swap_cleanup_removes_this_ranks_files_and_keeps_other_ranks(tmp_path):
         "zero_stage_3/bfloat16params/rank1/p.swp", "zero_stage_3/optimizer/rank1/o.swp"]
     nvme_swap.cleanup([str(folder), str(tmp_path / "absent")], rank=1)
     assert not folder.exists() and other_job.is_dir()
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_one_rank_zero_1_2_presets_drop_contiguous_gradients(name):
+    """On one rank a ZeRO-1/2 preset runs without contiguous_gradients (nothing to reduce with, a copy per gradient
+    saved); on two or more, and for stage 0/3 and optimizer offload (where DeepSpeed keeps it on anyway), the
+    preset is as shipped."""
+    preset = dsconfig.load_preset(name)["zero_optimization"]
+    one = dsconfig.build_for_spec(make_spec(name, tasks=1))[0]["zero_optimization"]
+    many = dsconfig.build_for_spec(make_spec(name, tasks=2))[0]["zero_optimization"]
+    assert many.get("contiguous_gradients") == preset.get("contiguous_gradients")
+    single_rank_rule = preset["stage"] in (1, 2) and "offload_optimizer" not in preset
+    assert one.get("contiguous_gradients") == (False if single_rank_rule else preset.get("contiguous_gradients"))
+    assert {k: v for k, v in one.items() if k != "contiguous_gradients"} == \
+        {k: v for k, v in many.items() if k != "contiguous_gradients"}
+    assert single_rank_rule == (name in ("zero1", "zero2", "zero2_fast"))
+
+
+def test_what_the_user_says_of_contiguous_gradients_wins_on_one_rank(tmp_path):
+    table = dsconfig.build_for_spec(make_spec("zero2", {"zero_optimization": {"contiguous_gradients": True}}, tasks=1))
+    assert table[0]["zero_optimization"]["contiguous_gradients"] is True
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2, "contiguous_gradients": True}}))
+    assert dsconfig.build_for_spec(make_spec(str(own), tasks=1))[0]["zero_optimization"]["contiguous_gradients"] is True
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2}}))  # not said: DeepSpeed's own default, as written
+    assert "contiguous_gradients" not in dsconfig.build_for_spec(make_spec(str(own), tasks=1))[0]["zero_optimization"]
+    two_nodes = dsconfig.build_for_spec(make_spec("zero2", nodes=2, tasks=1))[0]["zero_optimization"]
+    assert two_nodes["contiguous_gradients"] is True  # one rank per node, two ranks

@@ -160,12 +160,41 @@ def run_norm(case):
                     "masters": masters, **casts}
     return out
 
+def run_contig():
+    """One rank, ZeRO-2 bf16, gradient accumulation 2, 3 steps: contiguous_gradients true and false (the one-rank
+    default of dsconfig.one_rank) give the same master weights, losses and norms."""
+    out = {}
+    for contig in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                    torch.nn.Linear(8, 1)).to(torch.bfloat16)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+               "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+               "zero_optimization": {"stage": 2, "contiguous_gradients": contig, "overlap_comm": False,
+                                     "reduce_bucket_size": 200}}  # several buckets in one backward
+        eng, zopt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                               fused=True), config=cfg)
+        skip_nonfinite_on_device(Wrapper(zopt))
+        start = [g.detach().double().tolist() for g in zopt.single_partition_of_fp32_groups]
+        gen = torch.Generator().manual_seed(1)
+        losses, norms = [], []
+        for _ in range(6):
+            loss = eng(torch.randn(2, 8, dtype=torch.bfloat16, generator=gen)).float().pow(2).mean()
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+            norms.append(float(eng.get_global_grad_norm() or 0.0))
+        out[str(contig)] = {"masters": [g.detach().double().tolist() for g in zopt.single_partition_of_fp32_groups],
+                            "start": start, "losses": losses, "norms": norms, "contiguous": zopt.contiguous_gradients}
+    return out
+
 print("RESULT " + json.dumps({case: run_wrapped(case == "opaque") if case in ("wrapped", "opaque")
+                             else run_contig() if case == "contig"
                              else run_norm(case) if case.startswith("norm") else run_grad_norm() if case == "grad_norm"
                              else run(case) for case in sys.argv[1:]}))
 '''
 CASES = ["bf16", "bf16_untouched", "not_fused", "check_off", "no_norm", "fp32", "wrapped", "opaque", "grad_norm", "norm",
-         "norm_opaque"]
+         "norm_opaque", "contig"]
 SKIPPED = {"changed": False, "master_changed": False, "nan": False}
 
 
@@ -261,3 +290,13 @@ def test_the_gradient_norm_in_one_pass_is_deepspeeds_norm(results):
     for a, b in zip(ours["masters"][:3], ds["masters"][:3], strict=True):  # the NaN step is applied (check off)
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
     assert results["norm_opaque"]["applied"] is False
+
+
+def test_one_rank_without_contiguous_gradients_trains_the_same(results):
+    """dsconfig.one_rank turns contiguous_gradients off on one rank: with gradient accumulation and several reduce
+    buckets the engine must still take the same steps (the same masters, bit for bit, the same losses and norms)."""
+    on, off = results["contig"]["True"], results["contig"]["False"]
+    assert (on["contiguous"], off["contiguous"]) == (True, False)
+    assert off["losses"] == on["losses"] and off["norms"] == on["norms"]
+    assert off["masters"] == on["masters"]
+    assert on["masters"] != on["start"] and len(set(on["losses"])) == 6  # it trained: three steps moved the weights

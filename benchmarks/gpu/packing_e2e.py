@@ -51,6 +51,8 @@ VARIANTS = {
     "swiftslurm_syncs": lambda assets: {"gradient_checkpointing": None},  # the defaults with two host syncs a step put back (ARM_PATH)
     "swiftslurm_torchnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, torch's fused RMSNorm for Liger's (ARM_PATH)
     "swiftslurm_nocontig": lambda assets: {"gradient_checkpointing": None},  # the defaults + DS_EXTRA below
+    "swiftslurm_torchnorm_nocontig": lambda assets: {"gradient_checkpointing": None},  # both of the above
+    "swiftslurm_contig": lambda assets: {"gradient_checkpointing": None},  # the defaults + DS_EXTRA below
     "swiftslurm_micro8": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "8"},  # twice the rows per step
     "swiftslurm_micro16": lambda assets: {"gradient_checkpointing": None, "per_device_train_batch_size": "16"},  # 4x the rows per step
     "swiftslurm_peftlora": lambda assets: {"gradient_checkpointing": None, "fused_lora": "false"},  # the defaults with peft's LoRA forward
@@ -81,12 +83,16 @@ DS_EXTRA = {
     # ZeRO-2 without the copy of each gradient into the reduce bucket as it is produced: on one rank a gradient hook
     # then does bookkeeping only (~13 ms of host time per 290-tensor step on the CPU, half of it the copies' dispatch)
     "swiftslurm_nocontig": "[deepspeed.zero_optimization]\ncontiguous_gradients = false\n",
+    "swiftslurm_torchnorm_nocontig": "[deepspeed.zero_optimization]\ncontiguous_gradients = false\n",
+    # the one-rank default before the eighth run (dsconfig.one_rank turns it off on one rank)
+    "swiftslurm_contig": "[deepspeed.zero_optimization]\ncontiguous_gradients = true\n",
 }
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
 ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
 # an arm run with a sitecustomize of its own on PYTHONPATH (no probe): dsnorm/ puts DeepSpeed's per-gradient norm back
-ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm", "swiftslurm_syncs": HERE / "syncs", "swiftslurm_torchnorm": HERE / "torchnorm"}
+ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm", "swiftslurm_syncs": HERE / "syncs", "swiftslurm_torchnorm": HERE / "torchnorm",
+            "swiftslurm_torchnorm_nocontig": HERE / "torchnorm"}
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
