@@ -161,16 +161,16 @@ def run_norm(case):
     return out
 
 def run_contig():
-    """One rank, ZeRO-2 bf16, gradient accumulation 2, 3 steps: contiguous_gradients true and false (the one-rank
-    default of dsconfig.one_rank) give the same master weights, losses and norms."""
+    """One rank, ZeRO-1 and ZeRO-2 bf16, gradient accumulation 2, 3 steps: contiguous_gradients true and false (the
+    one-rank default of dsconfig.one_rank) give the same master weights, losses and norms."""
     out = {}
-    for contig in (True, False):
+    for stage, contig in ((2, True), (2, False), (1, True), (1, False)):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
                                     torch.nn.Linear(8, 1)).to(torch.bfloat16)
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
                "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
-               "zero_optimization": {"stage": 2, "contiguous_gradients": contig, "overlap_comm": False,
+               "zero_optimization": {"stage": stage, "contiguous_gradients": contig, "overlap_comm": False,
                                      "reduce_bucket_size": 200}}  # several buckets in one backward
         eng, zopt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2,
                                                fused=True), config=cfg)
@@ -184,7 +184,7 @@ def run_contig():
             eng.step()
             losses.append(loss.item())
             norms.append(float(eng.get_global_grad_norm() or 0.0))
-        out[str(contig)] = {"masters": [g.detach().double().tolist() for g in zopt.single_partition_of_fp32_groups],
+        out[f"{stage} {contig}"] = {"masters": [g.detach().double().tolist() for g in zopt.single_partition_of_fp32_groups],
                             "start": start, "losses": losses, "norms": norms, "contiguous": zopt.contiguous_gradients}
     return out
 
@@ -294,9 +294,10 @@ def test_the_gradient_norm_in_one_pass_is_deepspeeds_norm(results):
 
 def test_one_rank_without_contiguous_gradients_trains_the_same(results):
     """dsconfig.one_rank turns contiguous_gradients off on one rank: with gradient accumulation and several reduce
-    buckets the engine must still take the same steps (the same masters, bit for bit, the same losses and norms)."""
-    on, off = results["contig"]["True"], results["contig"]["False"]
-    assert (on["contiguous"], off["contiguous"]) == (True, False)
-    assert off["losses"] == on["losses"] and off["norms"] == on["norms"]
-    assert off["masters"] == on["masters"]
-    assert on["masters"] != on["start"] and len(set(on["losses"])) == 6  # it trained: three steps moved the weights
+    buckets a ZeRO-1 and a ZeRO-2 engine must still take the same steps (the same masters, bit for bit, the same losses and norms)."""
+    for stage in (1, 2):
+        on, off = results["contig"][f"{stage} True"], results["contig"][f"{stage} False"]
+        assert (on["contiguous"], off["contiguous"]) == (True, False)
+        assert off["losses"] == on["losses"] and off["norms"] == on["norms"], stage
+        assert off["masters"] == on["masters"], stage
+        assert on["masters"] != on["start"] and len(set(on["losses"])) == 6  # it trained: three steps moved the weights
