@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from swiftslurm.checkpoint import Manifest
 from swiftslurm.cli.app import app
 from swiftslurm.jobs.prepare import prepare
 from swiftslurm.spec import parse_toml
@@ -222,11 +223,16 @@ def _resume_sources(root: Path) -> dict[str, str]:
     (root / "deep-config" / "adapter_config.json").write_text("[" * 100 + "]" * 100)
     (root / "hf-out" / "checkpoint-5").mkdir(parents=True)  # an HF Trainer output dir: its checkpoints are not ours
     (root / "hf-out" / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}')
+    (root / "edited").mkdir()  # one of ours whose manifest was edited after it was written: rank 0 would not trust it
+    (root / "edited" / "manifest.json").write_text(Manifest(step=3, algo="xxh3", files={}).to_json().replace('"step": 3', '"step": 4'))
+    (root / "no-checksum").mkdir()
+    (root / "no-checksum" / "manifest.json").write_text('{"version": 1}')
     return {"empty": "holds nothing", "model": "holds config.json", "fifo-state": "a FIFO, not a regular file",
-            "deep-config": "nested deeper than 64 levels", "hf-out": "hf-out: checkpoint-5"}
+            "deep-config": "nested deeper than 64 levels", "hf-out": "hf-out: checkpoint-5",
+            "edited": "its body checksum does not match", "no-checksum": "not a swiftslurm manifest"}
 
 
-@pytest.mark.parametrize("name", ["empty", "model", "fifo-state", "deep-config", "hf-out"])
+@pytest.mark.parametrize("name", ["empty", "model", "fifo-state", "deep-config", "hf-out", "edited", "no-checksum"])
 def test_resume_from_what_rank_0_would_refuse_is_refused_at_validate(tmp_cwd, name):
     found = _resume_sources(tmp_cwd / "src")[name]
     refused(tmp_cwd, TRAINER.format(model="tiny-llama", slurm="", train=f'resume_from = "src/{name}"', tail=""),
@@ -240,7 +246,7 @@ def test_resume_from_sources_rank_0_takes_validate(tmp_cwd):
     (hf / "trainer_state.json").write_text('{"global_step": 5}')
     ours = tmp_cwd / "run" / "checkpoint-3"
     ours.mkdir(parents=True)
-    (ours / "manifest.json").write_text('{"version": 1}')  # read here; its hashes are checked on the node
+    (ours / "manifest.json").write_text(Manifest(step=3, algo="xxh3", files={}).to_json())  # its hashes: on the node
     for src in ("hf/checkpoint-5", "run/checkpoint-3", "run"):
         (tmp_cwd / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train=f'resume_from = "{src}"', tail=""))
         result = CliRunner().invoke(app, ["validate", str(tmp_cwd / "job.toml")])

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import Problem, SpecError
 from ..plan import ArrayLimits, Plan, make_plan
@@ -88,10 +89,10 @@ def check_resume_sources(plan: Plan) -> None:
     a directory that is no checkpoint of any kind we start from, or one whose first record (a checkpoint of ours:
     its manifest; another's: trainer_state.json, adapter_config.json or config.json) cannot be read. Files are
     hashed on the node (here: `swiftslurm verify`); nothing is imported or loaded here."""
-    from ..checkpoint import MANIFEST_NAME, list_checkpoints
+    from ..checkpoint import MANIFEST_NAME, ManifestError, list_checkpoints, read_manifest
     from ..checkpoint.formats.foreign import kind_of
     from ..checkpoint.formats.importer import KIND_HINT
-    from ..fsutil import CONFIG_CAP, MANIFEST_CAP, Unreadable, read_json
+    from ..fsutil import CONFIG_CAP, Unreadable, read_json
 
     problems: list[Problem] = []
     for src in dict.fromkeys(t.spec.train.resume_from for t in plan.tasks if t.spec.has_training and t.spec.train.resume_from):
@@ -112,8 +113,14 @@ def check_resume_sources(plan: Plan) -> None:
                 problems.append(Problem("train.resume_from", "not a checkpoint a run can start from", f"{src} holds {shown}",
                                         f"a checkpoint-N of ours, a run's output dir, or {KIND_HINT}"))
                 continue
-            record = MANIFEST_NAME if kind == "ours" else FIRST_RECORD[kind]
-            read_json(os.path.join(src, record), MANIFEST_CAP if kind == "ours" else CONFIG_CAP, wide_ints=kind != "ours")
+            if kind == "ours":  # the manifest as rank 0 reads it: its shape and body checksum (file hashes: on the node)
+                read_manifest(Path(src))
+            else:
+                read_json(os.path.join(src, FIRST_RECORD[kind]), CONFIG_CAP, wide_ints=True)
+        except ManifestError as exc:
+            problems.append(Problem("train.resume_from", "the checkpoint to start from has a manifest that cannot be trusted",
+                                    f"{os.path.join(src, MANIFEST_NAME)}: {exc}",
+                                    "point train.resume_from at an intact checkpoint (`swiftslurm verify DIR` checks one)"))
         except (OSError, Unreadable) as exc:
             why = str(exc) if isinstance(exc, Unreadable) else f"{exc.filename or src}: {exc.strerror or exc}"
             problems.append(Problem("train.resume_from", "the checkpoint to start from cannot be read", why,
