@@ -286,11 +286,11 @@ def one_rank(preset: dict[str, Any], world_size: int) -> dict[str, Any]:
     With it, DeepSpeed's gradient hook copies every gradient into the reduce bucket as the backward makes it (a
     narrow and a copy per tensor, launched from the host while the GPU waits) so that each bucket reaches the
     reduce-scatter in one piece; a single rank reduces with nobody. Without it the hook books the gradient and the
-    step reads it where autograd left it. On one H200, the 0.5B full fine-tune ran 1.20-1.22x faster without it (two interleaved rounds) at
-    the same peak memory (docs/benchmarks.md, "Eighth run"). On several ranks it stays on: off, DeepSpeed reduces
-    by all-reduce instead of reduce-scatter, twice the traffic. With the optimizer offloaded DeepSpeed keeps it on
-    regardless, and stage 0 and 3 do not read it here. Only presets pass through this: a user's JSON file and the
-    spec's ``[deepspeed]`` table keep what they say."""
+    step reads it where autograd left it. On one H200 the 0.5B full fine-tune ran 1.20-1.22x faster without it
+    (two interleaved rounds) at the same peak memory (docs/benchmarks.md, "Eighth run"). On several ranks it stays
+    on: off, DeepSpeed reduces by all-reduce instead of reduce-scatter, twice the traffic. With the optimizer
+    offloaded DeepSpeed keeps it on regardless, and stages 0 and 3 are left as they are. Only presets pass through
+    this: a user's JSON file and the spec's ``[deepspeed]`` table keep what they say."""
     zero = preset.get("zero_optimization")
     if world_size != 1 or not isinstance(zero, dict) or zero.get("stage") not in (1, 2) \
             or _offload_device(zero, "offload_optimizer"):
