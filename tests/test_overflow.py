@@ -26,15 +26,17 @@ class Wrapper:  # what Accelerate hands the Trainer's callbacks: DeepSpeed's opt
     def __init__(self, optimizer):
         self.optimizer = optimizer
 
-def engine(bf16=True, check=True, clip=1.0, compute_norm=True, fused=True):
+def engine(bf16=True, check=True, clip=1.0, compute_norm=True, fused=True, model=None, accum=1, **zero):
+    """A one-rank ZeRO engine (ZeRO-2, contiguous gradients unless ``zero`` says otherwise) over ``model`` (else a
+    two-layer one, seeded)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model = model or torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     if bf16:
         model = model.to(torch.bfloat16)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "gradient_clipping": clip,
            "bf16": {"enabled": bf16, "check_grad_overflow": check}, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
-                                 "compute_grad_norm": compute_norm}}
+                                 "compute_grad_norm": compute_norm, **zero}}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     eng, zopt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return eng, zopt
@@ -166,14 +168,9 @@ def run_contig():
     out = {}
     for stage, contig in ((2, True), (2, False), (1, True), (1, False)):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
-                                    torch.nn.Linear(8, 1)).to(torch.bfloat16)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-               "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
-               "zero_optimization": {"stage": stage, "contiguous_gradients": contig, "overlap_comm": False,
-                                     "reduce_bucket_size": 200}}  # several buckets in one backward
-        eng, zopt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2,
-                                               fused=True), config=cfg)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 1))
+        eng, zopt = engine(model=model, accum=2, stage=stage, contiguous_gradients=contig,
+                           reduce_bucket_size=200)  # several buckets in one backward
         skip_nonfinite_on_device(Wrapper(zopt))
         start = [g.detach().double().tolist() for g in zopt.single_partition_of_fp32_groups]
         gen = torch.Generator().manual_seed(1)
