@@ -8,13 +8,13 @@ from .evidence import TaskRun
 from .findings import Finding, ordered
 from .hang import hang
 from .jobrules import node_failure, walltime_loop
-from .logrules import ckpt_missing_keys, cuda_oom, device_mismatch, host_oom, nccl_timeout
+from .logrules import ckpt_missing_keys, cuda_oom, device_mismatch, host_oom, nccl_timeout, startup_hang
 from .metricrules import diverged, nan_grad_norm, speed
 from .restartrules import in_job_restarts
 from .slowrules import straggler
 
 RULES: tuple[Callable[[TaskRun], list[Finding]], ...] = (
-    hang, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
+    hang, startup_hang, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
     diverged, walltime_loop, straggler, speed, in_job_restarts,
 )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from ..train.health.startup import STUCK
 from ..watch.logs import TORCH_PREFIX
 from .evidence import Line, TaskRun
 from .findings import Evidence, Finding
@@ -36,6 +37,7 @@ NODE_LOST = re.compile(r"DUE TO NODE FAIL|Node failure on (\S+)|NODE_FAIL|node (
 # "Terminated" is not here: a SIGTERM comes from Slurm itself (the time limit, a requeue, scancel, preemption), never
 # from a node's fault, and a walltime requeue loop must not blame its healthy nodes
 SRUN_TASK = re.compile(r"srun: error: (?P<node>[^\s:]+): tasks? (?P<rank>\d+)(?:-\d+)?: (?P<how>Killed|Segmentation fault|Aborted|Bus error)")
+STARTUP_STUCK = re.compile(r"not training: " + re.escape(STUCK))  # the rank's own record line (node/runtime.py)
 COMMAND_EXIT = re.compile(r"train\.command exited with (-?\d+)")
 KILLED_BY = re.compile(r"Fatal Python error: (Segmentation fault|Bus error|Aborted)|died with <Signals\.(SIG\w+)|exitcode\s*:\s*-(\d+)")
 FATAL_SIGNALS = {6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV"}  # a rank killed by one of these did not end on its own
@@ -161,6 +163,22 @@ def ckpt_missing_keys(run: TaskRun) -> list[Finding]:
 def comm_lines(run: TaskRun) -> tuple[list[Line], list[Line]]:
     """(timeout lines, peer-gone lines)."""
     return hits(run, COMM_TIMEOUT), [ln for ln in hits(run, COMM_PEER) if not COMM_TIMEOUT.search(bare(ln.text))]
+
+
+def startup_hang(run: TaskRun) -> list[Finding]:
+    """A rank ended by the start-up watch: its line names the phase it was stuck in (a build lock, a load)."""
+    lines = hits(run, STARTUP_STUCK)
+    if not lines:
+        return []
+    said = bare(lines[0].text).split("not training: ", 1)[-1]
+    lock = "build lock" in said
+    return [finding(run, "startup_hang", lines, f"{_ranks_text(lines)} never started training: {said}",
+                    "a build lock left by a rank killed while it built a DeepSpeed op (torch waits on such a lock "
+                    "forever)" if lock else "the start (imports, op builds, model load, deepspeed.initialize) waited "
+                    "on something that never came: the stacks dumped in the same log show what",
+                    "delete the lock file named if no build is running, then resubmit" if lock else
+                    "see the stacks in the rank's log; raise train.ddp_timeout if the start is only slow",
+                    () if lock else ("train.ddp_timeout",))]
 
 
 def nccl_timeout(run: TaskRun) -> list[Finding]:

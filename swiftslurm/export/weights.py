@@ -44,9 +44,9 @@ def require_libraries(src: Source, merge: bool) -> None:
         except ImportError:
             missing.append(name)
         if name == "torch" and not missing:
-            from ..train.build import _prepare_device_env
+            from ..train.build import prepare_device_env
 
-            _prepare_device_env()  # DeepSpeed's CPU accelerator on a node without CUDA, chosen before it is imported
+            prepare_device_env()  # DeepSpeed's CPU accelerator on a node without CUDA, chosen before it is imported
     if missing:
         raise LibraryMissing("export loads the model here, and its libraries are not installed", f"no {', '.join(missing)}",
                              "pip install 'swiftslurm[train]' on this machine, or export on a node that has it: --executor slurm")

@@ -24,7 +24,7 @@ from ..fsutil import Unreadable, atomic_write_text, read_json
 from ..taskdir import TaskPaths, failure_name
 
 FAILURE_NAME = re.compile(r"^failure-rank-(\d{1,9})\.json$")
-KINDS = ("preflight", "exception")
+KINDS = ("preflight", "exception", "startup")
 WHAT_CHARS = 1000  # one exception message can be pages long (a CUDA OOM, a config dump)
 HINT_CHARS = 600
 
@@ -35,7 +35,7 @@ class Failure:
     node: str
     job_id: str
     time: float  # epoch seconds when the rank gave up
-    kind: str  # "preflight" | "exception"
+    kind: str  # "preflight" | "exception" | "startup" (the start-up watch ran out: train/health/startup.py)
     what: str  # one line: "preflight: ports localhost: 'nc' not found on PATH", "ValueError: bad shape"
     hint: str = ""  # the fix, when the code that failed knew one
 

@@ -258,6 +258,32 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist: Dis
 
 
 def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
+    """Train in this process, its start (imports, op builds, model load, DeepSpeed's start) under the start-up watch."""
+    from ..train.health import startup
+
+    def stuck(what: str) -> None:
+        why = failure.Failure(dist.rank, dist.node, dist.job_id, time.time(), "startup", what, startup_hint(what))
+        failure.write_failure(out_dir, why)
+        log.error("not training: %s", why.line())
+
+    with startup.watching(startup.limit_s(spec.train.ddp_timeout), stuck):
+        startup.mark("importing the training stack")
+        return _train_watched(dist, spec, ds_config, out_dir, resume, the_env, log)
+
+
+def startup_hint(what: str) -> str:
+    """The fix for a start-up stuck as ``what`` says (pure)."""
+    if "torch's build lock" in what:
+        return "delete that lock file if no build of the op is running (torch waits on it forever)"
+    if "op build lock" in what:
+        return "the rank named holds the build: look at its job (a build takes minutes, not hours)"
+    return ("the stacks above, in this rank's log, show where it waits; raise train.ddp_timeout if the start is "
+            "only slow (a large model from a slow filesystem)")
+
+
+def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
+    from ..train import opbuild
+    from ..train.health import startup
     from ..train.tasks import sft  # our own: a broken import fails the rank with its traceback
 
     # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training
@@ -268,6 +294,8 @@ def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | 
     from ..train.tracking.identity import check_installed
 
     check_installed(spec)  # report_to = wandb / mlflow: their libraries, on every rank before anything loads
+    ops_dir, ours = opbuild.cache_dir(the_env, dist.node)
+    the_env = {**the_env, opbuild.EXTENSIONS_ENV: ops_dir}
     os.environ.clear()
     os.environ.update(the_env)  # the one export step, for the in-process trainer
     # Slurm sends the walltime USR2 to every process of the step, children included: a `ninja` building a
@@ -278,6 +306,10 @@ def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | 
     def should_stop() -> bool:
         return signals.stop_requested() or signal.SIGUSR2 in signal.sigpending()
 
+    from ..train.build import prepare_device_env
+
+    cuda = prepare_device_env()  # DS_ACCELERATOR before DeepSpeed is imported
+    opbuild.ensure_built(opbuild.needed_ops(ds_config, cuda), ops_dir, ours, dist.node, startup.mark)
     result = sft.train(spec, dist, ds_config, out_dir, resume, should_stop)
     # Training is over: a walltime USR2 arriving now (e.g. during interpreter teardown, when CPython has
     # already restored the default handler, which kills) must not fail the job. SIG_IGN survives teardown.

@@ -24,7 +24,7 @@ class ModelUnavailable(SwiftSlurmError):
     exit_code = 2
 
 
-def _prepare_device_env() -> bool:
+def prepare_device_env() -> bool:
     """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported."""
     import torch
 

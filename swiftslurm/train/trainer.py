@@ -23,6 +23,7 @@ from .. import checkpoint as ck
 from ..checkpoint import savetime
 from ..taskdir import SAVE_LINK_DIR
 from .collective import all_reduce_values, stop_flag_group
+from .health import startup
 from .health.gpuutil import gpu_fields, rank_slots
 from .health.metrics import MetricsFile, StepMeter
 
@@ -297,6 +298,7 @@ class ScheduleCallback(TrainerCallback):
         # USR2 while loading: the first step's end may come after the time limit (a big model, a slow filesystem), so
         # stop now, agreed by all ranks; the newest verified checkpoint is still the resume point, nothing to save
         (flag,) = all_reduce_values([1.0 if self.should_stop() else 0.0], tdist.ReduceOp.MAX, args.device)
+        startup.done()  # every rank got here: the start is over, the progress watchdog takes over from its warm-up
         if flag > 0:
             self.stopped_for_requeue = True
             log.warning("walltime stop before the first step of this run (the signal came while loading): stopping for "

@@ -27,13 +27,14 @@ from ..build import (  # noqa: F401 (re-exported)
     ModelUnavailable,
     _apply_lora,
     _offloads_optimizer,
-    _prepare_device_env,
     allow_low_rank_optimizer_state,
     check_offload,
     check_optimizer,
     load_model_and_tokenizer,
+    prepare_device_env,
     training_arguments,
 )
+from ..health import startup
 
 if TYPE_CHECKING:
     from ...slurm.distenv import DistEnv
@@ -152,7 +153,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     from ..health.shutdown import shut_down_distributed
 
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
-    cuda = _prepare_device_env()
+    cuda = prepare_device_env()
     check_optimizer(spec.train.optimizer, cuda)
     check_offload(ds_config)
     import transformers
@@ -170,9 +171,13 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         # before the model: ZeRO-3 init needs it
         from .. import parallel
 
+        startup.mark("joining the process group (TrainingArguments: the rendezvous and DeepSpeed's comm start)")
         args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
+        startup.mark("choosing the start point (rank 0 verifies the newest checkpoint)")
         start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
+        startup.mark("loading the model")
         model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
+        startup.mark("preparing the data")
         if kern.liger is None:  # the model's type ruled Liger out (fit_liger_to_model): the Trainer must not apply it
             args.use_liger_kernel, args.liger_kernel_config = False, None
         from .. import evaluation
@@ -195,6 +200,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         from ..trainer import StoppedBeforeFirstStep
 
         try:
+            startup.mark("starting DeepSpeed (deepspeed.initialize) and loading the checkpoint")
             trainer.train(resume_from_checkpoint=resume_from)
         except StoppedBeforeFirstStep:  # the walltime signal came while loading: tools.schedule says so
             pass
