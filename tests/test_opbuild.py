@@ -84,7 +84,14 @@ def test_a_lock_is_taken_over_only_when_a_dead_build_of_ours_explains_it(tmp_pat
     gone = opbuild.Holder("thishost", int(dead.stdout), time.time(), (OP,))
     assert opbuild.stale_locks(tmp_path, (OP,), None, True, "thishost")[0] == [tmp_path / OP_DIR / "lock"]  # our cache
     assert opbuild.stale_locks(tmp_path, (OP,), gone, False, "thishost")[0] == [tmp_path / OP_DIR / "lock"]
-    for previous in (None, opbuild.Holder("thishost", os.getpid(), 0.0, (OP,)), opbuild.Holder("other", 1, 0.0, (OP,))):
+    here = opbuild.this_machine()
+    reused = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, opbuild.process_start(os.getpid()) + 1)
+    assert opbuild.stale_locks(tmp_path, (OP,), reused, False, "thishost")[0] == [tmp_path / OP_DIR / "lock"]  # pid reused
+    aliased = opbuild.Holder("node2", int(dead.stdout), 0.0, (OP,), here)  # another node name, the same machine
+    assert opbuild.stale_locks(tmp_path, (OP,), aliased, False, "node1")[0] == [tmp_path / OP_DIR / "lock"]
+    live = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, opbuild.process_start(os.getpid()))
+    elsewhere = opbuild.Holder("node2", 1, 0.0, (OP,), "another-boot-id")
+    for previous in (None, live, elsewhere):
         remove, judge = opbuild.stale_locks(tmp_path, (OP,), previous, False, "thishost")
         assert remove == [] and str(tmp_path / OP_DIR / "lock") in judge[0]
     assert opbuild.Holder.parse(b"") is None and opbuild.Holder.parse(b"\x00garbage") is None

@@ -54,6 +54,8 @@ class Holder:
     pid: int
     since: float  # epoch seconds
     ops: tuple[str, ...]
+    machine: str = ""  # the kernel's boot id: node names that alias one machine (a test cluster) are one machine
+    pid_start: int = 0  # the process's start time (clock ticks since boot): a reused pid is not the holder
 
     def line(self) -> str:
         return f"pid {self.pid} on {self.host} (building {', '.join(self.ops) or '?'} since {time.strftime('%H:%M:%S', time.localtime(self.since))})"
@@ -65,7 +67,8 @@ class Holder:
             data = json.loads(raw.decode("utf-8")) if raw.strip() else None
             if not isinstance(data, dict):
                 return None
-            return cls(str(data["host"]), int(data["pid"]), float(data["since"]), tuple(str(op) for op in data["ops"]))
+            return cls(str(data["host"]), int(data["pid"]), float(data["since"]), tuple(str(op) for op in data["ops"]),
+                       str(data.get("machine", "")), int(data.get("pid_start", 0)))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
 
@@ -108,14 +111,14 @@ def needed_ops(ds_config: Mapping[str, Any], cuda: bool) -> tuple[str, ...]:
 def stale_locks(root: Path, ops: tuple[str, ...], previous: Holder | None, ours: bool, host: str) -> tuple[list[Path], list[str]]:
     """Held by us (the build lock), which torch locks of ``ops`` under ``root`` a dead build left (to remove), and
     the ones left for a person to judge (one line each): in our own cache every one is a dead build's; in the user's,
-    those that a holder of ours on this host, dead now, was building."""
+    those that a holder of ours on this machine, dead now, was building."""
     remove: list[Path] = []
     judge: list[str] = []
     for op in ops:
         lock = root / _op_dir_name(op) / TORCH_LOCK
         if not os.path.lexists(lock):
             continue
-        if ours or (previous is not None and previous.host == host and not _alive(previous.pid)):
+        if ours or (previous is not None and _here(previous, host) and not _alive(previous)):
             remove.append(lock)
         else:
             who = f"; the last build of ours there was by {previous.line()}" if previous else ""
@@ -132,14 +135,41 @@ def _op_dir_name(op: str) -> str:
     return builder.name if builder is not None else op
 
 
-def _alive(pid: int) -> bool:
+def this_machine() -> str:
+    """The running kernel's boot id ("" where /proc does not have it)."""
     try:
-        os.kill(pid, 0)
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22); 0 when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _here(holder: Holder, host: str) -> bool:
+    """Whether ``holder`` ran on this machine, where its pid can be checked."""
+    mine = this_machine()
+    return holder.machine == mine if holder.machine and mine else holder.host == host
+
+
+def _alive(holder: Holder) -> bool:
+    try:
+        os.kill(holder.pid, 0)
     except ProcessLookupError:
         return False
     except OSError as exc:
-        return exc.errno == errno.EPERM
-    return True
+        if exc.errno != errno.EPERM:
+            return True
+    return not holder.pid_start or process_start(holder.pid) == holder.pid_start
 
 
 def _open_lock(root: Path) -> int:
@@ -206,7 +236,7 @@ def ensure_built(ops: tuple[str, ...], root: str, ours: bool, host: str, note: C
         for line in judge:
             log.warning("%s", line)
             note(f"waiting on {line}")
-        _write_holder(fd, Holder(host, os.getpid(), time.time(), ops))
+        _write_holder(fd, Holder(host, os.getpid(), time.time(), ops, this_machine(), process_start(os.getpid())))
         for op in ops:
             if not judge:
                 note(f"building DeepSpeed's {op} in {path}")
