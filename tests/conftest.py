@@ -224,3 +224,34 @@ def _own_ledger(tmp_path_factory, monkeypatch):
     """Every test gets its own node-health ledger (a preflight failure or a doctor run records nodes there): the
     user's ~/.swiftslurm/ledger.json would make later submits on the shared cluster avoid the nodes a test blamed."""
     monkeypatch.setenv("SWIFTSLURM_LEDGER", str(tmp_path_factory.mktemp("ledger") / "ledger.json"))
+
+
+OTHER_UID = 65534  # nobody
+
+
+def run_as_another_user(args: list[str], *, cwd: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m swiftslurm ARGS`` as uid 65534 (nobody), with its Python, this venv's packages and this checkout
+    reachable wherever the clone lies: each is bind-mounted onto a fresh 0755 directory inside a private mount
+    namespace. Run straight from a clone under root's own 0700 home, nobody reached none of them ("No module named
+    swiftslurm"). Needs root (CI's user), as dropping to another user does anyway."""
+    import sysconfig
+    import tempfile
+
+    base = os.path.realpath(sys.base_prefix)  # the interpreter's installation: its binary, stdlib and libpython
+    site = os.path.realpath(sysconfig.get_paths()["purelib"])
+    src = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
+    python = os.path.relpath(os.path.realpath(sys.executable), base)
+    mnt = tempfile.mkdtemp(prefix="swiftslurm-as-nobody-", dir="/tmp")
+    try:
+        os.chmod(mnt, 0o755)
+        for name in ("base", "site", "src"):
+            os.mkdir(os.path.join(mnt, name), 0o755)
+        binds = 'mount --bind "$1" "$2/base" && mount --bind "$3" "$2/site" && mount --bind "$4" "$2/src" && shift 4 && exec "$@"'
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", binds, "sh", base, mnt, site, src,
+                "setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+                os.path.join(mnt, "base", python), "-m", "swiftslurm", *args]
+        env = {**env, "PYTHONPATH": f"{mnt}/src{os.pathsep}{mnt}/site", "PYTHONNOUSERSITE": "1",
+               "LD_LIBRARY_PATH": os.path.join(mnt, "base", "lib")}
+        return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+    finally:
+        os.rmdir(os.path.join(mnt, "base")), os.rmdir(os.path.join(mnt, "site")), os.rmdir(os.path.join(mnt, "src")), os.rmdir(mnt)

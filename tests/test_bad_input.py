@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_as_another_user
 
 from swiftslurm.errors import SpecError
 from swiftslurm.quoting import shell_quote
@@ -205,10 +206,12 @@ def test_a_spec_in_a_directory_the_user_may_not_search_is_refused_with_why(tmp_p
     (private / "job.toml").write_text(CMD)
     private.chmod(0o700 if os.geteuid() == 0 else 0o000)
     env = {**os.environ, "SWIFTSLURM_DEBUG": "0", "HOME": "/tmp"}
-    as_other = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
     try:
-        r = subprocess.run([*as_other, sys.executable, "-m", "swiftslurm", "validate", str(private / "job.toml")],
-                           capture_output=True, text=True, cwd="/", timeout=120, env=env)
+        if os.geteuid() == 0:
+            r = run_as_another_user(["validate", str(private / "job.toml")], cwd="/", env=env)
+        else:
+            r = subprocess.run([sys.executable, "-m", "swiftslurm", "validate", str(private / "job.toml")],
+                               capture_output=True, text=True, cwd="/", timeout=120, env=env)
     finally:
         private.chmod(0o700)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -11,11 +11,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import run_as_another_user
 from typer.testing import CliRunner
 
 from swiftslurm.checkpoint import Manifest
@@ -285,9 +285,7 @@ def test_an_output_dir_in_a_directory_the_user_cannot_write_is_refused(tmp_path)
         (shared / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
         (shared / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train="", tail="")
                                          .replace('output_dir = "out"', 'output_dir = "ro/run"'))
-        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "swiftslurm",
-                            "validate", "job.toml"], capture_output=True, text=True, cwd=shared, timeout=120,
-                           env={**os.environ, "HOME": str(shared), "SWIFTSLURM_DEBUG": "0"})
+        r = run_as_another_user(["validate", "job.toml"], cwd=str(shared), env={**os.environ, "HOME": str(shared), "SWIFTSLURM_DEBUG": "0"})
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"job.output_dir: the output dir cannot be made there; found {shared / 'ro'} is not writable by you" in r.stderr, r.stderr
     finally:
