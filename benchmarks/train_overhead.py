@@ -4,7 +4,7 @@
 
 Each of the N ranks runs, alternately and ``--repeats`` times: (a) a plain ``transformers.Trainer`` with
 the same TrainingArguments and DeepSpeed dict, saving once at the last step like (b); (b)
-``swiftslurm.train.tasks.sft.train`` (verified checkpoint commit, measured metrics, stop all-reduce,
+``swiftslurm.train.run.train`` (verified checkpoint commit, measured metrics, stop all-reduce,
 metrics.jsonl). Both use the tiny model, the shipped alpaca data and the same seed, so they process the
 same tokens. Throughput = non-padding tokens (counted in the bare run's collator, all ranks) / ``train_runtime`` (the HF
 Trainer's own wall time of the training loop, identical code for both). The best of the repeats counts.
@@ -47,8 +47,8 @@ def bare_run(spec, ds: dict, out: str) -> tuple[float, int]:
     import torch.distributed as tdist
     from transformers import Trainer, set_seed
 
+    from swiftslurm.train.build import training_arguments
     from swiftslurm.train.data.tokens import Collator, load_dataset
-    from swiftslurm.train.tasks.sft import training_arguments
     from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     set_seed(spec.train.seed)
@@ -74,7 +74,7 @@ def bare_run(spec, ds: dict, out: str) -> tuple[float, int]:
 
 
 def swiftslurm_run(spec, ds: dict, out: str, dist) -> float:
-    from swiftslurm.train.tasks.sft import train
+    from swiftslurm.train.run import train
 
     train(spec, dist, ds, out, None, lambda: False)
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()] if dist.rank == 0 else []

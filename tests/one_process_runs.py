@@ -4,7 +4,7 @@ optimizer step, and a few spec keys that need training to show their effect (VAR
     python tests/one_process_runs.py OUT_DIR [PRESET | EXAMPLE.toml | VARIANT ...]
 
 Each preset goes the way a user's spec goes: ``dsconfig.build_for_spec`` (preset + [deepspeed] + the
-batch/precision keys) -> ``train.sft.train`` (HF Trainer + a real DeepSpeed engine, DS_ACCELERATOR=cpu).
+batch/precision keys) -> ``train.run.train`` (HF Trainer + a real DeepSpeed engine, DS_ACCELERATOR=cpu).
 An EXAMPLE.toml brings its own ``train.deepspeed``, ``[deepspeed]`` table, precision and checkpointing onto
 the tiny model. A VARIANT is a preset-free spec of its own. Prints one JSON line per run: {"preset", "ok", "steps", "loss",
 "learning_rate", "grad_norm", "optimizer", "zero_stage", "ds_config", "error"}. A refusal
@@ -118,7 +118,7 @@ def main(out_root: str, presets: list[str]) -> int:
     from swiftslurm.errors import SwiftSlurmError
     from swiftslurm.slurm.distenv import DistEnv, free_port
     from swiftslurm.spec import parse_spec
-    from swiftslurm.train.tasks.sft import train
+    from swiftslurm.train.run import train
 
     print("AIO " + json.dumps(AsyncIOBuilder().is_compatible(verbose=False)), flush=True)
     port = free_port()

@@ -124,3 +124,63 @@ def test_no_cycles_inside_a_folder():
 
         for mod in graph:
             visit(mod, [])
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the modules it imports (top-level and inside functions)."""
+    raw = {module_name(path): {t for _, t in imports_of(path)} for path in PKG.rglob("*.py")}
+
+    def resolve(target: str) -> str:  # "swiftslurm.fsutil.read_json" -> "swiftslurm.fsutil"
+        while target and target not in raw:
+            target = target.rsplit(".", 1)[0] if "." in target else ""
+        return target
+
+    return {mod: {resolve(t) for t in targets if resolve(t) not in ("", mod)} for mod, targets in raw.items()}
+
+
+def test_no_import_cycles_anywhere():
+    """No two modules import each other, however far apart and however lazily (tasks/pt and tasks/sft once did)."""
+    graph = _module_graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+# the modules that write a run's records while it trains, and what only reads them afterwards
+WRITERS = ("swiftslurm.train.run", "swiftslurm.train.tasks", "swiftslurm.train.trainer", "swiftslurm.jobs.send")
+READERS = ("swiftslurm.watch", "swiftslurm.doctor")
+TRAINER = WRITERS[:3]  # the login-side commands (cli) read a run's summary through train/result.py, never these
+
+
+def test_readers_do_not_import_the_modules_that_write():
+    """The record names and formats readers need live in taskdir and the record modules (train/result.py), not in
+    the trainer or the submitter: a reader never imports a writer."""
+    wrong = [f"{mod} imports {t}" for mod, targets in _module_graph().items() for t in targets
+             if (mod.startswith(READERS) and t.startswith(WRITERS)) or (mod.startswith("swiftslurm.cli") and t.startswith(TRAINER))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_task_the_spec_takes_has_one_registered_class():
+    """Adding a task: its name in the spec's `task`, one module in train/tasks/ and one row in TASKS."""
+    import typing
+
+    from swiftslurm.spec.model import TrainTable
+    from swiftslurm.train.tasks import TASKS, task_for
+
+    assert set(typing.get_args(TrainTable.model_fields["task"].annotation)) == set(TASKS)
+    for name in TASKS:
+        assert task_for(name).name == name

@@ -1,5 +1,5 @@
 """Short trainer runs in ONE process (tests/one_process_runs.py: world size 1, the tiny model, real DeepSpeed on
-the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and trainer (train.sft.train):
+the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and trainer (train.run.train):
 
 - every shipped DeepSpeed preset starts a real engine and takes one optimizer step; a preset the CPU cannot
   run is refused by the node with its reason (NVMe offload without DeepSpeed's async_io op / libaio);

@@ -100,12 +100,12 @@ def run_grad_norm():
     """The Trainer's grad norm under DeepSpeed: what our trainer hands its loop, against Accelerate's wrapper."""
     from types import SimpleNamespace
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
-    from swiftslurm.train.trainer import SFTTrainer
+    from swiftslurm.train.trainer import SwiftTrainer
     eng, zopt = engine()
     eng.backward(eng(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean())
     eng.step()
     wrapped = DeepSpeedEngineWrapper(eng)
-    trainer = object.__new__(SFTTrainer)  # only the two grad-norm methods are called
+    trainer = object.__new__(SwiftTrainer)  # only the two grad-norm methods are called
     trainer.is_deepspeed_enabled = True
     trainer.accelerator = SimpleNamespace(deepspeed_engine_wrapped=wrapped)
     norm = trainer._get_grad_norm(eng, trainer._clip_grad_norm(eng))

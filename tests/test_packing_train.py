@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from test_train import losses, quickstart_spec, run
 
-from swiftslurm.train.tasks.sft import CACHE_DIR, SUMMARY_FILE
+from swiftslurm.taskdir import SUMMARY_FILE
+from swiftslurm.taskdir import TOKEN_CACHE_DIR as CACHE_DIR
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

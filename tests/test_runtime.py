@@ -174,7 +174,7 @@ def test_a_broken_own_import_fails_the_rank_loudly(tmp_path, module, checks):
     assert "Traceback" in proc.stderr and not (tmp_path / "env-0.json").exists()
 
 
-@pytest.mark.parametrize("module", ["swiftslurm.train.tasks.sft", "deepspeed"])
+@pytest.mark.parametrize("module", ["swiftslurm.train.run", "deepspeed"])
 def test_the_trainer_import_fails_loudly_for_our_modules_and_with_a_hint_for_a_missing_extra(tmp_path, module):
     shim = tmp_path / "shim"
     shim.mkdir()

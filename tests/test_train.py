@@ -121,7 +121,7 @@ def test_demo_loss_halves_and_checkpoints_verify(demo):
     stdout = results[0]["stdout"]
     assert "training finished at step 50" in stdout and f"tensorboard --logdir {out}/runs" in stdout
     assert "tokens/s" in stdout
-    from swiftslurm.train.tasks.sft import read_summary
+    from swiftslurm.train.result import read_summary
 
     assert read_summary(str(out)) in stdout and "loss: first" in read_summary(str(out))
 
@@ -272,7 +272,7 @@ def test_zero2_offload_lora_saves_an_adapter(tmp_path):
 def test_unavailable_model_is_a_clear_error(tmp_path, monkeypatch):
     from swiftslurm.errors import SwiftSlurmError
     from swiftslurm.spec import validate_spec
-    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
+    from swiftslurm.train.build import load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = validate_spec({"train": {"model": "no-such-org/no-such-model", "dataset": ["d.jsonl"]}})
@@ -290,7 +290,7 @@ def test_a_model_dir_loads_without_hub_kernels(tmp_path):
 
     from swiftslurm.export.weights import base_model
     from swiftslurm.spec import validate_spec
-    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
+    from swiftslurm.train.build import load_model_and_tokenizer
     from swiftslurm.train.tinymodel import build_model, build_tokenizer
 
     tok = build_tokenizer()

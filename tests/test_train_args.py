@@ -25,7 +25,7 @@ def spec_of(extra: str = ""):
 
 @pytest.mark.parametrize("extra,clip,timeout", [("", 1.0, 1800), ("max_grad_norm = 0.5\nddp_timeout = 90", 0.5, 90)])
 def test_clipping_and_timeout_reach_deepspeed_and_the_trainer(tmp_path, extra, clip, timeout):
-    from swiftslurm.train.tasks.sft import training_arguments
+    from swiftslurm.train.build import training_arguments
 
     args = training_arguments(spec_of(extra), str(tmp_path), load_preset("zero2"), cuda=False)
     assert args.max_grad_norm == clip and args.ddp_timeout == timeout
@@ -55,7 +55,7 @@ def test_a_nonfinite_loss_is_logged_as_the_mean_so_far_without_a_host_read():
     the last log, exactly as the Trainer's loop adds it."""
     import torch
 
-    from swiftslurm.train.tasks.sft import training_arguments
+    from swiftslurm.train.build import training_arguments
     from swiftslurm.train.trainer import finite_or_mean
 
     assert training_arguments(spec_of(), "/tmp/unused", load_preset("zero2"), cuda=False).logging_nan_inf_filter is False

@@ -24,7 +24,7 @@ from swiftslurm.dsconfig import build_for_spec
 from swiftslurm.slurm.distenv import DistEnv, free_port
 from swiftslurm.spec import load_spec
 from swiftslurm.train.health import gpuutil
-from swiftslurm.train.tasks.sft import train
+from swiftslurm.train.run import train
 
 port = free_port()
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -132,7 +132,7 @@ def test_packed_rows_skip_the_mask_preparation_that_reads_the_gpu_and_a_padding_
     import transformers.masking_utils as masking
 
     from swiftslurm.spec import validate_spec
-    from swiftslurm.train.tasks.sft import load_model_and_tokenizer
+    from swiftslurm.train.build import load_model_and_tokenizer
 
     kernel(reference_kernel)
     calls = []

@@ -93,7 +93,7 @@ def status_table(rows: list[TaskStatus], title: str = "") -> Table:
 
 def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) -> None:
     """The built-in trainer's end-of-training lines (rank 0 wrote them), for the first few tasks."""
-    from ..train.tasks.sft import read_summary
+    from ..train.result import read_summary
 
     for index, task_dir in enumerate(sub.task_dirs[:limit]):
         text = read_summary(task_dir) if task_dir else None

@@ -14,14 +14,12 @@ from typing import Any
 
 from .. import fsutil
 from ..checkpoint.savetime import read_save
-from ..jobs.send import TASK_SPEC_FILE
 from ..node.requeue import read_requeues
 from ..node.restart import read_restarts
 from ..slurm.distenv import FR_DUMP_NAME
+from ..taskdir import METRICS_FILE, SUMMARY_FILE, TASK_SPEC_FILE
 from ..train.health import frtrace
-from ..train.tasks.sft import SUMMARY_FILE
 from ..watch import logs as L
-from ..watch.progress import METRICS_FILE
 
 PREFLIGHT_REPORT = ("preflight", "report.json")
 

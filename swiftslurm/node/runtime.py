@@ -282,9 +282,11 @@ def startup_hint(what: str) -> str:
 
 
 def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
-    from ..train import opbuild
+    from ..train import (
+        opbuild,
+        run,  # our own: a broken import fails the rank with its traceback
+    )
     from ..train.health import startup
-    from ..train.tasks import sft  # our own: a broken import fails the rank with its traceback
 
     # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training
     missing = [name for name in TRAINER_PACKAGES if importlib.util.find_spec(name) is None]
@@ -310,7 +312,7 @@ def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume
 
     cuda = prepare_device_env()  # DS_ACCELERATOR before DeepSpeed is imported
     opbuild.ensure_built(opbuild.needed_ops(ds_config, cuda), ops_dir, ours, dist.node, startup.mark)
-    result = sft.train(spec, dist, ds_config, out_dir, resume, should_stop)
+    result = run.train(spec, dist, ds_config, out_dir, resume, should_stop)
     # Training is over: a walltime USR2 arriving now (e.g. during interpreter teardown, when CPython has
     # already restored the default handler, which kills) must not fail the job. SIG_IGN survives teardown.
     try:

@@ -155,7 +155,7 @@ def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], c
         num_train_epochs=t.epochs,
         logging_steps=t.logging_steps,
         logging_first_step=True,
-        logging_nan_inf_filter=False,  # applied on the device instead (trainer.SFTTrainer.training_step): no host read per step
+        logging_nan_inf_filter=False,  # applied on the device instead (trainer.SwiftTrainer.training_step): no host read per step
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=None,  # retention is checkpoint.prune's job

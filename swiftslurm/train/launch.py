@@ -1,4 +1,4 @@
-"""A small local launcher: N processes on this machine, each calling ``sft.train`` (tests, benchmark).
+"""A small local launcher: N processes on this machine, each calling ``run.train`` (tests, benchmark).
 
 Production runs go through ``swiftslurm run`` (runtime.run_task); this exists so the trainer can be
 exercised without Slurm or the runtime:
@@ -86,7 +86,7 @@ def _write_plan(spec_path: str, out: str) -> Path:
 def _worker(plan_file: str, out: str, resume: str | None, stop_at_step: int | None) -> int:
     from ..plan import read_plan_task
     from ..slurm import distenv
-    from .tasks.sft import train
+    from .run import train
 
     def should_stop() -> bool:  # asked once at train begin, then at every step's end: true from step stop_at_step on
         calls["n"] += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,10 +54,28 @@ def finite_or_mean(loss: torch.Tensor, summed: torch.Tensor, steps_since_log: in
     return torch.where(torch.isfinite(loss), loss, summed / (1 + steps_since_log))
 
 
-class SFTTrainer(Trainer):
+@dataclass(frozen=True)
+class RunFacts:
+    """What the Trainer needs of the spec for its saves and their manifest (``run.train`` builds it once)."""
+
+    name: str  # job.name
+    train_type: str  # "lora" | "full"
+    checksum: str  # checkpoint.checksum: the manifest's algorithm
+    keep: int  # checkpoint.keep
+    signal_grace_s: int
+    global_batch: int  # samples (or packed rows) per optimizer step
+    spec_fingerprint: dict[str, Any]  # checkpoint/fingerprint.py: a resume under another spec warns
+    packing: bool
+    zero_stage: int
+    fused_lora: bool
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+
+
+class SwiftTrainer(Trainer):
     """Trainer + swiftslurm's save protocol and measurements. ``job`` carries spec facts for the meta."""
 
-    def __init__(self, *args, meter: StepMeter, job: dict[str, Any], flops_per_token: float | None = None,
+    def __init__(self, *args, meter: StepMeter, job: RunFacts, flops_per_token: float | None = None,
                  cpu_adam: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.cpu_adam = cpu_adam
@@ -103,16 +122,16 @@ class SFTTrainer(Trainer):
     def after_trl_init(self) -> None:
         """TRL's trainers apply LoRA (``peft_config``) inside their ``__init__``: their subclasses call this once it
         returned, to count the FLOPs of the model as it is now and (``train.fused_lora``) fuse its LoRA projections,
-        as ``sft._build_model`` does for SFT and PT."""
+        as ``run._build_model`` does for SFT and PT."""
         self.count_model_flops()
-        if self.job.get("fused_lora"):
+        if self.job.fused_lora:
             from .kernels import lora
 
             lora.install(self.model, say=self.args.process_index == 0)
 
     def count_model_flops(self) -> None:
         """``flops_per_token`` from the model as it is now: TRL's trainers apply LoRA (``peft_config``) inside their
-        ``__init__``, after ``sft.train`` counted the parameters, so their subclasses call this once it returned."""
+        ``__init__``, after ``run.train`` counted the parameters, so their subclasses call this once it returned."""
         from .health.metrics import flops_per_token
 
         assert self.model is not None  # the Trainer's __init__ set it
@@ -170,7 +189,7 @@ class SFTTrainer(Trainer):
             tokens, samples, total, *utils = all_reduce_values([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
                                                          tdist.ReduceOp.SUM, self.args.device)
             # the ranks of a TP group train on copies of one batch; SP ranks on shards of the same samples
-            tp, sp = self.job.get("tensor_parallel", 1), self.job.get("sequence_parallel", 1)
+            tp, sp = self.job.tensor_parallel, self.job.sequence_parallel
             tokens, total, samples = tokens / tp, total / tp, samples / (tp * sp)
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
             logs.update(gpu_fields(utils))
@@ -204,7 +223,7 @@ class SFTTrainer(Trainer):
         # every rank hashes the files it wrote, in parallel; rank 0 hashes the shared ones in commit and merges
         t_hash = time.perf_counter()
         rank = self.args.process_index
-        own = ck.hash_own_files(staging, rank, self.job["checksum"]) if rank != 0 else {}
+        own = ck.hash_own_files(staging, rank, self.job.checksum) if rank != 0 else {}
         phases["hash"] = time.perf_counter() - t_hash
         hashes = _gather_hashes(own)
         if self.args.process_index == 0:
@@ -215,22 +234,22 @@ class SFTTrainer(Trainer):
                 pass
             meta = {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
                     "data_position": {"epoch": self.state.epoch,
-                                      ("packed_rows" if self.job.get("packing") else "samples"): step * self.job["global_batch"]},
-                    "job_name": self.job["name"], "train_type": self.job["train_type"],
-                    "spec_fingerprint": self.job.get("spec_fingerprint"),
-                    "parallel": {"sequence_parallel": self.job.get("sequence_parallel", 1),
-                                 "tensor_parallel": self.job.get("tensor_parallel", 1)},
-                    "dp_world_size": self.args.world_size, "zero_stage": self.job.get("zero_stage")}  # universal.writer_layout
+                                      ("packed_rows" if self.job.packing else "samples"): step * self.job.global_batch},
+                    "job_name": self.job.name, "train_type": self.job.train_type,
+                    "spec_fingerprint": self.job.spec_fingerprint,
+                    "parallel": {"sequence_parallel": self.job.sequence_parallel,
+                                 "tensor_parallel": self.job.tensor_parallel},
+                    "dp_world_size": self.args.world_size, "zero_stage": self.job.zero_stage}  # universal.writer_layout
             final = ck.final_dir(out, step)
             meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
-            ck.commit(staging, final, algo=self.job["checksum"], meta=meta, hashes=hashes, timings=phases)
+            ck.commit(staging, final, algo=self.job.checksum, meta=meta, hashes=hashes, timings=phases)
             self.committed.append(str(final))
         _barrier()
         if self.args.process_index == 0:
             if self.args.metric_for_best_model:  # the best evaluation's checkpoint, before retention sees the dir
                 ck.point_best(out, self.state.best_global_step)
             t_prune = time.perf_counter()
-            for path in ck.prune(out, self.job["keep"]):
+            for path in ck.prune(out, self.job.keep):
                 log.info("pruned old checkpoint %s", path)
             phases["prune"] = time.perf_counter() - t_prune
         seconds = time.perf_counter() - start
@@ -248,7 +267,7 @@ class SFTTrainer(Trainer):
     def _check_grace(self, step: int, save_s: float, phases: dict[str, float]) -> None:
         """Record this save's phases (checkpoint-save.json) and warn when a walltime save would not fit
         slurm.signal_grace_s after one step, with the value to set."""
-        record = savetime.record_save(self._output_dir(), step, save_s, phases, self.meter.last_step_s, self.job["signal_grace_s"])
+        record = savetime.record_save(self._output_dir(), step, save_s, phases, self.meter.last_step_s, self.job.signal_grace_s)
         if record["advice"]:
             log.warning("%s", record["advice"])
 

@@ -64,7 +64,7 @@ def resolve_start(resume_arg: str | bool | None, spec: JobSpec, output_dir: str,
         code, what, found, hint = prepared["error"]
         error = SwiftSlurmError(what, found, hint)
         error.exit_code = code  # the same message and exit code on every rank (5 for damage)
-        error.agreed = True  # every rank raises it here: they may leave the process group together (sft.train)
+        error.agreed = True  # every rank raises it here: they may leave the process group together (run.train)
         raise error
     chosen = ck.agree_resume_point(output_dir, rank, node, resume.exchange(), lambda: Path(prepared["path"]), log.warning)
     return Start(str(chosen), bool(prepared["weights_only"]), "resume_from")

@@ -1,7 +1,7 @@
-"""Preference training (``train.task = "dpo"``) through TRL's ``DPOTrainer``, behind ``sft.train``'s task seam.
+"""Preference training (``train.task = "dpo"``) through TRL's ``DPOTrainer``, behind ``run.train``'s task seam.
 
 Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
-measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTrainer``). This module adds:
+measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the arguments: TRL's ``DPOConfig`` = the SFT ``TrainingArguments`` keys + beta, loss type,
   ``precompute_ref_log_probs``, ``max_length``;
@@ -44,13 +44,13 @@ def dpo_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cud
 
 
 def trainer_class():
-    """``SwiftDPOTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``DPOTrainer`` in the MRO, so
+    """``SwiftDPOTrainer``: our Trainer plumbing (``SwiftTrainer``) in front of TRL's ``DPOTrainer`` in the MRO, so
     our ``log``/``_save_checkpoint``/``get_batch_samples`` wrap TRL's, which wrap ``transformers.Trainer``'s."""
     from trl import DPOTrainer
 
-    from ..trainer import SFTTrainer
+    from ..trainer import SwiftTrainer
 
-    class SwiftDPOTrainer(SFTTrainer, DPOTrainer):
+    class SwiftDPOTrainer(SwiftTrainer, DPOTrainer):
         def __init__(self, *args, max_prompt_length: int | None = None, **kwargs):
             self.max_prompt_length = max_prompt_length  # read by _prepare_dataset, inside TRL's __init__
             super().__init__(*args, **kwargs)
@@ -68,7 +68,7 @@ def trainer_class():
 
 
 class DPOTask(TRLTask):
-    """``sft.train``'s task seam for DPO (``sft.SFTTask`` is the other one)."""
+    """``run.train``'s task seam for DPO (``sft.SFTTask`` is the other one)."""
 
     name = "dpo"
 

@@ -1,7 +1,7 @@
-"""Online RL (``train.task = "grpo"``) through TRL's ``GRPOTrainer``, behind ``sft.train``'s task seam.
+"""Online RL (``train.task = "grpo"``) through TRL's ``GRPOTrainer``, behind ``run.train``'s task seam.
 
 Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
-measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTrainer``). This module adds:
+measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the arguments: TRL's ``GRPOConfig`` = the SFT ``TrainingArguments`` keys + ``num_generations``,
   ``max_completion_length``, ``temperature``, ``beta`` (``train.grpo_beta``), ``reward_weights``; generation by
@@ -75,14 +75,14 @@ def grpo_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cu
 
 
 def trainer_class():
-    """``SwiftGRPOTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``GRPOTrainer`` in the MRO."""
+    """``SwiftGRPOTrainer``: our Trainer plumbing (``SwiftTrainer``) in front of TRL's ``GRPOTrainer`` in the MRO."""
     import torch
     from trl import GRPOTrainer
 
-    from ..trainer import SFTTrainer
+    from ..trainer import SwiftTrainer
     from . import rewards
 
-    class SwiftGRPOTrainer(SFTTrainer, GRPOTrainer):
+    class SwiftGRPOTrainer(SwiftTrainer, GRPOTrainer):
         def __init__(self, *args, reward_failures: list, **kwargs):
             self.reward_failures = reward_failures  # filled by the Guarded reward functions of this rank
             super().__init__(*args, **kwargs)
@@ -118,14 +118,14 @@ def trainer_class():
             if failure is not None:
                 if self.args.process_index == 0:
                     log.error("stopping: %s (%s)", failure.message(), failure.sample)
-                raise rewards.failed_error(failure)  # on every rank: sft.train leaves the process groups together
+                raise rewards.failed_error(failure)  # on every rank: run.train leaves the process groups together
             return scored
 
     return SwiftGRPOTrainer
 
 
 class GRPOTask:
-    """``sft.train``'s task seam for GRPO (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
+    """``run.train``'s task seam for GRPO (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
 
     name = "grpo"
 

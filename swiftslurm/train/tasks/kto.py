@@ -1,7 +1,7 @@
-"""KTO (``train.task = "kto"``) through TRL's ``KTOTrainer``, behind ``sft.train``'s task seam.
+"""KTO (``train.task = "kto"``) through TRL's ``KTOTrainer``, behind ``run.train``'s task seam.
 
 Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
-measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTrainer``). This module adds:
+measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the arguments: TRL's ``KTOConfig`` = the SFT ``TrainingArguments`` keys + ``beta`` (``train.dpo_beta``: the same
   pull towards the reference as DPO's), ``desirable_weight``/``undesirable_weight`` (``train.kto_*_weight``),
@@ -42,12 +42,12 @@ def kto_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cud
 
 
 def trainer_class():
-    """``SwiftKTOTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``KTOTrainer`` in the MRO."""
+    """``SwiftKTOTrainer``: our Trainer plumbing (``SwiftTrainer``) in front of TRL's ``KTOTrainer`` in the MRO."""
     from trl import KTOTrainer
 
-    from ..trainer import SFTTrainer
+    from ..trainer import SwiftTrainer
 
-    class SwiftKTOTrainer(SFTTrainer, KTOTrainer):
+    class SwiftKTOTrainer(SwiftTrainer, KTOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
@@ -56,7 +56,7 @@ def trainer_class():
 
 
 class KTOTask(TRLTask):
-    """``sft.train``'s task seam for KTO (``sft.SFTTask`` and ``dpo.DPOTask`` are others)."""
+    """``run.train``'s task seam for KTO (``sft.SFTTask`` and ``dpo.DPOTask`` are others)."""
 
     name = "kto"
     records = "unpaired"

@@ -1,4 +1,4 @@
-"""Continued pretraining on raw text (``train.task = "pt"``), behind ``sft.train``'s task seam.
+"""Continued pretraining on raw text (``train.task = "pt"``), behind ``run.train``'s task seam.
 
 Everything is SFT's: the Trainer, packing, LoRA or full fine-tuning, sequence/tensor parallel, Liger, resume,
 verified checkpoints, the walltime stop, the metrics and the summary. Only the data differs: ``{"text"}``

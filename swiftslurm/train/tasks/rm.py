@@ -1,7 +1,7 @@
-"""Reward models (``train.task = "rm"``) through TRL's ``RewardTrainer``, behind ``sft.train``'s task seam.
+"""Reward models (``train.task = "rm"``) through TRL's ``RewardTrainer``, behind ``run.train``'s task seam.
 
 Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
-measured metrics, metrics.jsonl and the summary (``sft.train``, ``trainer.SFTTrainer``). This module adds:
+measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the model: ``build.load_model_and_tokenizer`` gives the backbone a 1-output score head
   (``AutoModelForSequenceClassification``, ``num_labels = 1``) when ``task = "rm"``;
@@ -41,12 +41,12 @@ def rm_arguments(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], cuda
 
 
 def trainer_class():
-    """``SwiftRewardTrainer``: our Trainer plumbing (``SFTTrainer``) in front of TRL's ``RewardTrainer`` in the MRO."""
+    """``SwiftRewardTrainer``: our Trainer plumbing (``SwiftTrainer``) in front of TRL's ``RewardTrainer`` in the MRO."""
     from trl import RewardTrainer
 
-    from ..trainer import SFTTrainer
+    from ..trainer import SwiftTrainer
 
-    class SwiftRewardTrainer(SFTTrainer, RewardTrainer):
+    class SwiftRewardTrainer(SwiftTrainer, RewardTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
@@ -55,7 +55,7 @@ def trainer_class():
 
 
 class RewardTask(TRLTask):
-    """``sft.train``'s task seam for reward models (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
+    """``run.train``'s task seam for reward models (``sft.SFTTask`` and ``dpo.DPOTask`` are the others)."""
 
     name = "rm"
 

@@ -1,4 +1,4 @@
-"""What the TRL-backed tasks (DPO, KTO, reward models) share behind ``sft.train``'s task seam.
+"""What the TRL-backed tasks (DPO, KTO, reward models) share behind ``run.train``'s task seam.
 
 TRL wraps the model (LoRA from ``peft_config``), tokenizes and pads each micro-batch itself (its own collator), so
 the task hands it the model as built and the checked records. ``TRLTask.data`` reads the records with the task's
