@@ -224,6 +224,8 @@ def _own_ledger(tmp_path_factory, monkeypatch):
     """Every test gets its own node-health ledger (a preflight failure or a doctor run records nodes there): the
     user's ~/.swiftslurm/ledger.json would make later submits on the shared cluster avoid the nodes a test blamed."""
     monkeypatch.setenv("SWIFTSLURM_LEDGER", str(tmp_path_factory.mktemp("ledger") / "ledger.json"))
+    # and its own job index (jobs/index.py: every Slurm submit appends to it), never the user's
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
 
 
 OTHER_UID = 65534  # nobody

@@ -193,6 +193,9 @@ def test_sweep_is_one_sbatch_array_cli(tmp_path):
     sub = load_submission(str(tmp_path / "out"))
     assert sub.executor == "slurm" and len(sub.slurm_job_ids) == 1 and _sbatch_calls(sub) == 1
     assert sub.job_ids == [f"{sub.slurm_job_ids[0]}_{i}" for i in range(4)]
+    from swiftslurm.jobs import index
+
+    assert index.output_dirs_of(sub.job_ids[2]) == [str((tmp_path / "out").resolve())]  # found after Slurm forgets it
     seen = set()
     for i in range(4):
         spec = json.loads((tmp_path / "out" / str(i) / "spec.json").read_text())["spec"]

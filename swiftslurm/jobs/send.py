@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 from datetime import datetime
@@ -27,6 +28,7 @@ from ..quoting import sbatch_escape, shell_quote
 from ..taskdir import SUBMIT_LOCK_FILE, TASK_SPEC_FILE
 
 # the record of what was sent, and its tasks' state (re-exported: callers import them from here too)
+from . import index
 from .record import SUBMISSION_FILE, Submission, TaskStatus, load_records, load_submission, process_start, records_path, update_record  # noqa: F401
 
 EXECUTORS = ("auto", "slurm", "local")
@@ -416,4 +418,14 @@ def submit_plan(plan: Plan, executor: str = "auto", mode: str = "train") -> Subm
             _jobs=jobs_flat,
         )
         update_record(sub)
+    if kind == "slurm":
+        _index(sub)
     return sub
+
+
+def _index(sub: Submission) -> None:
+    """This user's job index (``index.py``): found again by JOBID after Slurm forgot the job."""
+    try:
+        index.remember(sub.job_ids, sub.job_name, sub.output_dir)
+    except OSError as exc:  # the submission stands; only the lookup by id after Slurm forgets it is lost
+        logging.getLogger("swiftslurm").warning("could not add job(s) %s to %s: %s", ",".join(sub.job_ids), index.index_path(), exc)

@@ -19,7 +19,8 @@ from .. import slurm
 from ..errors import SwiftSlurmError
 from ..fsutil import DIRECTORY, FILE, RECORD_CAP, UNREACHABLE, Unreadable, path_kind, read_json
 from ..taskdir import OWNER_FILE, PLAN_FILE
-from .record import SUBMISSION_FILE, Submission, load_submission
+from . import index as job_index
+from .record import SUBMISSION_FILE, Submission, load_records, load_submission
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,9 @@ def bare_job(job_id: str) -> Submission:
     records = slurm.job_records([job_id.split("_")[0]])
     ids = sorted((j for j in records if slurm.is_of(j, job_id)), key=_job_sort_key)
     if not ids:
+        remembered = _remembered(job_id)
+        if remembered is not None:  # Slurm forgot it (no accounting, or purged): its dir's record still knows it
+            return remembered[0]
         raise SwiftSlurmError(f"Slurm knows no job {job_id}", "neither sacct nor squeue lists it", "check the id with `sacct -X`, or pass the job's output dir")
     return Submission("slurm", ids, "", [""] * len(ids), "", submitted_at=0.0)
 
@@ -174,5 +178,30 @@ def _by_job_id(job_id: str) -> tuple[Submission, list[TaskRef]]:
                 tasks = [t for t in refs(sub) if t.job_id == job_id or (t.job_id.split("_")[0] == job_id)]
                 if tasks:
                     return sub, tasks
-    raise SwiftSlurmError(f"cannot find where job {job_id} wrote", "Slurm records no path of it under a swiftslurm output dir",
+    remembered = _remembered(job_id)
+    if remembered is not None:
+        return remembered
+    raise SwiftSlurmError(f"cannot find where job {job_id} wrote",
+                          f"Slurm records no path of it under a swiftslurm output dir, and {job_index.index_path()} names none",
                           "pass the job's output dir (job.output_dir) instead")
+
+
+def _remembered(job_id: str) -> tuple[Submission, list[TaskRef]] | None:
+    """The submission and tasks of ``job_id`` through this user's job index (``index.py``): only a dir whose own
+    submission record holds the id counts, newest record first."""
+    for where in job_index.output_dirs_of(job_id):
+        try:
+            if path_kind(Path(where) / SUBMISSION_FILE) != FILE:
+                continue
+            records = load_records(where)
+        except SwiftSlurmError:  # a damaged record there: not where to read
+            continue
+        for record in reversed(records):
+            try:
+                sub = Submission.from_json(record)
+            except ValueError:
+                continue
+            tasks = [t for t in refs(sub) if t.job_id == job_id or t.job_id.split("_")[0] == job_id]
+            if tasks and sub.output_dir and Path(sub.output_dir).resolve() == Path(where).resolve():
+                return sub, tasks
+    return None
