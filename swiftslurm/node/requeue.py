@@ -37,8 +37,11 @@ if TYPE_CHECKING:
 
 # EX_TEMPFAIL: the run stopped early and was not requeued; resubmitting continues it.
 NOT_REQUEUED_EXIT = 75
+# the progress guard stopped it: attempts in a row committed nothing newer (resubmitting the same spec would loop)
+NO_PROGRESS_EXIT = 79
 # outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
 REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
+NO_PROGRESS = "no_progress"
 POLL_S = 0.2
 # a report's mtime comes from the node (or file server) that wrote it: this much clock skew is forgiven
 STALE_SLACK_S = 120.0
@@ -66,6 +69,52 @@ def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> Req
         f"stopped at walltime after {done} requeue(s): max_requeues reached (slurm.max_requeues = {max_requeues}); "
         "resubmit the same spec (or raise slurm.max_requeues) to continue from the newest verified checkpoint",
     )
+
+
+def made_progress(record: dict[str, Any]) -> bool | None:
+    """Whether the attempt a stop record ends committed a checkpoint newer than the one it started from (pure);
+    None for a record that does not say (written before the guard existed, or not of our shape)."""
+    if "committed_step" not in record:
+        return None
+    start, done = record.get("start_step"), record.get("committed_step")
+    if done is not None and not (isinstance(done, int) and not isinstance(done, bool)):
+        return None
+    if done is None:
+        return False
+    return not (isinstance(start, int) and not isinstance(start, bool) and done <= start)
+
+
+def no_progress_streak(records: list[dict[str, Any]]) -> int:
+    """How many of the last stop records, in a row, ended an attempt with no progress (pure)."""
+    streak = 0
+    for record in reversed(records):
+        if made_progress(record) is not False:
+            break
+        streak += 1
+    return streak
+
+
+def guard_decision(streak: int, limit: int, done: int, committed: int | None, save_advice: str | None) -> RequeueDecision | None:
+    """The progress guard (pure): stop for good after ``limit`` attempts in a row without progress (0: never)."""
+    if not limit or streak < limit:
+        return None
+    newest = f"newest committed step {committed}" if committed is not None else "no checkpoint committed yet"
+    cause = save_advice or ("each attempt reached its walltime before a newer checkpoint committed (the start, or save_steps "
+                            "steps and a save, take longer than the allocation leaves)")
+    return RequeueDecision(
+        False, done, NO_PROGRESS,
+        f"stopped for good: no progress in {streak} attempt(s) in a row ({newest}); the last cause was a walltime stop: {cause}; "
+        "fix that first (train.save_steps, slurm.signal_grace_s, slurm.time), then resubmit: it continues from the newest "
+        "verified checkpoint (slurm.no_progress_attempts sets how many such attempts are allowed)")
+
+
+def newest_committed_step(out_dir: str) -> int | None:
+    """The step of the newest committed ``checkpoint-N`` in ``out_dir`` (names only: nothing hashed), or None."""
+    from ..checkpoint import list_checkpoints
+    from ..checkpoint.names import step_of
+
+    listed = list_checkpoints(out_dir)
+    return step_of(listed[0]) if listed else None
 
 
 def read_requeues(out_dir: str) -> list[dict[str, Any]]:
@@ -159,26 +208,40 @@ def await_other_ranks(dist: DistEnv, out_dir: str, timeout_s: float, log) -> Non
         pass
 
 
-def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None) -> int:
-    """Rank 0: decide, record, requeue. Returns this rank's exit code (0 requeued, else NOT_REQUEUED_EXIT)."""
+def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None, start_step: int | None = None) -> int:
+    """Rank 0: decide, record, requeue. Returns this rank's exit code (0 requeued, NO_PROGRESS_EXIT when the progress
+    guard stopped it, else NOT_REQUEUED_EXIT). ``start_step``: the newest committed step when this attempt started."""
     # half the grace: what is left of it after the save must still hold the requeue
     await_other_ranks(dist, out_dir, max(10.0, spec.slurm.signal_grace_s / 2), log)
-    done = walltime_requeues(read_requeues(out_dir), dist.requeue_id, dist.restart_count)
+    records = read_requeues(out_dir)
+    done = walltime_requeues(records, dist.requeue_id, dist.restart_count)
     singleton = spec.slurm.continue_with == "singleton" and dist.executor == "slurm"
+    chain = [dist.requeue_id]
     if singleton:  # max_requeues bounds the chain's links and requeues together
         from .chain import links_before, read_chains
 
-        done += links_before(read_chains(out_dir), dist.requeue_id)
-    decision = decide_requeue(done, spec.slurm.max_requeues, dist.executor)
-    entry = {
+        chains = read_chains(out_dir)
+        done += links_before(chains, dist.requeue_id)
+        chain = [link for links in chains if dist.requeue_id in links for link in links[:links.index(dist.requeue_id) + 1]] or chain
+    entry: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": dist.requeue_id, "restart_count": dist.restart_count,
-        "global_step": step, "requeued": decision.requeue, "outcome": decision.outcome, "message": decision.message,
+        "global_step": step,
     }
+    guard = None
+    if not spec.train.command:  # the built-in trainer's checkpoints tell progress; a command's own saves are not ours
+        committed = newest_committed_step(out_dir)
+        entry.update(start_step=start_step, committed_step=committed)
+        earlier = [r for r in records if any(_same_job(r, job) for job in chain)
+                   and not (_same_job(r, dist.requeue_id) and int(r.get("restart_count", 0)) >= dist.restart_count)]
+        guard = guard_decision(no_progress_streak([*earlier, entry]), spec.slurm.no_progress_attempts, done, committed,
+                               _save_advice(out_dir))
+    decision = guard or decide_requeue(done, spec.slurm.max_requeues, dist.executor)
+    entry.update(requeued=decision.requeue, outcome=decision.outcome, message=decision.message)
     # written before the requeue: `scontrol requeue` signals this very process
     _record(out_dir, entry)
     if not decision.requeue:
         log.error("%s", decision.message)
-        return NOT_REQUEUED_EXIT
+        return NO_PROGRESS_EXIT if decision.outcome == NO_PROGRESS else NOT_REQUEUED_EXIT
     log.warning("%s", decision.message)
     from .. import slurm
     from ..errors import SwiftSlurmError
@@ -208,6 +271,15 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     entry.update(outcome=REQUEUED)
     _record(out_dir, entry)
     return 0
+
+
+def _save_advice(out_dir: str) -> str | None:
+    """What the last save's record says when it did not fit the grace (checkpoint/savetime.py), else None."""
+    from ..checkpoint.savetime import read_save
+
+    save = read_save(out_dir) or {}
+    advice = save.get("advice") if save.get("fits_grace") is False else None
+    return str(advice) if advice else None
 
 
 def _ignore_term() -> Any:
@@ -250,15 +322,15 @@ def await_walltime_decision(dist: DistEnv, out_dir: str, timeout_s: float, log) 
     while time.monotonic() < deadline:
         for r in read_requeues(out_dir):
             if r.get("job_id") == dist.requeue_id and r.get("restart_count") == dist.restart_count and r.get("outcome") != REQUEUEING:
-                return 0 if r.get("requeued") else NOT_REQUEUED_EXIT
+                return 0 if r.get("requeued") else NO_PROGRESS_EXIT if r.get("outcome") == NO_PROGRESS else NOT_REQUEUED_EXIT
         time.sleep(POLL_S)
     log.error("walltime stop: rank 0 recorded no requeue within %d s; ending as not requeued", timeout_s)
     return NOT_REQUEUED_EXIT
 
 
-def walltime_exit(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None) -> int:
+def walltime_exit(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: int | None, start_step: int | None = None) -> int:
     """Every rank after a walltime stop: rank 0 decides and requeues, the others wait for its word."""
     if dist.rank == 0:
-        return after_walltime_stop(dist, spec, out_dir, log, step)
+        return after_walltime_stop(dist, spec, out_dir, log, step, start_step)
     report_stopped(out_dir, dist)
     return await_walltime_decision(dist, out_dir, max(30.0, float(spec.slurm.signal_grace_s)), log)

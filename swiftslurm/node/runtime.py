@@ -22,7 +22,7 @@ from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
 from ..fsutil import open_append
 from ..slurm import distenv
 from . import banner, failure, ownership, restart, signals
-from .requeue import walltime_exit
+from .requeue import newest_committed_step, walltime_exit
 
 if TYPE_CHECKING:
     from ..slurm.distenv import DistEnv
@@ -101,6 +101,7 @@ def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, 
     spec = task.spec
     signals.install(forward_term=bool(spec.train.command))
     out_dir = task.output_dir
+    start_step = newest_committed_step(out_dir)  # the progress guard: did this attempt commit anything newer?
     Path(out_dir, "logs").mkdir(parents=True, exist_ok=True)
     log = banner.setup_logging(dist, out_dir)
     banner.enable_stack_dumps(dist, out_dir)
@@ -128,12 +129,12 @@ def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, 
         forward = dist.executor != "slurm"
         if signals.stop_requested():  # the walltime signal came while this rank started: nothing ran, nothing to save
             log.warning("walltime signal received before train.command started: not starting it")
-            return walltime_exit(dist, spec, out_dir, log, step=None), None
+            return walltime_exit(dist, spec, out_dir, log, step=None, start_step=start_step), None
         code = run_command(spec.train.command, the_env, cwd=command_cwd(spec, data.get("base_dir")), dist=dist, out_dir=out_dir, log=log, forward=forward)
         if signals.stop_requested():
-            return walltime_exit(dist, spec, out_dir, log, step=None), None
+            return walltime_exit(dist, spec, out_dir, log, step=None, start_step=start_step), None
         return code, None  # the command's own last words in the log say why, better than a record could
-    return _train(dist, spec, ds_config, out_dir, True, the_env, log), None
+    return _train(dist, spec, ds_config, out_dir, True, the_env, log, start_step), None
 
 
 # ---------------------------------------------------------------- steps
@@ -257,7 +258,8 @@ def run_command(argv: list[str], env: dict[str, str], cwd: str | None, dist: Dis
     return 128 - code if code < 0 else code
 
 
-def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
+def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log,
+           start_step: int | None = None) -> int:
     """Train in this process, its start (imports, op builds, model load, DeepSpeed's start) under the start-up watch."""
     from ..train.health import startup
 
@@ -268,7 +270,7 @@ def _train(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | 
 
     with startup.watching(startup.limit_s(spec.train.ddp_timeout), stuck):
         startup.mark("importing the training stack")
-        return _train_watched(dist, spec, ds_config, out_dir, resume, the_env, log)
+        return _train_watched(dist, spec, ds_config, out_dir, resume, the_env, log, start_step)
 
 
 def startup_hint(what: str) -> str:
@@ -281,7 +283,8 @@ def startup_hint(what: str) -> str:
             "only slow (a large model from a slow filesystem)")
 
 
-def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log) -> int:
+def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log,
+                   start_step: int | None) -> int:
     from ..train import (
         opbuild,
         run,  # our own: a broken import fails the rank with its traceback
@@ -320,6 +323,6 @@ def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume
     except ValueError:  # not the main thread: no handler was installed either
         pass
     if getattr(result, "stopped_for_requeue", False):
-        return walltime_exit(dist, spec, out_dir, log, step=getattr(result, "global_step", None))
+        return walltime_exit(dist, spec, out_dir, log, step=getattr(result, "global_step", None), start_step=start_step)
     log.info("training finished at step %s", getattr(result, "global_step", "?"))
     return 0

@@ -27,6 +27,9 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.time": "sbatch `--time` syntax (`30`, `01:00:00`, `1-12:00:00`)",
     "slurm.signal_grace_s": "USR2 arrives this long before the walltime: one step + one save must fit (USR1 is NCCL's)",
     "slurm.max_requeues": "walltime requeues per submitted job before it gives up; a stop not requeued fails the job (exit 75) and `status` says why",
+    "slurm.no_progress_attempts": "the progress guard: after this many walltime attempts in a row that committed no checkpoint newer "
+                                  "than the one they started from, the job stops for good (exit 79, the reason in `requeues.json` and "
+                                  "`status`) instead of requeueing again; 0 = never (only `max_requeues` bounds it)",
     "slurm.continue_with": "after a walltime stop: `requeue` (`scontrol requeue`, the same job id) or `singleton`, for sites that refuse "
                            "requeue: the same batch script is submitted again with `--dependency=singleton` and `status` follows the chain "
                            "(`max_requeues` counts its links; docs/runtime.md)",

@@ -162,6 +162,7 @@ class SlurmTable(_Table):
     signal_grace_s: int = Field(120, ge=10, le=3600)
     gpu_memory_gb: float = Field(80.0, gt=0, le=100_000)  # per GPU: `plan` warns when the estimate exceeds it
     max_requeues: int = Field(20, ge=0, le=1000)
+    no_progress_attempts: int = Field(2, ge=0, le=1000)  # attempts in a row without a newer committed step: then stop (node/requeue.py)
     continue_with: Literal["requeue", "singleton"] = "requeue"  # after a walltime stop (node/chain.py)
     max_restarts: int = Field(0, ge=0, le=100)  # in-job restarts of the training step after a failure or a hang
     spare_nodes: int = Field(0, ge=0, le=64)  # allocated beyond `nodes`; a failed node's replacement at a restart
