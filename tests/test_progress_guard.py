@@ -95,3 +95,18 @@ def test_a_train_command_is_not_judged_by_our_checkpoints(tmp_path):
     for restart in range(3):
         after_walltime_stop(_dist("990000011", restart), _spec(train=command), str(tmp_path), LOG, step=None, start_step=None)
         assert read_requeues(str(tmp_path))[-1]["outcome"] != NO_PROGRESS
+
+
+def test_the_supervisor_counts_attempts_without_progress_in_a_row():
+    from swiftslurm.node import restart
+
+    hang = restart.Cause(restart.HANG, "no training step for 5 s", (), ())
+    old = {"resume_step": 8}  # a record from before the guard: says nothing
+    stuck = {"start_step": 8, "resume_step": 8}
+    assert restart.no_progress_streak([], None, None) == 1
+    assert restart.no_progress_streak([stuck], 8, 8) == 2 and restart.no_progress_streak([old, stuck], 8, 8) == 2
+    assert restart.no_progress_streak([stuck, stuck], 8, 16) == 0  # this attempt saved step 16: progress
+    assert restart.progress_guard(1, 2, hang, 8) is None and restart.progress_guard(5, 0, hang, 8) is None
+    stop = restart.progress_guard(2, 2, hang, 8)
+    assert stop is not None and not stop.restart and "no progress in 2 attempt(s) in a row (newest committed step 8)" in stop.message
+    assert "no training step for 5 s" in stop.message

@@ -250,3 +250,24 @@ def test_a_node_set_down_is_replaced_by_the_spare_then_the_run_shrinks(tmp_path,
         assert any(e["node"] == node and e["reason"] == "node_failure" and e["job"] == job for e in entries), entries
     doctor = cli("doctor", str(out))
     assert "restart" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_run_that_hangs_before_its_first_save_on_every_attempt_stops_after_two_attempts(tmp_path, slurm_cluster):
+    """The progress guard on the supervisor's side: max_restarts = 5 would allow six attempts of a step that hangs at
+    step 5 every time (before its first save at 8; the watchdog arms after 3 steps of each attempt); the second
+    attempt that commits nothing newer ends the job, exit 79, with the reason in restarts.json and `status`."""
+    spec, out = write_spec(tmp_path, "loop", "max_restarts = 5", 'SWIFTSLURM_TEST_STALL = "1:5:3600:every"')
+    spec.write_text(spec.read_text() + "[checkpoint]\nforced_save_fractions = []\n")  # no save before step 8
+    job = submit(spec, out)
+    try:
+        states = wait_for_job(job, timeout_s=600)
+    finally:
+        subprocess.run(["scancel", "--name=restart-loop", job], capture_output=True, timeout=30)
+    records = restarts(out)
+    assert [(r["cause"], r["restarted"]) for r in records] == [("hang", True), ("hang", False)], f"{records}\n{explain(out)}"
+    assert "no progress in 2 attempt(s) in a row (no checkpoint committed yet)" in records[-1]["message"], records
+    assert states[job] == "FAILED" and sacct_rows(job, "ExitCode") == [["79:0"]], states
+    status = cli("status", str(out))
+    assert "no progress in 2 attempt(s)" in status.stdout, status.stdout + status.stderr

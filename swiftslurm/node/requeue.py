@@ -71,17 +71,22 @@ def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> Req
     )
 
 
+def progressed(start: Any, committed: Any) -> bool | None:
+    """Whether an attempt that started at committed step ``start`` and ended at ``committed`` committed anything newer
+    (pure); None when ``committed`` is not a step (a record not of our shape). Shared by requeues and restarts."""
+    if committed is not None and not (isinstance(committed, int) and not isinstance(committed, bool)):
+        return None
+    if committed is None:
+        return False
+    return not (isinstance(start, int) and not isinstance(start, bool) and committed <= start)
+
+
 def made_progress(record: dict[str, Any]) -> bool | None:
     """Whether the attempt a stop record ends committed a checkpoint newer than the one it started from (pure);
     None for a record that does not say (written before the guard existed, or not of our shape)."""
     if "committed_step" not in record:
         return None
-    start, done = record.get("start_step"), record.get("committed_step")
-    if done is not None and not (isinstance(done, int) and not isinstance(done, bool)):
-        return None
-    if done is None:
-        return False
-    return not (isinstance(start, int) and not isinstance(start, bool) and done <= start)
+    return progressed(record.get("start_step"), record.get("committed_step"))
 
 
 def no_progress_streak(records: list[dict[str, Any]]) -> int:

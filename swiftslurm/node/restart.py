@@ -155,6 +155,31 @@ def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable
     return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts}{how} after: {cause.detail}")
 
 
+def no_progress_streak(records: list[dict[str, Any]], start: int | None, committed: int | None) -> int:
+    """How many step attempts in a row, ending with this one (``start`` -> ``committed``), committed no newer
+    checkpoint (pure); ``records``: this job's earlier restart records, oldest first."""
+    from .requeue import progressed
+
+    if progressed(start, committed) is not False:
+        return 0
+    streak = 1
+    for record in reversed(records):
+        if "start_step" not in record or progressed(record.get("start_step"), record.get("resume_step")) is not False:
+            break
+        streak += 1
+    return streak
+
+
+def progress_guard(streak: int, limit: int, cause: Cause, committed: int | None) -> RestartDecision | None:
+    """Not restarted when ``limit`` attempts in a row made no progress (``slurm.no_progress_attempts``; 0: never)."""
+    if not limit or streak < limit:
+        return None
+    newest = f"newest committed step {committed}" if committed is not None else "no checkpoint committed yet"
+    return RestartDecision(False, (), (), f"not restarted, stopped for good: no progress in {streak} attempt(s) in a row ({newest}); "
+                           f"the last cause was: {cause.detail}. Restarting would fail the same way: fix the cause, then "
+                           "resubmit (slurm.no_progress_attempts sets how many such attempts are allowed)")
+
+
 STEP_NODES_ENV = "SWIFTSLURM_STEP_NODES"  # the step's environment after a shrink: how many nodes it runs on
 
 
@@ -203,6 +228,7 @@ class RestartRecord:
     message: str
     exit_code: int
     time: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    start_step: int | None = None  # the newest checkpoint on disk when the failed step started (the progress guard)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

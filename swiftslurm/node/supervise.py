@@ -34,7 +34,7 @@ from ..slurm import distenv, steps
 from ..taskdir import HANG_FILE
 from ..train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
 from . import failure, restart
-from .requeue import job_records, read_requeues
+from .requeue import NO_PROGRESS_EXIT, job_records, read_requeues
 
 POLL_S = 0.2
 PREFLIGHT_REFUSED = 4  # PreflightFailed.exit_code: the rank's own preflight stopped it, nothing to restart
@@ -172,6 +172,7 @@ class Supervisor:
         while True:
             since = time.time() - 1.0
             requeues_before = len(job_records(read_requeues(self.out), self.job_id))
+            start_step = self._resume_step()
             rc = self.run_step(nodes, attempt)
             why_not = self._not_to_restart(rc, since, requeues_before)
             if why_not is not None:
@@ -180,18 +181,23 @@ class Supervisor:
                 return rc
             end = self.step_end(rc, nodes, since)
             cause = restart.cause_of(end)
-            decision = restart.decide_restart(attempt, self.spec.slurm.max_restarts, cause, nodes, self.allocation, self.excluded, self.need,
-                                              self.spec.slurm.shrink_on_failure)
+            committed = self._resume_step()
+            guard = None
+            if not self.spec.train.command:  # our checkpoints tell progress; a command's own saves are not ours
+                streak = restart.no_progress_streak(restart.job_restarts(restart.read_restarts(self.out), self.job_id), start_step, committed)
+                guard = restart.progress_guard(streak, self.spec.slurm.no_progress_attempts, cause, committed)
+            decision = guard or restart.decide_restart(attempt, self.spec.slurm.max_restarts, cause, nodes, self.allocation, self.excluded,
+                                                       self.need, self.spec.slurm.shrink_on_failure)
             if decision.restart:
                 decision = self._probe(decision, cause, attempt)
             self._remember(decision.dropped, cause)
             self.excluded |= set(decision.dropped)
             restart.record_restart(self.out, restart.RestartRecord(
                 self.job_id, attempt, cause.kind, cause.detail, list(nodes), decision.restart, list(decision.nodes),
-                list(decision.dropped), self._resume_step(), decision.message, rc))
+                list(decision.dropped), committed, decision.message, rc, start_step=start_step))
             if not decision.restart:
                 log.error("training step ended with %d: %s", rc, decision.message)
-                return rc or 1
+                return NO_PROGRESS_EXIT if guard is not None else rc or 1
             log.warning("training step ended with %d: %s", rc, decision.message)
             nodes, attempt = decision.nodes, attempt + 1
             self.need = min(self.need, len(nodes))  # after a shrink: the smaller world is the one to keep

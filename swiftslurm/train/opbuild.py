@@ -40,7 +40,8 @@ BUILD_LOCK = ".swiftslurm-build.lock"  # our flock; its body: the Holder buildin
 TORCH_LOCK = "lock"  # torch's FileBaton, in each op's build directory
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 WAIT_POLL_S = 0.5
-WAIT_LOG_S = 60.0  # a wait for a live builder is logged this often
+WAIT_QUIET_S = 10.0  # a wait for a live builder is logged once it took this long,
+WAIT_LOG_S = 60.0  # then this often
 HOLDER_CAP = 4096
 
 log = logging.getLogger("swiftslurm.train")
@@ -209,9 +210,9 @@ def _take(fd: int, lock_path: Path, note: Callable[[str], None]) -> None:
         what = f"waiting for the op build lock {lock_path}, held by {holder.line() if holder else 'another process'}"
         note(what)
         waited = time.monotonic() - waited_from
-        if waited - said >= WAIT_LOG_S or said == 0.0:
+        if waited >= said + (WAIT_LOG_S if said else WAIT_QUIET_S):  # another rank's load of a built op takes a second
             log.warning("%s (%.0f s so far)", what, waited)
-            said = waited or 1e-9
+            said = waited
         time.sleep(WAIT_POLL_S)
 
 

@@ -49,7 +49,7 @@ CAP_FRACTION = 0.8
 WARMUP_STEPS = 3
 WINDOW = 50  # the median over this many recent steps
 FLOOR_ENV = "SWIFTSLURM_WATCHDOG_FLOOR_S"  # tests: a shorter floor
-STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS" makes that rank sleep after that step
+STALL_ENV = "SWIFTSLURM_TEST_STALL"  # tests: "RANK:STEP:SECONDS[:every]" makes that rank sleep after that step
 # tests: a step takes at least this long (seconds), so a walltime test needs as many requeues on any machine
 MIN_STEP_ENV = "SWIFTSLURM_TEST_MIN_STEP_S"
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # prctl(2)
@@ -83,8 +83,10 @@ class ProgressWatchdog:
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
         self.backup_s = float(env.get(BACKUP_ENV) or BACKUP_MIN_S)
-        # the test hook stalls the first attempt only: a restarted step resumes before that step and must get past it
-        self.stall = _parse_stall(env.get(STALL_ENV, "")) if env.get(ATTEMPT_ENV, "0") in ("", "0") else None
+        # the test hook stalls the first attempt only: a restarted step resumes before that step and must get past it;
+        # "RANK:STEP:SECONDS:every" stalls every attempt (a hang that a restart cannot cure: the progress guard's case)
+        every = env.get(STALL_ENV, "").endswith(":every")
+        self.stall = _parse_stall(env.get(STALL_ENV, "").removesuffix(":every")) if every or env.get(ATTEMPT_ENV, "0") in ("", "0") else None
         try:
             self.min_step_s = max(0.0, float(env.get(MIN_STEP_ENV) or 0.0))
         except ValueError:
