@@ -40,6 +40,7 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,3 +103,15 @@ class TaskPaths:
 
     def failure(self, rank: int) -> Path:
         return self.root / LOGS_DIR / failure_name(rank)
+
+
+# ---------------------------------------------------------------- the line that opens each attempt in a rank's log
+
+ATTEMPT_MARK = "swiftslurm attempt"
+ATTEMPT_LINE = re.compile(ATTEMPT_MARK + r" (?P<key>[\w.-]+) \(job (?P<job>\S+), requeue (?P<requeue>\d+), restart (?P<restart>\d+)\)")
+
+
+def attempt_header(job_id: str, requeues: int, restarts: int, nodes: str) -> str:
+    """The first words every rank logs when it starts (node/runtime.py); ``logs --attempt N`` reads them (watch/logs.py)."""
+    return f"{ATTEMPT_MARK} {job_id}.{requeues}.{restarts} (job {job_id}, requeue {requeues}, restart {restarts}) on {nodes}"
+

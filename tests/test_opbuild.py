@@ -128,6 +128,7 @@ def test_a_run_after_a_build_killed_midway_trains(tmp_path):
     logs = "".join(p.read_text(errors="replace") for p in (out / "logs").rglob("*") if p.is_file() and p.suffix != ".pkl")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
     assert "left by a build that died" in proc.stdout + proc.stderr + logs
+    assert logs.count("swiftslurm attempt ") == 2  # each rank's log opens with its attempt (logs --attempt N)
     assert not (ext / OP_DIR / "lock").exists()
     assert opbuild.Holder.parse((ext / opbuild.BUILD_LOCK).read_bytes()) is None  # the last build finished
     assert (out / "checkpoint-4").is_dir()

@@ -221,6 +221,35 @@ def test_errors_name_the_rank_that_printed_first(tmp_path):
     assert reports[0].node == "node7"
 
 
+def test_logs_of_one_attempt(tmp_path, monkeypatch):
+    """Each start of a rank opens with its attempt header (taskdir.attempt_header): a requeue appends to the same files,
+    and `logs --attempt N` shows the N-th start alone; an N the logs do not hold is one message listing those they do."""
+    from swiftslurm.cli.watch_cmd import logs_command
+    from swiftslurm.errors import SwiftSlurmError
+    from swiftslurm.taskdir import attempt_header
+
+    logs = tmp_path / "logs"
+    (logs / "submitit").mkdir(parents=True)
+    for rank, where in ((0, logs / "submitit" / "5556_0_log.err"), (1, logs / "rank-1.log")):
+        where.write_text("submitit INFO (2026-12-01 05:00:00,000) - Starting with JobEnvironment\n"
+                         f"2026-12-01 05:00:01,000 [rank {rank} node1] INFO {attempt_header('5556', 0, 0, 'node1,node2')}\n"
+                         f"2026-12-01 05:00:02,000 [rank {rank} node1] INFO first start, rank {rank}\n"
+                         f"2026-12-01 05:09:01,000 [rank {rank} node3] INFO {attempt_header('5556', 1, 0, 'node3,node4')}\n"
+                         f"2026-12-01 05:09:02,000 [rank {rank} node3] INFO after the requeue, rank {rank}\n")
+    read = _run_reader(tmp_path).new_lines()
+    assert L.attempts(ln for lines in read for ln in lines) == ["5556.0.0", "5556.1.0"]
+    monkeypatch.setattr("swiftslurm.jobs.target.resolve", lambda target, **kw: (None, [SimpleNamespace(
+        task=0, task_dir=str(tmp_path), folder=str(logs / "submitit"), job_id="5556")]))
+    out = io.StringIO()
+    assert logs_command(Console(file=out, width=200), str(tmp_path), None, None, None, False, None, False, attempt=2) == 0
+    shown = out.getvalue()
+    assert "after the requeue, rank 0" in shown and "after the requeue, rank 1" in shown and "first start" not in shown
+    assert "[rank 1 node3]" in shown
+    with pytest.raises(SwiftSlurmError) as refused:
+        logs_command(Console(file=io.StringIO()), str(tmp_path), None, None, None, False, None, False, attempt=3)
+    assert "1 = 5556.0.0, 2 = 5556.1.0" in refused.value.found
+
+
 # ---------------------------------------------------------------- real local jobs
 
 

@@ -314,6 +314,8 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the job ends."),
     tail: Optional[int] = typer.Option(None, "--tail", min=0, help="Only the last N lines."),
     errors: bool = typer.Option(False, "--errors", "-E", help="Only tracebacks and error lines, each once, with the rank that printed it first."),
+    attempt: Optional[int] = typer.Option(None, "--attempt", "-a", min=1, help="Only the N-th attempt (1 = the first start; each walltime "
+                                          "requeue, chain link and in-job restart begins another; every rank logs a header per attempt)."),
 ) -> int:
     """The ranks' logs, interleaved by time with a "rank r node" prefix (Slurm and local jobs)."""
     from .watch_cmd import logs_command
@@ -322,7 +324,7 @@ def logs(
         from ..errors import SwiftSlurmError
 
         raise SwiftSlurmError("--rank and --node do not go together", f"--rank {rank} --node {node}", "pick one rank, or every rank of one node")
-    return logs_command(console, target, rank, node, task, follow, tail, errors)
+    return logs_command(console, target, rank, node, task, follow, tail, errors, attempt=attempt)
 
 
 @app.command()

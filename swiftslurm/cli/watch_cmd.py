@@ -328,7 +328,7 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
 
 
 def logs_command(console: Console, target: str, rank: int | None, node: str | None, task: int | None,
-                 follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0) -> int:
+                 follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0, attempt: int | None = None) -> int:
     from ..jobs.target import resolve
     from ..watch import logs as L
 
@@ -348,7 +348,8 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
     many = len(refs) > 1
     budget = L.SCAN_BYTES if tail is None else max(64 << 10, tail * 1024)
     read = reader.new_lines(budget)
-    per_source = [L.select(lines, rank, node) for lines in read]
+    key = _attempt_key(read, attempt) if attempt is not None else None
+    per_source = [L.select(lines, rank, node, attempt=key) for lines in read]
     if (rank is not None or node is not None) and not any(per_source) and not follow:  # say so, not silence
         by_rank = rank is not None
         held = sorted({str(ln.rank) if by_rank else ln.node for lines in read for ln in lines if by_rank or ln.node},
@@ -368,12 +369,26 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
         console.print(f"{ln.prefix(many)} {ln.text}", highlight=False, markup=False, soft_wrap=True)
     while follow:
         done = sub is None or all(slurm.is_final(s.state) or s.state == "UNKNOWN" for s in sub.statuses())
-        for ln in L.interleave([L.select(lines, rank, node) for lines in reader.new_lines()]):
+        for ln in L.interleave([L.select(lines, rank, node, attempt=key) for lines in reader.new_lines()]):
             console.print(f"{ln.prefix(many)} {ln.text}", highlight=False, markup=False, soft_wrap=True)
         if done and sub is not None:
             break
         time.sleep(poll_s)
     return 0
+
+
+def _attempt_key(read, attempt: int) -> str:
+    """The key of the ``attempt``-th attempt (1-based) the logs hold; one message naming those there are, else."""
+    from ..watch import logs as L
+
+    held = L.attempts(ln for lines in read for ln in lines)
+    if attempt > len(held):
+        from ..errors import SwiftSlurmError
+
+        listed = ", ".join(f"{i} = {key}" for i, key in enumerate(held, start=1)) or "none (logs written before attempts were marked)"
+        raise SwiftSlurmError(f"no attempt {attempt} in these logs", f"attempts (job.requeues.restarts): {listed}",
+                              "pick one of them; `swiftslurm status` shows the requeues and restarts")
+    return held[attempt - 1]
 
 
 def _print_errors(console: Console, reports, many: bool, files: int, records: list | None = None) -> int:

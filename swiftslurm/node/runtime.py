@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
 from ..fsutil import open_append
 from ..slurm import distenv
+from ..taskdir import attempt_header
 from . import banner, failure, ownership, restart, signals
 from .requeue import newest_committed_step, walltime_exit
 
@@ -105,6 +106,10 @@ def _run_claimed(data, task, ds_config, dist: DistEnv, mode: str) -> tuple[int, 
     Path(out_dir, "logs").mkdir(parents=True, exist_ok=True)
     log = banner.setup_logging(dist, out_dir)
     banner.enable_stack_dumps(dist, out_dir)
+    from ..train.health.watchdog import ATTEMPT_ENV
+
+    restarts = os.environ.get(ATTEMPT_ENV, "0")
+    log.info("%s", attempt_header(dist.job_id, dist.restart_count, int(restarts) if restarts.isdigit() else 0, ",".join(dist.nodes)))
     log.info("%s", dist.summary())
 
     resume = None if spec.train.command else _resume_point(out_dir) or (

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..fsutil import Unreadable, read_tail
+from ..taskdir import ATTEMPT_LINE
 
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[,.](\d{1,6}))?")
 RANK_TAG = re.compile(r"\[rank (\d+) ([^\]\s]+)\]")  # the runtime's "[rank 3 node2]"
@@ -65,6 +66,7 @@ class LogLine:
     node: str
     text: str
     order: int = 0  # position in its file: keeps a file's lines in order when times tie
+    attempt: str = ""  # the attempt that wrote it (taskdir.attempt_header's key: job.requeues.restarts), "" unknown
 
     def prefix(self, with_task: bool = False) -> str:
         return f"[{'task ' + str(self.task) + ' ' if with_task else ''}rank {self.rank} {self.node or '?'}]"
@@ -141,7 +143,7 @@ def stamp_of(text: str) -> float | None:
     return whole + (int(m.group(3)) / 10 ** len(m.group(3)) if m.group(3) else 0.0)
 
 
-def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str], first_order: int = 0) -> list[LogLine]:
+def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str], first_order: int = 0, attempt: str = "") -> list[LogLine]:
     """A file's lines with times and nodes, and ``nodes`` (rank -> latest node) filled from the runtime's rank tags.
 
     A line without a stamp (a traceback, a print) takes the next stamp in the file, or ``end_time`` (the
@@ -151,6 +153,7 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
     raw = text.splitlines()
     stamps = [stamp_of(line) for line in raw]
     line_nodes, node = [], ""
+    attempts: list[str] = []
     for line in raw:  # a requeued rank may come back on another node: each line has the node of the last tag before it
         tag = RANK_TAG.search(line[:96])
         if tag:
@@ -158,6 +161,11 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
             if int(tag.group(1)) == source.rank:
                 node = tag.group(2)
         line_nodes.append(node)
+        opened = ATTEMPT_LINE.search(line[:200])
+        attempt = opened.group("key") if opened else attempt
+        attempts.append(attempt)
+    first = next((a for a in attempts if a), "")  # the launcher's lines before the first header: that attempt's
+    attempts = [a or first for a in attempts]
     known = [s for s in stamps if s is not None]
     current = max([end_time, *known[-1:]])
     times = []
@@ -165,13 +173,15 @@ def stamp_lines(text: str, source: Source, end_time: float, nodes: dict[int, str
         current = stamp if stamp is not None else current
         times.append(current)
     times.reverse()
-    return [LogLine(t, source.task, source.rank, n, line, first_order + i) for i, (line, t, n) in enumerate(zip(raw, times, line_nodes, strict=True))]
+    return [LogLine(t, source.task, source.rank, n, line, first_order + i, a)
+            for i, (line, t, n, a) in enumerate(zip(raw, times, line_nodes, attempts, strict=True))]
 
 
 def with_nodes(lines: Iterable[LogLine], nodes: dict[tuple[int, int], str], default: dict[int, str]) -> list[LogLine]:
     """Lines without a node (none tagged before them in their file) get their rank's: (task, rank) -> node, else the
     task's one node, else ""."""
-    return [ln if ln.node else LogLine(ln.time, ln.task, ln.rank, nodes.get((ln.task, ln.rank)) or default.get(ln.task, ""), ln.text, ln.order)
+    return [ln if ln.node else LogLine(ln.time, ln.task, ln.rank, nodes.get((ln.task, ln.rank)) or default.get(ln.task, ""), ln.text, ln.order,
+                                       ln.attempt)
             for ln in lines]
 
 
@@ -182,8 +192,19 @@ def interleave(per_source: list[list[LogLine]]) -> list[LogLine]:
     return [x[3] for x in merged]
 
 
-def select(lines: list[LogLine], rank: int | None = None, node: str | None = None, task: int | None = None) -> list[LogLine]:
-    return [ln for ln in lines if (rank is None or ln.rank == rank) and (node is None or ln.node == node) and (task is None or ln.task == task)]
+def select(lines: list[LogLine], rank: int | None = None, node: str | None = None, task: int | None = None,
+           attempt: str | None = None) -> list[LogLine]:
+    return [ln for ln in lines if (rank is None or ln.rank == rank) and (node is None or ln.node == node) and (task is None or ln.task == task)
+            and (attempt is None or ln.attempt == attempt)]
+
+
+def attempts(lines: Iterable[LogLine]) -> list[str]:
+    """The attempts the lines come from, in the order they started (``logs --attempt N`` is the N-th)."""
+    first: dict[str, float] = {}
+    for ln in lines:
+        if ln.attempt and (ln.attempt not in first or ln.time < first[ln.attempt]):
+            first[ln.attempt] = ln.time
+    return sorted(first, key=lambda key: first[key])
 
 
 class Reader:
@@ -196,6 +217,7 @@ class Reader:
         self.offsets: dict[Path, int] = {}
         self.orders: dict[Path, int] = {}
         self.nodes: dict[tuple[int, int], str] = {}
+        self.attempts: dict[Path, str] = {}
 
     def new_lines(self, max_bytes: int = SCAN_BYTES) -> list[list[LogLine]]:
         """Per log file, the complete lines added since the last call (the first call: the last ``max_bytes``)."""
@@ -213,8 +235,10 @@ class Reader:
                 if not first:
                     mtime = time.time()  # appended lines of a follow: written just now
                 ranks: dict[int, str] = {}
-                lines = stamp_lines(text, src, mtime, ranks, self.orders.get(src.path, 0))
+                lines = stamp_lines(text, src, mtime, ranks, self.orders.get(src.path, 0), self.attempts.get(src.path, ""))
                 self.orders[src.path] = self.orders.get(src.path, 0) + len(lines)
+                if lines:
+                    self.attempts[src.path] = lines[-1].attempt  # a follow's next lines continue this attempt
                 for rank, node in ranks.items():
                     self.nodes[(task, rank)] = node
                 per_source.append(lines)
