@@ -271,3 +271,27 @@ def test_an_export_job_on_the_cluster_sent_without_torch(runs, tmp_path, slurm_c
     log = Path(sent["log"])
     assert states == {sent["job_id"]: "COMPLETED"}, log.read_text()[-3000:] if log.exists() else states
     assert cli("verify", str(to)).returncode == 0 and (to / "adapter_model.safetensors").is_file()
+
+
+def test_a_copied_run_dir_exports_its_own_checkpoints_never_the_originals(runs, tmp_path):
+    """The dir named is the one read: a copy's record still names the original's dirs (absolute, as written at
+    submit), and its own newest checkpoint is damaged, so the copy has nothing verified to export."""
+    from swiftslurm.errors import CheckpointDamaged
+    from swiftslurm.jobs.record import Submission, update_record
+    from swiftslurm.jobs.target import resolve
+
+    original = shutil.copytree(runs / LORA, tmp_path / "original")
+    update_record(Submission("slurm", ["41"], str(original), [str(original)], str(original / "logs" / "submitit")))
+    copy = shutil.copytree(original, tmp_path / "copy")
+    flip_byte(next(p for p in sorted((copy / "checkpoint-1").rglob("*")) if p.is_file() and p.name != "manifest.json"))
+    assert [r.task_dir for r in resolve(str(copy))[1]] == [str(copy)]
+    with pytest.raises(CheckpointDamaged, match="copy verifies"):  # before: the original's checkpoint, "verified"
+        find_source(str(copy))
+    assert find_source(str(original)).checkpoint == original / "checkpoint-1"
+    planted = tmp_path / "planted"  # a record naming another dir outright: not followed, nothing read there
+    planted.mkdir()
+    update_record(Submission("slurm", ["42"], str(planted), [str(original)], str(planted / "logs" / "submitit")))
+    sub, refs = resolve(str(planted))
+    assert [r.task_dir for r in refs] == [""] and sub._unfollowed == (str(original),)
+    with pytest.raises(ExportRefused):
+        find_source(str(planted))

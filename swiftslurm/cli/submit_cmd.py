@@ -143,9 +143,10 @@ def status_command(console: Console, target: str, as_json: bool, follow_: bool =
                    sort: str | None = None) -> int:
     """One look (a table with progress, or JSON; ``sort``: ranked by that metric); with ``follow_`` the live view until
     the job ends (exit 1 if a task failed)."""
-    from .watch_cmd import status_view
+    from .watch_cmd import note_unfollowed, status_view
 
     sub = submission_of(target)
+    note_unfollowed(sub)
     if follow_:
         return follow(console, sub, interval_s=interval_s)
     return status_view(console, sub, as_json, sort=sort)
@@ -154,7 +155,7 @@ def status_command(console: Console, target: str, as_json: bool, follow_: bool =
 def cancel_command(console: Console, target: str) -> int:
     from ..jobs.record import CancelRefused
 
-    sub = submission_of(target)
+    sub = submission_of(target, as_recorded=True)
     if sub.executor == "local" and Path(sub.output_dir).resolve() != Path(target).resolve():
         # a record is data: one that claims another dir's job is not this dir's to stop
         raise CancelRefused("cancel refused: the record here names another output dir", f"{target}/submission.json says {sub.output_dir}",

@@ -327,12 +327,20 @@ def print_notes(console: Console, rows: list[Progress]) -> None:
 # ---------------------------------------------------------------- logs
 
 
+def note_unfollowed(sub: Submission | None) -> None:
+    """Say which task dirs a record names outside its own output dir: they are not read (``Submission.rooted_at``)."""
+    if sub is not None and sub._unfollowed:
+        shown = ", ".join(sub._unfollowed[:4]) + (f" and {len(sub._unfollowed) - 4} more" if len(sub._unfollowed) > 4 else "")
+        print(f"note: the record here names dirs outside {sub.output_dir}, not read: {shown}", file=sys.stderr)
+
+
 def logs_command(console: Console, target: str, rank: int | None, node: str | None, task: int | None,
                  follow: bool, tail: int | None, errors: bool, poll_s: float = 1.0, attempt: int | None = None) -> int:
     from ..jobs.target import resolve
     from ..watch import logs as L
 
     sub, refs = resolve(target, dirs_only=True)
+    note_unfollowed(sub)
     if task is not None:
         refs = [r for r in refs if r.task == task]
         if not refs:
@@ -425,6 +433,7 @@ def plot_command(console: Console, target: str, out: Path | None) -> int:
     from ..watch.progress import TaskFiles, plan_tasks
 
     sub, refs = resolve(target, dirs_only=True)
+    note_unfollowed(sub)
     planned = plan_tasks(sub.output_dir) if sub is not None else {}
     series = []
     for ref in refs:

@@ -10,6 +10,7 @@ Slurm has no answer and for the local executor, what each rank left in submitit'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -90,6 +91,31 @@ class Submission:
     # the node-health ledger's exclusion, one entry per allocation group it concerned: {"group": i, **Avoidance.to_json()}
     avoided: list[dict[str, Any]] = field(default_factory=list)
     _jobs: list[Any] | None = field(default=None, repr=False, compare=False)  # submitit jobs, this process only
+    # rooted_at: the recorded task dirs that lie outside the recorded output dir, not followed
+    _unfollowed: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def rooted_at(self, directory: str) -> Submission:
+        """This record read as the record of ``directory``, the dir the user named: each task dir and the submitit
+        folder recorded under the recorded output dir is taken at the same place under ``directory`` (a run dir that
+        was copied or moved is read where it is now, never at its old place), and one recorded outside it is not
+        followed ("": nothing is read there; ``_unfollowed`` names them). Pure: nothing is looked at on disk."""
+        here = os.path.normpath(os.path.abspath(directory))
+        there = os.path.normpath(self.output_dir) if os.path.isabs(self.output_dir) else here
+        unfollowed: list[str] = []
+
+        def moved(path: str) -> str:
+            if not path:
+                return path
+            full = os.path.normpath(path if os.path.isabs(path) else os.path.join(there, path))
+            if full == there:
+                return here
+            if full.startswith(there.rstrip(os.sep) + os.sep):
+                return os.path.join(here, os.path.relpath(full, there))
+            unfollowed.append(path)
+            return ""
+
+        task_dirs, folder = [moved(t) for t in self.task_dirs], moved(self.folder)
+        return dataclasses.replace(self, output_dir=here, task_dirs=task_dirs, folder=folder, _unfollowed=tuple(unfollowed))
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}

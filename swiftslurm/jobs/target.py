@@ -54,24 +54,28 @@ def resolve(target: str, *, through_record: bool = True, dirs_only: bool = False
         sub = bare_job(job_id)
         return sub, refs(sub)
     if path_kind(path / SUBMISSION_FILE) == FILE:
-        sub = load_submission(str(path))
+        sub = load_submission(str(path)).rooted_at(str(path))
         return sub, refs(sub)
     for parent in path.resolve().parents:
         if path_kind(parent / SUBMISSION_FILE) == FILE:
-            sub = load_submission(str(parent))
+            sub = load_submission(str(parent)).rooted_at(str(parent))
             found = refs(sub, only=str(path))
             if found:
                 return sub, found
     return None, [TaskRef(0, str(path))]
 
 
-def submission_of(target: str) -> Submission:
+def submission_of(target: str, *, as_recorded: bool = False) -> Submission:
     """The submission ``status`` and ``cancel`` act on: an output dir's latest record, a dir a hand-submitted script
-    ran in (``hand_run``), or a job id as Slurm knows it."""
+    ran in (``hand_run``), or a job id as Slurm knows it. A dir's record is read as the named dir's
+    (``Submission.rooted_at``); ``as_recorded`` keeps the dirs it names (``cancel`` checks that they are this one)."""
     if _is_dir(target):
         # anything under the record's name is the record: a FIFO or a link there is refused as one, not skipped
         recorded = os.path.lexists(Path(target) / SUBMISSION_FILE)
-        return load_submission(target) if recorded else hand_run(target)
+        if not recorded:
+            return hand_run(target)
+        sub = load_submission(target)
+        return sub if as_recorded else sub.rooted_at(target)
     return bare_job(_job_id(target))
 
 
@@ -174,7 +178,7 @@ def _by_job_id(job_id: str) -> tuple[Submission, list[TaskRef]]:
     for path in slurm.job_paths(job_id):
         for parent in [Path(path), *Path(path).parents]:
             if path_kind(parent / SUBMISSION_FILE) == FILE:  # a parent of another user's may not be searchable
-                sub = load_submission(str(parent))
+                sub = load_submission(str(parent)).rooted_at(str(parent))
                 tasks = [t for t in refs(sub) if t.job_id == job_id or (t.job_id.split("_")[0] == job_id)]
                 if tasks:
                     return sub, tasks
@@ -198,10 +202,10 @@ def _remembered(job_id: str) -> tuple[Submission, list[TaskRef]] | None:
             continue
         for record in reversed(records):
             try:
-                sub = Submission.from_json(record)
+                sub = Submission.from_json(record).rooted_at(where)
             except ValueError:
                 continue
             tasks = [t for t in refs(sub) if t.job_id == job_id or t.job_id.split("_")[0] == job_id]
-            if tasks and sub.output_dir and Path(sub.output_dir).resolve() == Path(where).resolve():
+            if tasks:
                 return sub, tasks
     return None
