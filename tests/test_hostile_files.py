@@ -584,3 +584,28 @@ def test_render_and_plot_refuse_to_write_over_what_is_not_the_users_file(tmp_pat
     (tmp_path / "job.sh").unlink()
     assert CliRunner().invoke(app, ["render", "examples/quickstart.toml", "-o", "job.sh"]).exit_code == 0
     assert (tmp_path / "job.sh").read_text().startswith("#!/bin/bash")
+
+
+def test_no_named_file_is_written_into_a_committed_checkpoint(tmp_path, monkeypatch):
+    """plot -o, render -o and preflight --json into a checkpoint (or an export) refuse: it would no longer verify."""
+    from typer.testing import CliRunner
+
+    from swiftslurm import checkpoint as ck
+    from swiftslurm.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    run_dir = tmp_path / "run"
+    staging = ck.prepare_staging(run_dir, 1)
+    (staging / "weights.bin").write_bytes(b"w" * 64)
+    sealed = ck.final_dir(run_dir, 1)
+    ck.commit(staging, sealed, algo="xxh3", meta={})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    for args in (["plot", "run", "-o", "run/checkpoint-1/metrics.png"], ["render", "examples/quickstart.toml", "-o", "run/checkpoint-1/job.sh"],
+                 ["preflight", "examples/quickstart.toml", "--json", "run/checkpoint-1/report.json"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "which its manifest seals" in result.output, (args, result.output)
+    assert ck.verify(sealed).ok and sorted(p.name for p in sealed.iterdir()) == ["manifest.json", "weights.bin"]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "manifest.json").write_text('{"name": "another tool\'s manifest"}')
+    assert CliRunner().invoke(app, ["plot", "run", "-o", "elsewhere/metrics.png"]).exit_code == 0

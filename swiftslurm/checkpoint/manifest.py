@@ -30,6 +30,7 @@ from ..fsutil import MANIFEST_CAP, NotRegularFile, Unreadable, describe_os_error
 from .versions import MANIFEST_VERSION, UnsupportedVersion, upgrade, version_of, writer_fields
 
 MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "swiftslurm-checkpoint"  # versions.FORMAT_NAME: the manifest of a checkpoint or an export of ours
 CHUNK_BYTES = 1 << 20  # 1 MiB reads: release the GIL, and stay in L2 cache between the copy and the hash (4 MiB was ~15% slower)
 
 # spec.checkpoint.checksum names -> the algorithm recorded in manifests. "xxh3" is XXH3-128.
@@ -236,3 +237,31 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
+
+
+def sealing_dir(path: str | Path) -> Path | None:
+    """The directory a manifest of ours seals (a committed checkpoint or an export: every file listed with its
+    checksum) that ``path`` would be written into, or None. A parent's ``manifest.json`` counts when it names our
+    format (another tool's file of that name does not)."""
+    from ..fsutil import read_bytes
+
+    for parent in Path(os.path.abspath(path)).parents:
+        try:
+            raw = read_bytes(parent / MANIFEST_NAME, MANIFEST_CAP, follow_symlinks=False)
+        except (OSError, Unreadable):
+            continue
+        if f'"format": "{MANIFEST_FORMAT}'.encode() in raw:
+            return parent
+    return None
+
+
+def refuse_inside_sealed(path: str | Path) -> None:
+    """A file the user names for us to write (``plot -o``, ``render -o``, ``preflight --json``) never goes into a
+    committed checkpoint or an export: it would no longer verify (``fsutil.Unwritable``, as for a link there)."""
+    from ..fsutil import Unwritable
+
+    sealed = sealing_dir(path)
+    if sealed is not None:
+        raise Unwritable(path, f"inside {sealed}, which its manifest seals (a committed checkpoint or an export): a file written there "
+                               "would make it fail verification; write it outside")
+

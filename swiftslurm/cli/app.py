@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .. import __version__
+from ..checkpoint.manifest import refuse_inside_sealed
 from ..errors import SwiftSlurmError
 from ..fsutil import MISSING, Unwritable, check_named_file, path_kind, write_named_file
 
@@ -246,6 +247,7 @@ def render(
     paths = [out.with_name(n) for n in script_names(out.name, parts)]
     for path in paths:  # every one, before anything is written
         check_named_file(path)
+        refuse_inside_sealed(path)
     write_plan(the_plan, scripts, limits)
     for path, script in zip(paths, scripts, strict=True):
         write_named_file(path, script)
@@ -387,6 +389,7 @@ def preflight(
 
     if json_file is not None:
         check_named_file(json_file)  # refused now, not after the job ran
+        refuse_inside_sealed(json_file)
     return preflight_command(console, load_plan(spec_path), executor=executor.value, json_file=json_file)
 
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import slurm
+from ..checkpoint.manifest import refuse_inside_sealed
 from ..fsutil import check_named_file, write_named_file
 from ..jobs.record import Submission
 from ..watch.progress import Progress, Total, Watcher, override_text, rank_by, rank_sweep, total_of
@@ -449,6 +450,7 @@ def plot_command(console: Console, target: str, out: Path | None) -> int:
     where = Path(sub.output_dir if sub is not None and len(refs) > 1 else refs[0].task_dir)
     path = out or where / "metrics.png"
     check_named_file(path)  # before the drawing: a link, a FIFO or another user's file there is refused
+    refuse_inside_sealed(path)  # ... and a file inside a committed checkpoint (it would no longer verify)
     fig = figure(series, title=f"{target}: loss (x: requeued here)")
     path.parent.mkdir(parents=True, exist_ok=True)
     png = io.BytesIO()
