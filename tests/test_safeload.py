@@ -1,4 +1,4 @@
-"""Checkpoint loads in a training rank never run code (train/resume/safeload.py): DeepSpeed's own
+"""Checkpoint loads in a training rank never run code (checkpoint/safeload.py): DeepSpeed's own
 ``torch.load(..., weights_only=False)`` reads through torch's weights-only unpickler while the trainer runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
+from swiftslurm.checkpoint.safeload import allowed_globals, weights_only_loads
 from swiftslurm.errors import CheckpointDamaged
-from swiftslurm.train.resume.safeload import allowed_globals, weights_only_loads
 
 
 class Payload:
@@ -56,3 +56,25 @@ def test_torch_load_is_restored_when_the_block_fails():
         with weights_only_loads():
             raise RuntimeError("training failed")
     assert torch.load is original
+
+
+def test_the_universal_converter_never_runs_a_planted_payload(tmp_path):
+    """DeepSpeed's ds_to_universal (what a resume on another world size runs) reads every shard with
+    weights_only=False in its own process; run as ds_convert, a payload in a shard refuses the conversion and never
+    runs (with deepspeed.checkpoint.ds_to_universal in its place, the marker is made)."""
+    import subprocess
+    import sys
+
+    from swiftslurm.checkpoint.formats.universal import converter_argv
+
+    step = tmp_path / "global_step1"
+    step.mkdir()
+    marker = tmp_path / "PWNED"
+    torch.save({"module": {"w": torch.zeros(2)}, "ds_config": Payload(str(marker)), "dp_world_size": 1, "mp_world_size": 1},
+               step / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2}}, step / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    argv = converter_argv(step, tmp_path / "out")
+    assert argv[argv.index("-m") + 1] == "swiftslurm.checkpoint.formats.ds_convert"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode != 0 and "would run code when loaded" in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()

@@ -67,7 +67,7 @@ def test_a_checkpoint_deepspeed_cannot_convert_is_refused_with_its_reason_and_th
         ucp.convert(src, tmp_path / "new", plan, algo="xxh3", timeout_s=300)
     msg = err.value.message()
     assert "could not convert checkpoint-3" in msg and "optim_states" in msg, msg  # DeepSpeed's own reason
-    assert "ds_to_universal --input_folder" in msg and "2 data-parallel rank(s) at ZeRO-2" in msg
+    assert "ds_convert --input_folder" in msg and "2 data-parallel rank(s) at ZeRO-2" in msg
     assert not (tmp_path / "new" / "universal" / "checkpoint-3").exists()  # nothing that looks like a checkpoint
 
 

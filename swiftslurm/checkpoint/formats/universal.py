@@ -2,7 +2,7 @@
 
 A ZeRO-1/2/3 checkpoint holds one optimizer partition per data-parallel rank; DeepSpeed refuses to load it on
 another DP size ("The checkpoint being loaded used a DP world size of X ..."). DeepSpeed's universal-checkpoint
-tool (``python -m deepspeed.checkpoint.ds_to_universal``) rewrites the partitions per parameter, independent of
+tool (``ds_to_universal``, run as ``python -m swiftslurm.checkpoint.formats.ds_convert``: weights-only loads) rewrites the partitions per parameter, independent of
 the world size, and ``"checkpoint": {"load_universal": true}`` loads that on any size.
 
 ``plan_load`` (pure) decides from the writer's layout (manifest meta, else the shard files) and this run's:
@@ -117,7 +117,7 @@ def manual_way(src: Path | str, output_dir: Path | str, writer: Layout) -> str:
     """What a person can do instead (one line)."""
     src = Path(src)
     return (f"resume with the writer's layout ({writer.describe()}: set slurm.nodes/tasks_per_node and the deepspeed preset "
-            f"back), or convert by hand: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+            f"back), or convert by hand: python -m swiftslurm.checkpoint.formats.ds_convert --input_folder "
             f"{src}/global_step<N> --output_folder {src}/global_step<N>_universal --inject_missing_state, then set "
             f'[deepspeed] checkpoint = {{load_universal = true}}; or start fresh in a new job.output_dir (not {output_dir})')
 
@@ -182,7 +182,7 @@ def _stage3_optimizer_view(zero: Path) -> None:
 
 
 def converter_argv(global_step_dir: Path, out_folder: Path, workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(global_step_dir),
+    return [sys.executable, "-m", "swiftslurm.checkpoint.formats.ds_convert", "--input_folder", str(global_step_dir),
             "--output_folder", str(out_folder), "--inject_missing_state",
             "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
 
