@@ -77,6 +77,10 @@ def test_cause_a_killed_rank_a_down_node_a_hang_and_hardware():
     assert restart.cause_of(ecc).kind == "hardware" and restart.cause_of(ecc).suspects == ("node2",)
     bug = restart.StepEnd(1, nodes, (), failures=((0, "node1", "ValueError: bad shape"),))
     assert restart.cause_of(bug) == restart.Cause("rank_failed", "rank 0 on node1: ValueError: bad shape")
+    # not a hardware verdict: SIGBUS from a full /dev/shm, a CUDA error inside NCCL (the node is not blamed)
+    for what in ("Fatal Python error: Bus error", "NCCL error: unhandled cuda error (ncclUnhandledCudaError)"):
+        shm = restart.StepEnd(1, nodes, (), failures=((1, "node2", what),))
+        assert restart.cause_of(shm).kind == "rank_failed" and restart.cause_of(shm).suspects == (), what
 
 
 # ---------------------------------------------------------------- what to do
@@ -247,3 +251,48 @@ def test_a_stalled_rank_ends_its_step_only_under_the_supervisor(tmp_path):
     dumped = subprocess.run([sys.executable, "-c", WATCHED, str(hang), "0"], capture_output=True, text=True, timeout=60)
     assert dumped.returncode == 0 and "still here" in dumped.stdout and not hang.exists()  # today's behaviour: stacks only
     assert "watchdog: no step for" in dumped.stderr
+
+
+# ---------------------------------------------------------------- real cluster conditions (issue 52)
+
+
+def test_only_a_lost_node_counts_as_failed_never_a_drained_one():
+    assert all(steps.lost(s) for s in ("down", "down*", "idle*", "fail", "failg", "alloc*", "down~"))
+    assert not any(steps.lost(s) for s in ("drain", "drng", "drained", "maint", "reboot", "mix", "alloc", "idle"))
+    assert all(steps.unusable(s) for s in ("drain", "drng", "maint"))  # still not given to later jobs (the ledger's side)
+
+
+def test_a_cancel_that_lands_as_the_step_ends_is_a_cancel_not_a_crash(tmp_path):
+    """The handler decides: a TERM after the wait loop's last look (srun already exiting) is still a stop."""
+    import signal
+
+    from swiftslurm.node.supervise import Supervisor
+    from swiftslurm.plan import write_plan
+
+    plan = plan_of(tmp_path, "max_restarts = 2")
+    plan_path = write_plan(plan)
+    sup = Supervisor(str(plan_path), 0, ["srun", "true"], {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "node[1-2]"})
+    assert sup._not_to_restart(137, 0.0, 0) is None  # a rank killed, nothing asked: restart it
+    sup._on_signal(signal.SIGUSR2, None)
+    assert sup._not_to_restart(137, 0.0, 0) is None  # the walltime signal: requeues.json decides, not the handler
+    sup._on_signal(signal.SIGTERM, None)
+    assert sup._not_to_restart(143, 0.0, 0) == "cancelled or signalled: the step was asked to stop"
+
+
+def test_the_next_chain_link_gets_nothing_the_supervisor_set_for_this_step():
+    from swiftslurm.node import chain
+
+    env = chain.submit_env({"PATH": "/bin", "SWIFTSLURM_STEP_NODES": "1", "SWIFTSLURM_RESTART_ATTEMPT": "2",
+                            "SWIFTSLURM_HANG_RESTART": "1", "SWIFTSLURM_PROBE_MASTER": "node3", "SWIFTSLURM_LEDGER": "/l"})
+    assert env == {"PATH": "/bin", "SWIFTSLURM_LEDGER": "/l"}
+
+
+def test_a_slurmctld_that_does_not_answer_is_unknown_not_a_crash(tmp_path, monkeypatch):
+    """Stand-in sinfo and scontrol that hang past the query time-out: the step-end checks answer 'unknown'."""
+    for tool in ("sinfo", "scontrol"):
+        (tmp_path / tool).write_text("#!/bin/sh\nsleep 30\n")
+        (tmp_path / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(steps, "QUERY_TIMEOUT_S", 0.5)
+    assert steps.node_states(("node1", "node2")) == {}
+    assert steps.job_nodes("5") is None

@@ -63,7 +63,6 @@ def test_the_universal_converter_never_runs_a_planted_payload(tmp_path):
     weights_only=False in its own process; run as ds_convert, a payload in a shard refuses the conversion and never
     runs (with deepspeed.checkpoint.ds_to_universal in its place, the marker is made)."""
     import subprocess
-    import sys
 
     from swiftslurm.checkpoint.formats.universal import converter_argv
 

@@ -30,10 +30,15 @@ from typing import Any, Mapping
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..spec.model import PER_RANK_VARS, RUNTIME_VARS
 from ..taskdir import CHAIN_FILE
+from ..train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
+from .restart import PROBE_MASTER_ENV, STEP_NODES_ENV
 
 # what a rank's environment holds that belongs to this job, this step or this rank, never to the next job
 JOB_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SUBMITIT_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
 JOB_VARS = (*PER_RANK_VARS, *RUNTIME_VARS, "MASTER_ADDR", "MASTER_PORT")
+# ... and what the in-job restart supervisor set for this step: a shrunk node count left in the next link's environment
+# made its ranks fail their allocation check (the next link starts on the spec's own nodes, at attempt 0)
+SUPERVISOR_VARS = (STEP_NODES_ENV, ATTEMPT_ENV, HANG_RESTART_ENV, PROBE_MASTER_ENV)
 
 
 # ---------------------------------------------------------------- the record (pure over its contents)
@@ -88,7 +93,7 @@ def _write(task_dir: str, chains: list[list[str]], name: str) -> None:
 def submit_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment the next link is submitted with (pure): this rank's, without this job's Slurm, submitit,
     launcher and rank variables (a stale SLURM_RESTART_COUNT or SLURM_ARRAY_TASK_ID would mislead the next job)."""
-    return {k: v for k, v in environ.items() if not k.startswith(JOB_PREFIXES) and k not in JOB_VARS}
+    return {k: v for k, v in environ.items() if not k.startswith(JOB_PREFIXES) and k not in JOB_VARS and k not in SUPERVISOR_VARS}
 
 
 # ---------------------------------------------------------------- how this job was sent

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..plan import read_plan_task
     from ..preflight.checks import ports
     from ..slurm import distenv
+    from .restart import PROBE_MASTER_ENV
 
     ap = argparse.ArgumentParser(prog="python -m swiftslurm.node.probe")
     ap.add_argument("--plan", required=True)
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     _, task, _ = read_plan_task(args.plan, args.task)
     dist = distenv.derive(os.environ, pid=os.getpid(), explicit=task.spec.env)
     row = {"node": dist.node, "ok": True, "observed": "runs a step"}
-    if dist.node == os.environ.get("SWIFTSLURM_PROBE_MASTER", dist.nodes[0]):
+    if dist.node == os.environ.get(PROBE_MASTER_ENV, dist.nodes[0]):
         result = ports.check_master_port(dist.node, dist.master_port)
         row = {"node": dist.node, "ok": result.ok, "observed": result.observed}
     print(json.dumps(row), flush=True)

@@ -35,8 +35,9 @@ SRUN_ERROR = re.compile(r"^srun: error: (?P<node>[A-Za-z0-9][A-Za-z0-9._-]*): ta
 # what a node failure looks like from srun's side (the node, not the program, went away)
 NODE_LOST = re.compile(r"node fail|Node failure|not responding|lost connection|Unable to contact slurm node|is DOWN", re.I)
 # a rank that died of the hardware under it: do not restart it on the same node when a spare can take its place
-HARDWARE = re.compile(r"uncorrectable ECC|ECC error|\bXid\b|fallen off the bus|cudaErrorECCUncorrectable|ncclUnhandledCudaError|"
-                      r"NVLink error|GPU is lost|Bus error", re.I)
+# a verdict on the node's hardware: ECC, an Xid, a GPU fallen off the bus. Not "Bus error" (SIGBUS is also an exhausted
+# /dev/shm or a truncated mmapped file) nor ncclUnhandledCudaError (any CUDA error inside NCCL): those are rank failures
+HARDWARE = re.compile(r"uncorrectable ECC|ECC error|\bXid\b|fallen off the bus|cudaErrorECCUncorrectable|NVLink error|GPU is lost", re.I)
 HANG, NODE_FAILURE, HARDWARE_FAULT, RANK_KILLED, RANK_FAILED, PROBE = "hang", "node_failure", "hardware", "rank_killed", "rank_failed", "probe"
 
 
@@ -181,6 +182,7 @@ def progress_guard(streak: int, limit: int, cause: Cause, committed: int | None)
 
 
 STEP_NODES_ENV = "SWIFTSLURM_STEP_NODES"  # the step's environment after a shrink: how many nodes it runs on
+PROBE_MASTER_ENV = "SWIFTSLURM_PROBE_MASTER"  # the restart probe's: the next step's master node (its MASTER_PORT is checked)
 
 
 def step_spec(spec: JobSpec, environ: Mapping[str, str]) -> JobSpec:

@@ -76,7 +76,9 @@ class Supervisor:
     # ---------------------------------------------------------------- signals: a flag, acted on in the loop
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
+        self.received.append(signum)  # passed on to the step by the wait loop
+        if signum != signal.SIGUSR2:  # a cancel or preemption: decided here, so a TERM that lands as srun ends
+            self.stopping = True  # (after the loop's last look) still reads as one, never as a crash to restart
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
@@ -147,7 +149,11 @@ class Supervisor:
         records = failure.read_failures(self.out, since=since)
         states = steps.node_states(nodes)
         held = steps.job_nodes(self.environ.get("SLURM_JOB_ID", ""))  # a node Slurm lost under --no-kill leaves the job
-        down = tuple(n for n in nodes if steps.unusable(states.get(n, "")) or (held is not None and n not in held))
+        down = tuple(n for n in nodes if steps.lost(states.get(n, "")) or (held is not None and n not in held))
+        draining = [n for n in nodes if n not in down and steps.unusable(states.get(n, ""))]
+        if draining:  # an admin's drain or maintenance: not this run's failure, and not the node's (never ledgered)
+            log.warning("node(s) %s %s by Slurm (%s): not counted as failed", ", ".join(draining),
+                        "is drained" if len(draining) == 1 else "are drained", ", ".join(states[n] for n in draining))
         return restart.StepEnd(
             rc, nodes, tuple(self.srun_errors), tuple((f.rank, f.node, f.what) for f in records if f.kind != "preflight"),
             self._hang(since), down,
@@ -222,8 +228,9 @@ class Supervisor:
         return restart.RestartDecision(False, (), tuple(dropped), "not restarted: every node failed the restart probe")
 
     def _probe_nodes(self, nodes: tuple[str, ...]) -> dict[str, str]:
-        command = [sys.executable, "-m", "swiftslurm.node.probe", "--plan", self.plan_path, "--task", str(self.index)]
-        env = {**self.environ, "SWIFTSLURM_PROBE_MASTER": nodes[0]}  # the next step's master: its MASTER_PORT is checked
+        # through node.hold, as the ranks start: the walltime USR2 arriving during the probe is held, never its death
+        command = [sys.executable, "-m", "swiftslurm.node.hold", "-m", "swiftslurm.node.probe", "--plan", self.plan_path, "--task", str(self.index)]
+        env = {**self.environ, restart.PROBE_MASTER_ENV: nodes[0]}  # the next step's master: its MASTER_PORT is checked
         bad: dict[str, str] = {}
         for node, proc in steps.probe(nodes, command, env).items():
             row: Any = None

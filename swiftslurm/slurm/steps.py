@@ -74,12 +74,40 @@ def unusable(state: str) -> bool:
     return state.endswith("*") or state.rstrip("~#!%$@^-+").lower().startswith(UNUSABLE_STATES)
 
 
+LOST_STATES = ("down", "fail", "npc", "unk")  # what a lost node shows; drain, drng, maint, reboot are an admin's doing
+
+
+def lost(state: str) -> bool:
+    """A node this run lost: down, failed (or failing), not responding (``*``). A drained or draining node, or one in
+    maintenance, is an admin's decision about later work, not a failure of this run's (pure)."""
+    return state.endswith("*") or state.rstrip("~#!%$@^-+").lower().startswith(LOST_STATES)
+
+
+QUERY_TIMEOUT_S = 20.0  # one answer of sinfo/scontrol for a restart decision; asked twice, then "unknown"
+QUERY_TRIES = 2
+
+
+def _ask(argv: list[str]) -> subprocess.CompletedProcess | None:
+    """A query slurmctld may be too busy to answer: tried ``QUERY_TRIES`` times, None when it never answered."""
+    from ..errors import SwiftSlurmError, ToolMissing
+
+    for attempt in range(QUERY_TRIES):
+        try:
+            return _run(argv, timeout_s=QUERY_TIMEOUT_S, check=False)
+        except ToolMissing:
+            raise
+        except SwiftSlurmError:  # no answer in time
+            if attempt + 1 < QUERY_TRIES:
+                time.sleep(1.0)
+    return None
+
+
 def node_states(nodes: tuple[str, ...]) -> dict[str, str]:
-    """How Slurm sees ``nodes`` now; {} when sinfo does not answer."""
+    """How Slurm sees ``nodes`` now; {} when sinfo does not answer (an error, or no answer twice in time)."""
     if not nodes:
         return {}
-    proc = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%t"], check=False)
-    return parse_node_states(proc.stdout) if proc.returncode == 0 else {}
+    proc = _ask(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%t"])
+    return parse_node_states(proc.stdout) if proc is not None and proc.returncode == 0 else {}
 
 
 def job_nodes(job_id: str) -> tuple[str, ...] | None:
@@ -87,8 +115,8 @@ def job_nodes(job_id: str) -> tuple[str, ...] | None:
     when it does not answer."""
     from .commands import parse_scontrol_job, show_hostnames
 
-    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
-    jobs = parse_scontrol_job(proc.stdout) if proc.returncode == 0 else []
+    proc = _ask(["scontrol", "show", "job", "-o", job_id])
+    jobs = parse_scontrol_job(proc.stdout) if proc is not None and proc.returncode == 0 else []
     hostlist = jobs[0].get("NodeList", "") if jobs else ""
     if not hostlist or hostlist == "(null)":
         return None

@@ -2,8 +2,8 @@
 
 A ZeRO-1/2/3 checkpoint holds one optimizer partition per data-parallel rank; DeepSpeed refuses to load it on
 another DP size ("The checkpoint being loaded used a DP world size of X ..."). DeepSpeed's universal-checkpoint
-tool (``ds_to_universal``, run as ``python -m swiftslurm.checkpoint.formats.ds_convert``: weights-only loads) rewrites the partitions per parameter, independent of
-the world size, and ``"checkpoint": {"load_universal": true}`` loads that on any size.
+tool (``ds_to_universal``, run as ``python -m swiftslurm.checkpoint.formats.ds_convert``: weights-only loads)
+rewrites the partitions per parameter, independent of the world size, and ``"checkpoint": {"load_universal": true}`` loads that on any size.
 
 ``plan_load`` (pure) decides from the writer's layout (manifest meta, else the shard files) and this run's:
 load as is, convert, or refuse with the reason and the manual way. ``convert`` (one rank) writes the sibling
