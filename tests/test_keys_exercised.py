@@ -137,7 +137,7 @@ def test_debug_shows_the_traceback_a_user_error_otherwise_hides(tmp_path):
 # ---------------------------------------------------------------- the watchdog pauses during a save
 
 
-def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path):
+def test_the_watchdog_is_paused_for_a_save_or_an_evaluation_and_rearmed_by_the_next_step(tmp_path):
     from transformers import TrainerControl, TrainerState
 
     from swiftslurm.train.health.watchdog import FLOOR_ENV, ProgressWatchdog
@@ -164,6 +164,14 @@ def test_the_watchdog_is_paused_for_a_save_and_rearmed_by_the_next_step(tmp_path
         assert "watchdog: no step" not in Path(log.name).read_text()
         state.global_step = 7
         schedule.on_step_end(args, state, TrainerControl())  # the next step end re-arms it
+        assert watchdog.armed_s == pytest.approx(0.3)
+        # an evaluation follows this step (eval_steps != save_steps): paused through it and the saves it asks for
+        schedule.on_step_end(args, state, TrainerControl(should_evaluate=True))
+        assert watchdog.armed_s is None
+        schedule.on_step_end(args, state, TrainerControl())
+        schedule.on_epoch_end(args, state, TrainerControl(should_evaluate=True))  # an epoch's evaluation
+        assert watchdog.armed_s is None
+        schedule.on_step_end(args, state, TrainerControl())
         assert watchdog.armed_s == pytest.approx(0.3)
         time.sleep(1.0)  # and a real stall is still caught
         log.flush()

@@ -338,9 +338,19 @@ class ScheduleCallback(TrainerCallback):
             log.warning("walltime stop: saving at step %d, then stopping for requeue", state.global_step)
         elif state.global_step in self.forced:
             control.should_save = True
-        if control.should_save and self.watchdog is not None:
-            self.watchdog.pause()  # a save is no stalled step: the next step end re-arms it
+        self._pause_for_what_follows(control)
         return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._pause_for_what_follows(control)  # an epoch's evaluation and save (eval_strategy/save_strategy "epoch")
+        return control
+
+    def _pause_for_what_follows(self, control) -> None:
+        """A save or an evaluation follows (and the saves an evaluation asks for, the best checkpoint's, early
+        stopping's): none of them is a stalled step, and any may take longer than the limit. The next step end
+        re-arms the watchdog."""
+        if (control.should_save or control.should_evaluate) and self.watchdog is not None:
+            self.watchdog.pause()
 
 
 class MetricsFileCallback(TrainerCallback):
