@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from conftest import wait_for_job
 
 from swiftslurm.doctor.evidence import TaskRun
@@ -28,6 +30,18 @@ def test_ratios_compare_each_rank_with_the_median_of_the_others():
     assert ratios([0.1, 0.1, 0.1, 0.5]) == pytest.approx([1.0, 1.0, 1.0, 5.0])
     assert ratios([0.2]) == [1.0]  # one rank: no one to compare with
     assert ratios([0.0, 0.0]) == [1.0, 1.0]
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=0, max_size=40))
+def test_one_sort_gives_each_rank_the_median_of_all_the_others(times):
+    import statistics
+
+    def by_definition(rank: int) -> float:
+        others = times[:rank] + times[rank + 1:]
+        median = statistics.median(others) if others else 0.0
+        return times[rank] / median if median > 0 else 1.0
+
+    assert ratios(times) == pytest.approx([by_definition(r) for r in range(len(times))])
 
 
 def test_a_rank_is_named_after_three_slow_windows_in_a_row_and_only_once():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +34,28 @@ log = logging.getLogger("swiftslurm.train")
 
 def ratios(times: list[float]) -> list[float]:
     """Each rank's time over the median of the *other* ranks' (pure): with two ranks the median of all would be their
-    mean, and no rank could ever be 2x it. One rank, or others that took no time: every ratio 1.0."""
+    mean, and no rank could ever be 2x it. One rank, or others that took no time: every ratio 1.0.
+
+    One sort for all ranks (O(W log W); rank 0 runs this each window while every other rank waits at the next
+    collective): leaving out the value at sorted position ``i`` shifts the positions after it by one, so the median
+    of the others is read off the same sorted list."""
+    n = len(times)
+    if n < 2:
+        return [1.0] * n
+    order = sorted(range(n), key=times.__getitem__)
+    ranked = [times[r] for r in order]
+    where = [0] * n
+    for position, rank in enumerate(order):
+        where[rank] = position
+    half, odd = divmod(n - 1, 2)
+
+    def other(k: int, left_out: int) -> float:  # the k-th smallest of the others
+        return ranked[k] if k < left_out else ranked[k + 1]
+
     out = []
     for rank, own in enumerate(times):
-        others = times[:rank] + times[rank + 1:]
-        median = statistics.median(others) if others else 0.0
+        i = where[rank]
+        median = other(half, i) if odd else (other(half - 1, i) + other(half, i)) / 2
         out.append(own / median if median > 0 else 1.0)
     return out
 
