@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import REQUEUES_FILE, STOPS_DIR
+from .restart import progressed
 
 if TYPE_CHECKING:
     from ..slurm.distenv import DistEnv
@@ -69,16 +70,6 @@ def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> Req
         f"stopped at walltime after {done} requeue(s): max_requeues reached (slurm.max_requeues = {max_requeues}); "
         "resubmit the same spec (or raise slurm.max_requeues) to continue from the newest verified checkpoint",
     )
-
-
-def progressed(start: Any, committed: Any) -> bool | None:
-    """Whether an attempt that started at committed step ``start`` and ended at ``committed`` committed anything newer
-    (pure); None when ``committed`` is not a step (a record not of our shape). Shared by requeues and restarts."""
-    if committed is not None and not (isinstance(committed, int) and not isinstance(committed, bool)):
-        return None
-    if committed is None:
-        return False
-    return not (isinstance(start, int) and not isinstance(start, bool) and committed <= start)
 
 
 def made_progress(record: dict[str, Any]) -> bool | None:

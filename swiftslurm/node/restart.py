@@ -156,11 +156,19 @@ def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable
     return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts}{how} after: {cause.detail}")
 
 
+def progressed(start: Any, committed: Any) -> bool | None:
+    """Whether an attempt that started at committed step ``start`` and ended at ``committed`` committed anything newer
+    (pure); None when ``committed`` is not a step (a record not of our shape). Shared by requeues (``requeue.made_progress``) and restarts."""
+    if committed is not None and not (isinstance(committed, int) and not isinstance(committed, bool)):
+        return None
+    if committed is None:
+        return False
+    return not (isinstance(start, int) and not isinstance(start, bool) and committed <= start)
+
+
 def no_progress_streak(records: list[dict[str, Any]], start: int | None, committed: int | None) -> int:
     """How many step attempts in a row, ending with this one (``start`` -> ``committed``), committed no newer
     checkpoint (pure); ``records``: this job's earlier restart records, oldest first."""
-    from .requeue import progressed
-
     if progressed(start, committed) is not False:
         return 0
     streak = 1

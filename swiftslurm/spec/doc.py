@@ -1,6 +1,8 @@
 """The spec reference in the README, generated from the model so docs and code cannot drift.
 
-`python -m swiftslurm.spec.doc` prints the Markdown; a test checks the README holds exactly it.
+`python -m swiftslurm.spec.doc` prints the Markdown; a test checks the README holds exactly it. A ``[train]`` key's
+meaning is its field's description (``spec/train_fields.py``, by concern); the other tables' are here until they move
+onto their fields the same way.
 """
 
 from __future__ import annotations
@@ -52,117 +54,6 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.bad_node_ttl_h": "a ledger entry older than this many hours no longer excludes its node",
     "slurm.python": "the interpreter the ranks run (swiftslurm and submitit installed in it), one word (a path or a command on PATH, never starting "
                     "with `-`); unset = the submitting one, or `python3` inside a container",
-    "train.model": "a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)",
-    "train.dataset": "one path or a list, read in order and mixed: JSONL (`.jsonl`), JSON arrays (`.json`), `.parquet`, `.arrow`, or a `datasets` "
-                     "`save_to_disk` directory; records in alpaca (`instruction`/`input`/`output`) or messages (`[{role, content}]`) format",
-    "train.train_type": "`lora` or `full`",
-    "train.deepspeed": "a preset (`zero0` ... `zero2_fast`), a path to a DeepSpeed JSON, or `\"none\"`: plain DDP, no DeepSpeed (the path for GaLore/APOLLO)",
-    "train.bf16": "bf16 mixed precision",
-    "train.fp16": "fp16 mixed precision (not with bf16)",
-    "train.gradient_checkpointing": "recompute activations in the backward pass: `true`, `false`, or `\"auto\"` = off where `plan`'s memory "
-                                    "estimate without it (+15%) fits `slurm.gpu_memory_gb`, else on; on for CPU jobs and unknown model shapes",
-    "train.per_device_train_batch_size": "micro-batch per rank",
-    "train.gradient_accumulation_steps": "micro-batches per optimizer step",
-    "train.learning_rate": "peak learning rate",
-    "train.max_grad_norm": "clip the global gradient norm to this (0 = no clipping, and then no `grad_norm` in the logs); `doctor`'s "
-                           "`nan_grad_norm` suggests 0.5",
-    "train.ddp_timeout": "seconds a collective may wait for the other ranks before the process group aborts (TrainingArguments' `ddp_timeout`, and "
-                         "`DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 minutes",
-    "train.straggler_window": "every this many steps the ranks share their time outside collectives; a rank over `straggler_factor` x "
-                              "the others' median for 3 windows in a row is named (log, metrics, `doctor`, the ledger as slow); 0 = off",
-    "train.straggler_factor": "how much slower than the other ranks' median a rank's window must be to count as slow (docs/runtime.md, "
-                              "Stragglers)",
-    "train.weight_decay": "AdamW weight decay",
-    "train.warmup_ratio": "fraction of the steps spent warming up",
-    "train.lr_scheduler_type": "`linear`, `cosine`, `constant`, `constant_with_warmup`",
-    "train.max_steps": "optimizer steps (or `num_train_epochs`, not both)",
-    "train.num_train_epochs": "epochs when `max_steps` is unset (default 1)",
-    "train.max_length": "tokens per sample; longer samples are truncated",
-    "train.save_steps": "a verified checkpoint every this many steps",
-    "train.logging_steps": "metrics every this many steps",
-    "train.seed": "seed for init, data order and dropout",
-    "train.lora_rank": "LoRA rank",
-    "train.lora_alpha": "LoRA alpha",
-    "train.lora_dropout": "LoRA dropout",
-    "train.lora_target_modules": "`all-linear` or a list of module names",
-    "train.report_to": "`tensorboard`, `wandb`, `mlflow` (the `tracking` extra; one run per training across requeues: "
-                       "docs/training.md) and/or `none`",
-    "train.packing": "pack whole samples into rows of exactly `max_length` tokens (`per_device_train_batch_size` then counts packed rows); "
-                     "attention and labels never cross a sample",
-    "train.attn_implementation": "`auto` (the fastest correct kernel on the node: `flash_attention_2` where installed, else on GPUs `varlen_attn` "
-                                 "for packed bf16/fp16 rows where the flash kernel runs (sm80+), `flex_attention` for other packed rows of 4096 "
-                                 "tokens or more, `sdpa` otherwise; `sdpa` on the CPU), `sdpa`, `eager`, `flex_attention`, `varlen_attn` (PyTorch's "
-                                 "own flash kernel for packed samples, no flash-attn build: GPU sm80+, packing, bf16/fp16), `flash_attention_2`, "
-                                 "`flash_attention_3`",
-    "train.compile": "regional `torch.compile`: each decoder layer compiled in place (one graph serves every layer; checkpoints unchanged; "
-                     "Liger's kernels off with it). Off by default: on an H200 it gave an 8B LoRA +3% (within run-to-run noise) for "
-                     "~105 s more start-up on every start and requeue, and a 0.5B full fine-tune 0.87x (docs/benchmarks.md)",
-    "train.fused_lora": "LoRA (every task): each adapted projection runs its frozen base and the adapter in one autograd function, the same "
-                        "function as peft's with fewer full-width passes and no per-projection copy of the dropped-out input "
-                        "(train/kernels/lora.py); on GPUs the LoRA dropout mask is drawn inside the adapter's matmuls (Triton), "
-                        "nothing stored: the same law as peft's masks, not the same draws; not under ZeRO-3 or `compile`; "
-                        "`false` = peft's own forward",
-    "train.use_liger_kernel": "Liger's fused kernels: `true` = all of them, the linear cross-entropy too (a GPU, `liger-kernel`, not ZeRO-3; on an "
-                              "H200 it halved memory but cost 12-23% of packed tokens/s; `plan` names it when it would make a run fit), `false`, or "
-                              "`auto` = its RMSNorm, RoPE and SwiGLU where `liger-kernel` is installed on a GPU (not ZeRO-3, not DPO), never the fused loss",
-    "train.dataset_scan": "validate, plan and submit read every record of the dataset and name a malformed one (file and line, or row index); false "
-                          "skips that scan (huge data: the trainer still checks every record when it tokenizes)",
-    "train.dataset_num_proc": "processes that tokenize the dataset (once: the result is cached next to the checkpoints)",
-    "train.dataloader_num_workers": "DataLoader worker processes per rank (0 = in the training process)",
-    "train.dataloader_pin_memory": "pinned host memory for batches (GPU runs)",
-    "train.resume_from": "start this run (its own `output_dir`) from another checkpoint: a `checkpoint-N` of ours (verified first; a damaged one "
-                         "stops the run, exit 5), another run's output dir (its newest verified), or one we did not write (an HF Trainer + "
-                         "DeepSpeed `checkpoint-N`, a model dir, a peft adapter dir: imported on the fly). Restores weights, optimizer, scheduler, "
-                         "RNG and data position; a requeue of this run resumes from its own newest checkpoint; never this run's own output dir "
-                         "(or a task's, or inside them). See docs/checkpoints.md",
-    "train.resume_weights_only": "with `resume_from`: only the weights; a fresh optimizer, schedule and data order from step 0 (always so for a "
-                                 "model or adapter dir)",
-    "train.task": "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer), `pt` "
-                  "(continued pretraining on raw `text` records: every token a label, packed; docs/training.md), `rm` (a reward "
-                  "model with a 1-output score head, on the same pairs, through TRL's RewardTrainer), `kto` (unpaired "
-                  "`prompt`/`completion`/`label` records, through TRL's KTOTrainer) or `grpo` (online RL: prompts scored by "
-                  "`reward_funcs`, through TRL's GRPOTrainer; docs/training.md)",
-    "train.dpo_beta": "DPO and KTO: how far the policy may move from the reference model (TRL's `beta`)",
-    "train.dpo_loss_type": "DPO: one of TRL's loss types (`sigmoid`, `ipo`, `hinge`, `robust`, `apo_zero`, ...)",
-    "train.precompute_ref_log_probs": "DPO and KTO: score the reference once before training and keep no reference model",
-    "train.kto_desirable_weight": "KTO: weight of the loss of desirable completions (`label = true`); raise the rarer label's weight "
-                                  "when the counts differ (TRL's `desirable_weight`)",
-    "train.kto_undesirable_weight": "KTO: weight of the loss of undesirable completions (`label = false`; TRL's `undesirable_weight`)",
-    "train.max_prompt_length": "DPO: keep at most this many prompt tokens (the end of the prompt); below `max_length`",
-    "train.reward_funcs": "GRPO: what scores each completion, in order: built-ins `length`, `format`, `accuracy` (against the `solution` column), "
-                          "`file.py:function` (a file next to the spec, or a path relative to it) or `module:function` (importable on the nodes); "
-                          "called as `f(prompts, completions, completion_ids, **columns)` -> one float per completion. One that raises stops "
-                          "every rank with exit code 70, naming it and the sample",
-    "train.reward_weights": "GRPO: one weight per `reward_funcs` entry (unset: all 1.0); the reward is their weighted sum",
-    "train.reward_length_target": "GRPO, built-in `length`: the completion length in tokens that scores 1.0 (0 at none or twice as many)",
-    "train.reward_format_regex": "GRPO, built-in `format`: 1.0 when the completion matches this Python regular expression in full (`re.DOTALL`)",
-    "train.num_generations": "GRPO: completions per prompt, compared with each other; must divide micro-batch x world size x accumulation steps",
-    "train.max_completion_length": "GRPO: tokens generated per completion at most; below `max_length`",
-    "train.temperature": "GRPO: sampling temperature of the generation",
-    "train.grpo_beta": "GRPO: weight of the KL to the starting model (TRL's `beta`); 0 = no reference model, LoRA scores it with the adapter off",
-    "train.use_vllm": "GRPO: generate with vLLM in TRL's colocate mode (GPUs, vLLM installed on the nodes; refused otherwise); false = HF "
-                      "`generate` with the model on each rank",
-    "train.optimizer": "`adamw`, or `galore_adamw` / `galore_adamw_8bit` / `apollo_adamw` (full FT with `deepspeed = \"none\"`)",
-    "train.galore_rank": "GaLore/APOLLO: rank of the gradient projection",
-    "train.galore_update_proj_gap": "GaLore/APOLLO: steps between projection updates",
-    "train.galore_scale": "GaLore/APOLLO: scale of the projected update (unset: the library default)",
-    "train.model_shape": "a hub model not on disk: "
-                         "`{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size, tie_word_embeddings, head_dim, model_type }` "
-                         "for `plan`'s memory estimate and the head checks at `validate` (a local model's config.json and `tiny-llama` need none); "
-                         "`model_type` (config.json's, e.g. `\"qwen2\"`) lets the estimate count Liger's layers where Liger patches that type",
-    "train.eval_dataset": "files to evaluate on (formats as `dataset`): tokenized, cached and packed like the training data; not with `eval_split`",
-    "train.eval_split": "hold out this fraction of `dataset`'s records for evaluation (at least one), drawn with a fixed seed (the same records "
-                        "for every run and sweep task, whatever `seed` is); `0` = no split",
-    "train.eval_steps": "evaluate every this many steps, on all ranks, one `eval_loss` (unset: `save_steps`); an evaluation that beats the best "
-                        "so far also saves a checkpoint",
-    "train.per_device_eval_batch_size": "eval micro-batch per rank (packed rows with `packing`); unset: `per_device_train_batch_size`",
-    "train.metric_for_best_model": "the logged eval metric that picks the best checkpoint (`latest_best`, kept by retention) and drives early "
-                                   "stopping: `eval_loss`, or for DPO `eval_rewards/accuracies`, `eval_rewards/margins`, ...",
-    "train.greater_is_better": "whether a higher `metric_for_best_model` is better; unset: lower for names ending in `loss` (or a time), "
-                               "higher otherwise",
-    "train.early_stopping_patience": "stop (COMPLETED, the reason in the summary and `status`) after this many evaluations in a row without "
-                                     "a new best; the count survives a requeue; unset = never",
-    "train.command": "run your own script instead of the built-in trainer, e.g. `[\"python\", \"train.py\"]`, with the same env, preflight and requeue",
     "checkpoint.keep": "verified checkpoints kept (at least 2)",
     "checkpoint.forced_save_fractions": "extra saves at these fractions of `max_steps`",
     "checkpoint.checksum": "`xxh3`, `md5` or `sha256`",
@@ -233,7 +124,7 @@ def reference_markdown() -> str:
                 except Exception:
                     default = None
                 shown = "required" if sub.is_required() else _fmt_default(default)
-                desc = DESCRIPTIONS[f"{table}.{key}"]
+                desc = sub.description or DESCRIPTIONS[f"{table}.{key}"]  # [train]: on the field (train_fields.py)
                 lines.append(f"| `{table}.{key}` | `{shown}` | {desc} |")
         else:
             lines.append(f"| `[{table}]` | empty | {TABLE_NOTES[table]} |")

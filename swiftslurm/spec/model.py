@@ -7,20 +7,36 @@ Pure: nothing here reads files or the environment. Loading, sweeps and problem r
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
 from ..dsconfig import MAX_NESTING, NO_DEEPSPEED
 from ..errors import did_you_mean
-from .parallel import ModelShapeTable, ParallelTable, Table
+from .parallel import ParallelTable, Table
 from .sbatch_options import MEM_CONFLICTS, parse_extra
 from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
+from .train_fields import (  # noqa: F401 -- AttnImplementation, ReportTarget re-exported
+    MAX_COUNT,
+    AttnImplementation,
+    DataFields,
+    EvalFields,
+    GrpoFields,
+    HealthFields,
+    KernelFields,
+    LoraFields,
+    MemoryFields,
+    ModelFields,
+    OptimizerFields,
+    PreferenceFields,
+    ReportTarget,
+    ResumeFields,
+    ScheduleFields,
+)
 
 MAX_SPEC_BYTES = 1_000_000
 TINY_MODELS = ("tiny-llama",)
 # transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
-AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3"]
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 # TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -28,7 +44,6 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "
 # The preflight check names: the one list (the spec's field type, the preflight-only default, the README)
 CheckName = Literal["ports", "allreduce", "iperf3", "nvme", "gpu", "disk", "sharedfs"]
 CHECKS: tuple[str, ...] = get_args(CheckName)
-ReportTarget = Literal["tensorboard", "wandb", "mlflow", "none"]
 
 # Every pattern is applied with fullmatch: `^...$` would let a trailing newline through ("x\n").
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -42,7 +57,6 @@ _MEM_RE = re.compile(r"[0-9]+[KMGT]?")
 MAX_TIME_S = 365 * 86400
 # C0 control characters and DEL: never part of a path, a name or an sbatch value
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
 
 # Variables every rank gets (or derives) on its own; one job-wide [env] table cannot set them. The node refuses
 # them too (``slurm.distenv.check_spec_env`` reads this tuple): the one list.
@@ -261,77 +275,10 @@ class SlurmTable(_Table):
         return self
 
 
-class TrainTable(_Table):
-    model: str | None = None
-    dataset: list[str] = Field(default_factory=list)
-    train_type: Literal["lora", "full"] = "lora"
-    deepspeed: str = "zero2"
-    bf16: bool = False
-    fp16: bool = False
-    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # plan resolves "auto" by its memory estimate
-    per_device_train_batch_size: int = Field(1, ge=1, le=4096)
-    gradient_accumulation_steps: int = Field(1, ge=1, le=65536)
-    learning_rate: float = Field(1e-4, gt=0, le=10)
-    max_grad_norm: float = Field(1.0, ge=0, le=1e6)
-    ddp_timeout: int | None = Field(None, ge=10, le=7 * 24 * 3600)
-    straggler_window: int = Field(50, ge=0, le=MAX_COUNT)  # steps per straggler window; 0 = off (train/health/straggler.py)
-    straggler_factor: float = Field(2.0, gt=1, le=1000)  # measured: docs/runtime.md, "Stragglers"
-    weight_decay: float = Field(0.0, ge=0, le=10)
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    max_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
-    num_train_epochs: float | None = Field(None, gt=0, le=1_000_000)
-    max_length: int = Field(2048, ge=8, le=1_048_576)
-    save_steps: int = Field(100, ge=1, le=MAX_COUNT)
-    logging_steps: int = Field(10, ge=1, le=MAX_COUNT)
-    seed: int = Field(42, ge=0, lt=2**32)
-    lora_rank: int = Field(8, ge=1, le=4096)
-    lora_alpha: int = Field(32, ge=1, le=1_000_000)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    lora_target_modules: Union[str, list[str]] = "all-linear"
-    report_to: list[ReportTarget] = Field(default_factory=lambda: list[ReportTarget](["tensorboard"]))
-    command: list[str] = Field(default_factory=list)
-    packing: bool = True
-    attn_implementation: AttnImplementation = "auto"
-    use_liger_kernel: Union[bool, Literal["auto"]] = "auto"
-    compile: bool = False  # regional torch.compile, one graph per decoder layer (train/kernels/compile.py)
-    fused_lora: bool = True  # LoRA projections in one autograd function (train/kernels/lora.py); false: peft's forward
-    dataset_num_proc: int = Field(1, ge=1, le=256)
-    dataset_scan: bool = True
-    dataloader_num_workers: int = Field(0, ge=0, le=64)
-    dataloader_pin_memory: bool = True
-    resume_from: str | None = None
-    resume_weights_only: bool = False
-    task: Literal["sft", "dpo", "pt", "rm", "kto", "grpo"] = "sft"
-    dpo_beta: float = Field(0.1, gt=0, le=1000)
-    dpo_loss_type: str = "sigmoid"
-    precompute_ref_log_probs: bool = False
-    max_prompt_length: int | None = Field(None, ge=1, le=1_048_576)
-    kto_desirable_weight: float = Field(1.0, gt=0, le=1000)  # KTO: the weight of a desirable (label = true) example's loss
-    kto_undesirable_weight: float = Field(1.0, gt=0, le=1000)
-    # task = "grpo" (spec/grpo_rules.py: what each key needs; train/tasks/grpo.py, rewards.py)
-    reward_funcs: list[str] = Field(default_factory=list)
-    reward_weights: list[float] | None = None
-    reward_length_target: int | None = Field(None, ge=1, le=1_048_576)
-    reward_format_regex: str | None = None
-    num_generations: int = Field(8, ge=2, le=4096)
-    max_completion_length: int = Field(256, ge=1, le=1_048_576)
-    temperature: float = Field(1.0, gt=0, le=100)
-    grpo_beta: float = Field(0.0, ge=0, le=1000)
-    use_vllm: bool = False
-    optimizer: Literal["adamw", "galore_adamw", "galore_adamw_8bit", "apollo_adamw"] = "adamw"
-    galore_rank: int = Field(128, ge=1, le=65536)
-    galore_update_proj_gap: int = Field(200, ge=1, le=MAX_COUNT)
-    galore_scale: float | None = Field(None, gt=0, le=1000)  # None: the library default (GaLore 0.25, APOLLO 1.0)
-    model_shape: ModelShapeTable | None = None  # a hub model not on disk: its shape, for `plan`'s memory estimate
-    # evaluation, the best checkpoint and early stopping (train/evaluation.py; rules in spec/eval_rules.py)
-    eval_dataset: list[str] = Field(default_factory=list)
-    eval_split: float = Field(0.0, ge=0, lt=1)
-    eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT)  # None: save_steps
-    per_device_eval_batch_size: int | None = Field(None, ge=1, le=4096)  # None: per_device_train_batch_size
-    metric_for_best_model: str = "eval_loss"
-    greater_is_better: bool | None = None  # None: inferred from the metric's name (eval_rules.greater_is_better)
-    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)
+class TrainTable(HealthFields, ResumeFields, EvalFields, GrpoFields, PreferenceFields, KernelFields,
+                 OptimizerFields, LoraFields, MemoryFields, ScheduleFields, DataFields, ModelFields):
+    """``[train]``: every concern's fields (``train_fields.py``), flat as users write them. Bases are listed last
+    concern first: pydantic orders fields from the last base, so the reference reads model, data, schedule, ..."""
 
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
@@ -562,7 +509,7 @@ class JobSpec(_Table):
     slurm: SlurmTable = Field(default_factory=SlurmTable)
     # No [train] table: an empty, unvalidated TrainTable (``has_training`` False), a spec for `swiftslurm preflight`
     # only. A [train] table that is present is validated in full (model or command required).
-    train: TrainTable = Field(default_factory=TrainTable.model_construct)  # type: ignore[assignment]  # pydantic.mypy types it as the base Table
+    train: TrainTable = Field(default_factory=TrainTable.model_construct)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     checkpoint: CheckpointTable = Field(default_factory=CheckpointTable)
     preflight: PreflightTable = Field(default_factory=PreflightTable)
