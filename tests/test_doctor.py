@@ -22,7 +22,7 @@ import pytest
 from swiftslurm import ledger
 from swiftslurm.doctor import diagnose_task
 from swiftslurm.doctor.evidence import Line, TaskRun, read_task
-from swiftslurm.doctor.hang import culprits, stack_dumps
+from swiftslurm.doctor.rules.hang import culprits, stack_dumps
 from swiftslurm.doctor.target import runs_of
 from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan

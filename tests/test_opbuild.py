@@ -1,5 +1,5 @@
 """DeepSpeed's op builds never stall a rank: a build killed midway leaves torch's bare `lock` file behind, and the
-next build takes it over (train/opbuild.py); a start that waits anyway is ended by the start-up watch with the lock
+next build takes it over (train/kernels/opbuild.py); a start that waits anyway is ended by the start-up watch with the lock
 named (train/health/startup.py), and doctor says so.
 
 The kill is real: a builder of the CPU comm op (about 30 s of gcc here) is SIGKILLed with its ninja and compilers
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from swiftslurm.train import opbuild
 from swiftslurm.train.health import startup
+from swiftslurm.train.kernels import opbuild
 
 ROOT = Path(__file__).resolve().parents[1]
 OP, OP_DIR = "ShareMemCommBuilder", "deepspeed_shm_comm"
@@ -25,7 +25,7 @@ OP, OP_DIR = "ShareMemCommBuilder", "deepspeed_shm_comm"
 BUILD = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from swiftslurm.train import opbuild
+from swiftslurm.train.kernels import opbuild
 from swiftslurm.train.health import startup
 def expired(what):
     print("EXPIRED:", what, flush=True)

@@ -12,7 +12,7 @@ import pytest
 
 from swiftslurm.jobs.send import slurm_parameters
 from swiftslurm.node import restart
-from swiftslurm.node.supervise import job_id_of, task_index
+from swiftslurm.node.batch.supervise import job_id_of, task_index
 from swiftslurm.plan import make_plan
 from swiftslurm.slurm import steps
 from swiftslurm.slurm.render import render_sbatch
@@ -167,7 +167,7 @@ def test_rendered_script_keeps_the_allocation_and_runs_the_supervisor(tmp_path):
     text = render_sbatch(plan_of(tmp_path, "max_restarts = 2\nspare_nodes = 1"), python="/py")
     assert "#SBATCH --nodes=3\n" in text and "#SBATCH --no-kill\n" in text
     line = next(ln for ln in text.splitlines() if "-m swiftslurm run" in ln)
-    assert line.startswith("/py -m swiftslurm.node.supervise --plan ") and " -- srun --kill-on-bad-exit=1 " in line and line.endswith("&")
+    assert line.startswith("/py -m swiftslurm.node.batch.supervise --plan ") and " -- srun --kill-on-bad-exit=1 " in line and line.endswith("&")
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
@@ -175,9 +175,9 @@ def test_submitit_script_hands_its_srun_line_to_the_supervisor(tmp_path):
     params = slurm_parameters(plan_of(tmp_path, "max_restarts = 1"), tasks=(0,))
     assert params["additional_parameters"].get("no-kill") is True and params["nodes"] == 2
     function = params["setup"][-1]
-    assert function.startswith("srun() { ") and "-m swiftslurm.node.supervise --plan" in function and '--tasks 0 -- srun "$@"; }' in function
+    assert function.startswith("srun() { ") and "-m swiftslurm.node.batch.supervise --plan" in function and '--tasks 0 -- srun "$@"; }' in function
     # the function stands in for submitit's own srun line: bash calls it with that line's arguments
-    script = "\n".join([function.replace("-m swiftslurm.node.supervise", "-c 'import sys; print(sys.argv[1:])'"),
+    script = "\n".join([function.replace("-m swiftslurm.node.batch.supervise", "-c 'import sys; print(sys.argv[1:])'"),
                         "srun --unbuffered --output x python -u -m submitit.core._submit f"])
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert "'srun', '--unbuffered', '--output', 'x', 'python'" in out.stdout, out.stderr
@@ -266,7 +266,7 @@ def test_a_cancel_that_lands_as_the_step_ends_is_a_cancel_not_a_crash(tmp_path):
     """The handler decides: a TERM after the wait loop's last look (srun already exiting) is still a stop."""
     import signal
 
-    from swiftslurm.node.supervise import Supervisor
+    from swiftslurm.node.batch.supervise import Supervisor
     from swiftslurm.plan import write_plan
 
     plan = plan_of(tmp_path, "max_restarts = 2")

@@ -70,7 +70,7 @@ def test_files_of_rank_keeps_shared_files_and_only_this_ranks_own():
     files = {f: {} for f in ("global_step3/mp_rank_00_model_states.pt", "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
                              "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "global_step3/zero_pp_rank_10_mp_rank_00_model_states.pt",
                              "rng_state_1.pth", "rng_state_11.pth", "scheduler.pt", "trainer_state.json")}
-    assert ck.agree.files_of_rank(files, 1) == ["global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    assert ck.ranks.agree.files_of_rank(files, 1) == ["global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
                                                 "global_step3/mp_rank_00_model_states.pt", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
 
 

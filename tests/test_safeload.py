@@ -1,4 +1,4 @@
-"""Checkpoint loads in a training rank never run code (checkpoint/safeload.py): DeepSpeed's own
+"""Checkpoint loads in a training rank never run code (checkpoint/formats/safeload.py): DeepSpeed's own
 ``torch.load(..., weights_only=False)`` reads through torch's weights-only unpickler while the trainer runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from swiftslurm.checkpoint.safeload import allowed_globals, weights_only_loads
+from swiftslurm.checkpoint.formats.safeload import allowed_globals, weights_only_loads
 from swiftslurm.errors import CheckpointDamaged
 
 

@@ -18,7 +18,7 @@ from test_resume_agree import AGREE, free_port
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.checkpoint import cache
-from swiftslurm.checkpoint.split import shares
+from swiftslurm.checkpoint.ranks.split import shares
 from swiftslurm.errors import CheckpointUnreadable
 
 
@@ -117,7 +117,7 @@ def test_damage_in_any_ranks_share_is_found_and_every_rank_falls_back_alike(thre
 
 
 def test_each_rank_hashes_only_its_share(three, monkeypatch):
-    from swiftslurm.checkpoint import split
+    from swiftslurm.checkpoint.ranks import split
 
     hashed: dict[int, list[str]] = {}
     real = split.hash_problems
@@ -147,7 +147,7 @@ def test_damage_rank_0_sees_by_stat_skips_without_hashing_and_no_candidate_is_a_
 
 def test_a_rank_that_cannot_see_a_file_rank_0_saw_stops_every_rank_instead_of_falling_back(three, monkeypatch):
     """A mount problem on one node is not damage: resuming from an older step would silently lose work."""
-    from swiftslurm.checkpoint import split
+    from swiftslurm.checkpoint.ranks import split
 
     real = split.readable_problem
     monkeypatch.setattr(split, "readable_problem", lambda p, rank: "checkpoint-3/rng_state_1.pth: missing" if rank == 1 else real(p, rank))
@@ -162,7 +162,7 @@ def test_a_file_of_its_share_another_rank_cannot_see_is_a_view_problem_not_damag
     checkpoint damaged and every rank would silently resume an older step."""
     import os as os_module
 
-    from swiftslurm.checkpoint import split
+    from swiftslurm.checkpoint.ranks import split
     from swiftslurm.checkpoint.names import owner_rank
 
     newest = ck.final_dir(three, 3)
@@ -195,7 +195,7 @@ def test_a_file_of_its_share_another_rank_cannot_see_is_a_view_problem_not_damag
 
 
 def test_rank_0_failing_to_list_is_one_error_on_every_rank(three, monkeypatch):
-    from swiftslurm.checkpoint import split
+    from swiftslurm.checkpoint.ranks import split
 
     def cannot_list(out):
         raise PermissionError(13, "Permission denied", str(out))

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_job
 from hypothesis import given
 from hypothesis import strategies as st
-from conftest import wait_for_job
 
 from swiftslurm.doctor.evidence import TaskRun
-from swiftslurm.doctor.slowrules import straggler
+from swiftslurm.doctor.rules.slowrules import straggler
 from swiftslurm.ledger import Entry, avoid, recent
 from swiftslurm.train.health.straggler import StragglerState, decide, ratios
 

@@ -13,13 +13,13 @@ See docs/checkpoints.md.
 """
 
 from . import savetime
-from .agree import Exchange, SingleRank, agree_resume_point, readable_problem
 from .best import best_checkpoint, point_best
 from .commit import atomic_write_text, commit, hash_own_files, prepare_staging
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .names import final_dir, staging_dir, step_of
-from .split import verified_split
+from .ranks.agree import Exchange, SingleRank, agree_resume_point, readable_problem
+from .ranks.split import verified_split
 from .verify import VerifyResult, verify
 
 __all__ = [

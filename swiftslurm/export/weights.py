@@ -1,7 +1,7 @@
 """The weights of an export, in memory: full weights (ZeRO shards gathered by DeepSpeed's ``zero_to_fp32``, else the
 checkpoint's own model files) or a LoRA adapter merged into its base model (peft's ``merge_and_unload``).
 
-Every ``torch.load`` here is weights-only (``checkpoint.safeload``): a checkpoint file that would run code is
+Every ``torch.load`` here is weights-only (``checkpoint.formats.safeload``): a checkpoint file that would run code is
 refused. torch and the model libraries are imported inside the functions: the login-side CLI imports this module's
 callers without them.
 """
@@ -61,7 +61,7 @@ def gathers_zero(src: Source) -> bool:
 @contextlib.contextmanager
 def _loading() -> Any:
     """Weights-only ``torch.load`` while loading (``require_libraries`` chose DeepSpeed's accelerator before)."""
-    from ..checkpoint.safeload import weights_only_loads
+    from ..checkpoint.formats.safeload import weights_only_loads
 
     with weights_only_loads():
         yield

@@ -1,6 +1,6 @@
 """In-job restart: after a training step fails, start it again inside the same allocation (pure, plus its record).
 
-The supervisor (``node/supervise.py``) runs the training step, and when it ends non-zero asks two questions here:
+The supervisor (``node/batch/supervise.py``) runs the training step, and when it ends non-zero asks two questions here:
 what happened (``cause_of``: over srun's own error lines, the ranks' failure records, the watchdog's hang
 verdict and the nodes Slurm reports down) and what to do (``decide_restart``: again, on which nodes, or stop).
 Each answer is one record in ``<task dir>/restarts.json`` (``record_restart``), which ``status``, ``doctor`` and

@@ -290,11 +290,9 @@ def startup_hint(what: str) -> str:
 
 def _train_watched(dist: DistEnv, spec: JobSpec, ds_config, out_dir: str, resume: str | bool | None, the_env: dict[str, str], log,
                    start_step: int | None) -> int:
-    from ..train import (
-        opbuild,
-        run,  # our own: a broken import fails the rank with its traceback
-    )
+    from ..train import run  # our own: a broken import fails the rank with its traceback
     from ..train.health import startup
+    from ..train.kernels import opbuild
 
     # the [train] extra is optional: say which of its packages is missing instead of a traceback mid-training
     missing = [name for name in TRAINER_PACKAGES if importlib.util.find_spec(name) is None]

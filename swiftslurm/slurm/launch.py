@@ -140,7 +140,7 @@ def setup_lines(plan: Plan, group: Group) -> list[str]:
 
 
 def supervisor_for(plan: Plan, group: Group, default_python: str | None = None, tasks: tuple[int, ...] | None = None) -> str:
-    """``PYTHON -m swiftslurm.node.supervise --plan PLAN [--tasks LIST] --``, shell-quoted, for a group with
+    """``PYTHON -m swiftslurm.node.batch.supervise --plan PLAN [--tasks LIST] --``, shell-quoted, for a group with
     ``slurm.max_restarts > 0`` ('' without): what stands in front of the training srun in the batch script.
 
     It runs on the batch host, outside any container: ``slurm.python`` (or this interpreter) without one, this
@@ -149,7 +149,7 @@ def supervisor_for(plan: Plan, group: Group, default_python: str | None = None, 
     if not group.slurm.max_restarts:
         return ""
     python = (group.slurm.python if plan.container is None else None) or default_python or sys.executable
-    argv = [python, "-m", "swiftslurm.node.supervise", "--plan", plan.plan_path]
+    argv = [python, "-m", "swiftslurm.node.batch.supervise", "--plan", plan.plan_path]
     if tasks is not None:
         argv += ["--tasks", ",".join(map(str, tasks))]
     return " ".join(shell_quote(a) for a in [*argv, "--"])

@@ -68,7 +68,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     task = task_for(spec.train.task)
     kern = _choose_kernels(spec, ds_config, cuda, task)
     with contextlib.ExitStack() as stack:
-        from ..checkpoint.safeload import weights_only_loads
+        from ..checkpoint.formats.safeload import weights_only_loads
 
         stack.enter_context(weights_only_loads())  # no checkpoint file runs code in this rank (DeepSpeed's loads too)
         planned_ds_config = ds_config

@@ -4,7 +4,7 @@
 
 ``deepspeed.checkpoint.ds_to_universal`` reads every shard with ``torch.load(weights_only=False)``: run as its own
 module, a pickle planted in a checkpoint that is resumed on another world size (or imported from elsewhere) ran in
-the converter's process. Here ``torch.load`` is ``checkpoint.safeload``'s for the whole conversion, its worker
+the converter's process. Here ``torch.load`` is ``checkpoint.formats.safeload``'s for the whole conversion, its worker
 processes included (forked with it): tensors, plain values and DeepSpeed's own classes load, anything else refuses
 the file with one message naming it and the global it asked for, and nothing of it runs.
 """
@@ -17,7 +17,7 @@ import sys
 def main() -> int:
     from deepspeed.checkpoint import ds_to_universal
 
-    from ..safeload import weights_only_loads
+    from .safeload import weights_only_loads
 
     args = ds_to_universal.parse_arguments()
     with weights_only_loads():

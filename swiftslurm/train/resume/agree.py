@@ -14,7 +14,7 @@ from ... import checkpoint as ck
 
 
 class ProcessGroupExchange:
-    """``checkpoint.agree.Exchange`` over the default torch.distributed process group (gloo or NCCL)."""
+    """``checkpoint.ranks.agree.Exchange`` over the default torch.distributed process group (gloo or NCCL)."""
 
     def broadcast(self, obj: Any) -> Any:
         import torch.distributed as tdist

@@ -21,7 +21,7 @@ import inspect
 import os
 from typing import Any, Iterator
 
-from ..errors import CheckpointDamaged
+from ...errors import CheckpointDamaged
 
 ALLOWED_PACKAGES = ("deepspeed",)  # a class of these packages may be named by a checkpoint's pickle
 

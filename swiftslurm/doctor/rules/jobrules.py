@@ -3,10 +3,10 @@ failed preflight checks, and walltime requeues that never move the run forward (
 
 from __future__ import annotations
 
-from ..preflight.results import CheckResult, blamed_nodes
-from ..taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
-from .evidence import TaskRun
-from .findings import Evidence, Finding
+from ...preflight.results import CheckResult, blamed_nodes
+from ...taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
+from ..evidence import TaskRun
+from ..findings import Evidence, Finding
 from .logrules import evidence_of, killed_ranks
 
 WALLTIME_STOPS = 2  # this many walltime stops in a row without a new step is a loop

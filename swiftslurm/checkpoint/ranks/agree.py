@@ -18,9 +18,9 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..errors import CheckpointUnreadable
-from .manifest import ManifestError, describe_os_error, file_kind, read_manifest
-from .names import owner_rank, step_of
+from ...errors import CheckpointUnreadable
+from ..manifest import ManifestError, describe_os_error, file_kind, read_manifest
+from ..names import owner_rank, step_of
 
 
 class Exchange(Protocol):

@@ -22,9 +22,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..train.health import frtrace
-from .evidence import Line, TaskRun
-from .findings import Evidence, Finding
+from ...train.health import frtrace
+from ..evidence import Line, TaskRun
+from ..findings import Evidence, Finding
 from .logrules import COMM_PEER, COMM_TIMEOUT, bare, evidence_of
 
 HANG_K = 10  # no logged step for this many times the median interval between logged steps

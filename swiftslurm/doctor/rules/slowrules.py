@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..watch.progress import METRICS_FILE
-from .evidence import TaskRun
-from .findings import Evidence, Finding
+from ...taskdir import METRICS_FILE
+from ..evidence import TaskRun
+from ..findings import Evidence, Finding
 
 
 def _named(row: dict[str, Any]) -> tuple[int, str, float] | None:

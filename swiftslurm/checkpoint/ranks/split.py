@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cache import remember_verified
+from ..discover import list_checkpoints
+from ..verify import hash_problems, inspect
 from .agree import Exchange, readable_problem, undecided, unreadable_by
-from .cache import remember_verified
-from .discover import list_checkpoints
-from .verify import hash_problems, inspect
 
 
 def shares(sizes: dict[str, int], world: int) -> list[list[str]]:

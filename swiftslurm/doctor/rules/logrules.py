@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from ..train.health.startup import STUCK
-from ..watch.logs import TORCH_PREFIX
-from .evidence import Line, TaskRun
-from .findings import Evidence, Finding
+from ...train.health.startup import STUCK
+from ...watch.logs import TORCH_PREFIX
+from ..evidence import Line, TaskRun
+from ..findings import Evidence, Finding
 
 CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
                       r"cudaErrorMemoryAllocation|HIP out of memory|NCCL WARN .*Cuda failure 'out of memory'")

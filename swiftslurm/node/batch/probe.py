@@ -1,6 +1,6 @@
-"""The restart's short preflight, one task per node: ``python -m swiftslurm.node.probe --plan PLAN --task N``.
+"""The restart's short preflight, one task per node: ``python -m swiftslurm.node.batch.probe --plan PLAN --task N``.
 
-The supervisor (``node/supervise.py``) starts it on the nodes of the next training step before a restart. Each
+The supervisor (``node/batch/supervise.py``) starts it on the nodes of the next training step before a restart. Each
 node prints one JSON line ``{"node", "ok", "observed"}``: that it could run a step at all, and on the master
 node (the step's first) that MASTER_PORT is free, the preflight's ``ports`` check. A node that prints nothing
 failed (srun could not start it there).
@@ -15,12 +15,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..plan import read_plan_task
-    from ..preflight.checks import ports
-    from ..slurm import distenv
-    from .restart import PROBE_MASTER_ENV
+    from ...plan import read_plan_task
+    from ...preflight.checks import ports
+    from ...slurm import distenv
+    from ..restart import PROBE_MASTER_ENV
 
-    ap = argparse.ArgumentParser(prog="python -m swiftslurm.node.probe")
+    ap = argparse.ArgumentParser(prog="python -m swiftslurm.node.batch.probe")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--task", type=int, default=0)
     args = ap.parse_args(argv)

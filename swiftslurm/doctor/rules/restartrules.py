@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .evidence import TaskRun
-from .findings import Evidence, Finding
+from ..evidence import TaskRun
+from ..findings import Evidence, Finding
 
 CODE_OF = {"hang": "hang"}  # every other cause (a lost node, a killed or failed rank, a failed probe) is a node_failure
 

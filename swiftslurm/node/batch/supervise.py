@@ -1,6 +1,6 @@
 """The training step's supervisor in the batch script: run it, and restart it in place when it fails.
 
-``python -m swiftslurm.node.supervise --plan PLAN [--tasks 3,5] -- srun ARGS...`` stands where the batch script
+``python -m swiftslurm.node.batch.supervise --plan PLAN [--tasks 3,5] -- srun ARGS...`` stands where the batch script
 would run ``srun ARGS...`` (the rendered script puts it in front of its srun line; the submitit script calls it
 from a shell function named ``srun``, ``slurm/launch.py``'s ``supervisor_setup``). Only jobs with
 ``slurm.max_restarts > 0`` have one; they are submitted with ``--no-kill``, so a failed node does not end the
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..fsutil import Unreadable, read_json
-from ..slurm import distenv, steps
-from ..taskdir import HANG_FILE
-from ..train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
-from . import failure, restart
-from .requeue import NO_PROGRESS_EXIT, job_records, read_requeues
+from ...fsutil import Unreadable, read_json
+from ...slurm import distenv, steps
+from ...taskdir import HANG_FILE
+from ...train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
+from .. import failure, restart
+from ..requeue import NO_PROGRESS_EXIT, job_records, read_requeues
 
 POLL_S = 0.2
 PREFLIGHT_REFUSED = 4  # PreflightFailed.exit_code: the rank's own preflight stopped it, nothing to restart
@@ -59,7 +59,7 @@ def job_id_of(environ: dict[str, str]) -> str:
 
 class Supervisor:
     def __init__(self, plan_path: str, index: int, srun_argv: list[str], environ: dict[str, str]) -> None:
-        from ..plan import read_plan_task
+        from ...plan import read_plan_task
 
         _, task, _ = read_plan_task(plan_path, index)
         self.plan_path, self.index, self.spec, self.out = plan_path, index, task.spec, task.output_dir
@@ -229,7 +229,7 @@ class Supervisor:
 
     def _probe_nodes(self, nodes: tuple[str, ...]) -> dict[str, str]:
         # through node.hold, as the ranks start: the walltime USR2 arriving during the probe is held, never its death
-        command = [sys.executable, "-m", "swiftslurm.node.hold", "-m", "swiftslurm.node.probe", "--plan", self.plan_path, "--task", str(self.index)]
+        command = [sys.executable, "-m", "swiftslurm.node.hold", "-m", "swiftslurm.node.batch.probe", "--plan", self.plan_path, "--task", str(self.index)]
         env = {**self.environ, restart.PROBE_MASTER_ENV: nodes[0]}  # the next step's master: its MASTER_PORT is checked
         bad: dict[str, str] = {}
         for node, proc in steps.probe(nodes, command, env).items():
@@ -252,7 +252,7 @@ class Supervisor:
         """Dropped nodes go into the node-health ledger (later submissions avoid them)."""
         if not nodes:
             return
-        from .. import ledger
+        from ... import ledger
 
         reason = {restart.HANG: "hang", restart.PROBE: "preflight"}.get(cause.kind, "node_failure")
         try:
@@ -261,7 +261,7 @@ class Supervisor:
             log.warning("could not record %s in the node-health ledger: %s", ", ".join(nodes), exc)
 
     def _resume_step(self) -> int | None:
-        from ..checkpoint import list_checkpoints, step_of
+        from ...checkpoint import list_checkpoints, step_of
 
         listed = list_checkpoints(self.out)
         return step_of(listed[0]) if listed else None
@@ -270,10 +270,10 @@ class Supervisor:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--" not in args:
-        print("usage: python -m swiftslurm.node.supervise --plan PLAN [--tasks LIST] -- srun ARGS...", file=sys.stderr)
+        print("usage: python -m swiftslurm.node.batch.supervise --plan PLAN [--tasks LIST] -- srun ARGS...", file=sys.stderr)
         return 2
     cut = args.index("--")
-    ap = argparse.ArgumentParser(prog="python -m swiftslurm.node.supervise")
+    ap = argparse.ArgumentParser(prog="python -m swiftslurm.node.batch.supervise")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--tasks")
     opts = ap.parse_args(args[:cut])

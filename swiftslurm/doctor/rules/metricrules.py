@@ -10,9 +10,9 @@ import math
 import statistics
 from typing import Any
 
-from ..watch.progress import METRICS_FILE
-from .evidence import TaskRun
-from .findings import Evidence, Finding
+from ...taskdir import METRICS_FILE
+from ..evidence import TaskRun
+from ..findings import Evidence, Finding
 
 NAN_STEPS = 10  # consecutive logged steps with a non-finite loss or grad_norm
 # diverged: where the run ENDED (the median of its last window of logged rows: one noisy row moves it not)
