@@ -64,6 +64,17 @@ def test_deeply_nested_toml_is_one_spec_error_not_a_recursion_error():
     assert "too deeply" in problems("x = " + "{a = " * 5000 + "1" + "}" * 5000 + "\n")
 
 
+def test_a_spec_saved_with_a_byte_order_mark_validates(tmp_path):
+    """An editor's "UTF-8 with BOM": the mark is read past, not a TOML error on line 1 ("check the quoting")."""
+    from swiftslurm.spec import load_spec
+
+    spec = tmp_path / "job.toml"
+    spec.write_bytes(b"\xef\xbb\xbf" + ('[job]\nname = "bom"\n' + CMD).encode())
+    assert load_spec(spec).job.name == "bom"
+    r = cli("validate", str(spec), cwd=tmp_path)
+    assert r.returncode == 0 and "not valid TOML" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 def test_user_deepspeed_json_deep_or_non_finite_is_refused(tmp_path):
     from swiftslurm import dsconfig
 

@@ -150,7 +150,9 @@ def _hint_for(kind: str, loc: tuple, msg: str) -> str:
 
 
 def parse_toml(text: str, source: str = "spec") -> dict[str, Any]:
-    """TOML text to a dict; a parse error becomes a SpecError naming the line."""
+    """TOML text to a dict; a parse error becomes a SpecError naming the line. A UTF-8 byte-order mark (what an editor
+    saving "UTF-8 with BOM" writes first) is not part of the TOML: it is read past, not reported against line 1."""
+    text = text.removeprefix("\ufeff")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
