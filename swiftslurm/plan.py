@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -230,6 +231,27 @@ def _absolute(path: str, base: str) -> str:
     return str(p if p.is_absolute() else PurePosixPath(base) / p)
 
 
+SECRET_NAME = re.compile(r"API_?KEY|TOKEN|SECRET|PASSW(OR)?D|CREDENTIAL|PRIVATE_KEY", re.I)
+
+
+def advice(spec: JobSpec) -> list[str]:
+    """What is valid but most likely not what the user meant (pure, over a task's resolved spec): ``validate`` and
+    ``plan`` show them as warnings."""
+    out = []
+    secrets = sorted(k for k in spec.env if SECRET_NAME.search(k))
+    if secrets:
+        out.append(f"[env] {', '.join(secrets)} look(s) like a secret: [env] is written into the rendered batch script and the "
+                   "resolved spec in the output dir (spec.json, swiftslurm-plan.json), readable by whoever can read them; export it "
+                   "in the shell you submit from instead (sbatch passes your environment on) and drop it from the spec")
+    train = spec.train
+    same = [d for d in train.eval_dataset if os.path.normpath(d) in {os.path.normpath(t) for t in train.dataset}]
+    if same:
+        out.append(f"train.eval_dataset names training data ({', '.join(same)}): eval_loss then measures how well the run "
+                   "remembers what it trained on, not how it does on new records; hold some out with train.eval_split, or "
+                   "evaluate on another file")
+    return out
+
+
 def _resolve_paths(spec: JobSpec, base_dir: str, spec_dir: str | None = None) -> JobSpec:
     """Relative dataset / deepspeed / model / resume_from paths become absolute, so every node sees the same files;
     a reward function's ``file.py:function`` is found next to the spec (``spec_dir``)."""
@@ -360,7 +382,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         tasks.append(Task(index, overrides, task_out, task_spec, decisions))
         ds_configs.append(ds)
         sizings.append(sizing)
-        for w in warns:
+        for w in warns + advice(task_spec):
             if w not in warnings:
                 warnings.append(w)
     _raise_collected(source, failing, len(combos))

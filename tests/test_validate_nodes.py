@@ -429,3 +429,18 @@ def test_every_spec_the_tests_write_renders_scripts_that_bash_parses(tmp_cwd):
             assert proc.returncode == 0 and not proc.stderr, (name, proc.stderr)
             rendered += 1
     assert rendered >= 10
+
+
+def test_validate_warns_of_a_secret_in_env_and_of_evaluating_on_the_training_data(tmp_cwd):
+    """Both are valid, and neither is what a user means: the secret would sit in the rendered script and the resolved
+    spec in the output dir; an eval set that is the training data measures memorisation."""
+    text = TRAINER.format(model="tiny-llama", slurm="", train='eval_dataset = ["d.jsonl"]', tail='[env]\nWANDB_API_KEY = "x"\nHF_TOKEN = "y"\n')
+    (tmp_cwd / "job.toml").write_text(text)
+    result = CliRunner().invoke(app, ["validate", "job.toml"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "[env] HF_TOKEN, WANDB_API_KEY look(s) like a secret" in out and "export it in the shell you submit from" in out
+    assert "train.eval_dataset names training data" in out
+    clean = TRAINER.format(model="tiny-llama", slurm="", train="eval_split = 0.2", tail='[env]\nNCCL_DEBUG = "WARN"\n')
+    (tmp_cwd / "job.toml").write_text(clean)
+    assert "warning" not in CliRunner().invoke(app, ["validate", "job.toml"]).output
