@@ -99,6 +99,25 @@ def test_a_reward_file_next_to_the_spec_is_found_and_a_missing_one_refused(tmp_p
     assert validate(spec).returncode == 0
 
 
+@pytest.mark.parametrize("source, said", [
+    ("def scores(prompts, completions, **kw):\n    return []\n", "mine.py: its top-level functions: scores; did you mean 'scores'"),
+    ("def score(prompts, completions:\n    return []\n", "has a syntax error; found"),
+    ("score = 0.5\n", "'score' in the reward function's file is not a function; found"),
+    ("async def score(prompts, completions, **kw):\n    return []\n", "is a coroutine (async def)"),
+])
+def test_a_reward_file_that_cannot_give_the_function_is_refused_without_running_it(tmp_path, source, said):
+    """The file is parsed, never imported: a planted side effect at its top level does not run at validate."""
+    marker = tmp_path / "RAN"
+    (tmp_path / "mine.py").write_text(f"open({str(marker)!r}, 'w').close()\n" + source)
+    spec, _ = example_spec(tmp_path, "files", reward_funcs=["length", "mine.py:score"])
+    r = validate(spec)
+    assert r.returncode == 2 and said in flat(r) and "train.reward_funcs[1]" in flat(r), flat(r)
+    assert not marker.exists() and "Traceback" not in r.stderr
+    for fine in ("from helpers import score\n", "score = make_scorer(2)\n", "score = lambda prompts, completions, **kw: []\n"):
+        (tmp_path / "mine.py").write_text(fine)  # what only running it could judge passes: the rank says more
+        assert validate(spec).returncode == 0
+
+
 def test_plan_counts_the_generation_cache_and_for_full_fine_tuning_with_kl_the_reference(tmp_path):
     from swiftslurm.plan import make_plan
     from swiftslurm.spec import parse_toml, validate_spec

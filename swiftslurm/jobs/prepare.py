@@ -174,13 +174,24 @@ def scan_prompts(t) -> int:
 
 def check_reward_files(source: str, reward_funcs: list[str]) -> None:
     """Each ``file.py:function`` reward (made absolute by the plan) names a file; its code is not imported here."""
-    from ..spec.grpo_rules import FILE_REWARD_RE
+    from ..fsutil import RECORD_CAP, Unreadable, read_text
+    from ..spec.grpo_rules import FILE_REWARD_RE, reward_definition_problem
 
     problems = []
     for i, name in enumerate(reward_funcs):
         m = FILE_REWARD_RE.fullmatch(name)
-        if m and not os.path.isfile(m.group(1)):
+        if not m:
+            continue
+        if not os.path.isfile(m.group(1)):
             problems.append(Problem(f"train.reward_funcs[{i}]", "the reward function's file does not exist", m.group(1),
                                     "a file.py:function is found relative to the spec's directory"))
+            continue
+        try:  # parsed, never imported: nothing of the user's file runs at validate
+            bad = reward_definition_problem(read_text(m.group(1), RECORD_CAP, errors="replace"), m.group(2))
+        except (OSError, Unreadable) as exc:
+            bad = ("the reward function's file cannot be read", str(exc))
+        if bad:
+            problems.append(Problem(f"train.reward_funcs[{i}]", bad[0], f"{m.group(1)}: {bad[1]}",
+                                    "name a top-level def f(prompts, completions, **columns) -> list[float] of that file"))
     if problems:
         raise SpecError(source, problems)

@@ -35,6 +35,43 @@ def resolve_reward_file(name: str, spec_dir: str) -> str:
     return f"{posixpath.normpath(posixpath.join(spec_dir, m.group(1)))}:{m.group(2)}"
 
 
+def reward_definition_problem(source: str, func: str) -> tuple[str, str] | None:
+    """Why the Python ``source`` of a reward file cannot give a function ``func`` (what, found), or None (pure: the
+    file is parsed, nothing of it runs). Bindings it cannot judge without running it (an import, a call, a name bound
+    to another name, a decorated def) pass: the rank that imports it says more."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        return "the reward function's file has a syntax error", f"line {exc.lineno}: {exc.msg}"
+    except ValueError as exc:  # a NUL byte
+        return "the reward function's file is not Python source", str(exc)
+    top: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            top[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    top[target.id] = node.value if node.value is not None else node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                top[alias.asname or alias.name.split(".")[0]] = node
+    found = top.get(func)
+    if found is None:
+        defined = sorted(name for name, n in top.items() if isinstance(n, (ast.FunctionDef, ast.Lambda)))
+        close = did_you_mean(func, defined)
+        return (f"the reward function's file defines no {func!r}",
+                (f"its top-level functions: {', '.join(defined[:8])}" if defined else "no top-level function") + (f"; {close}" if close else ""))
+    if isinstance(found, ast.AsyncFunctionDef):
+        return f"the reward function {func!r} is a coroutine (async def)", "TRL calls reward functions synchronously"
+    if isinstance(found, (ast.Constant, ast.List, ast.Tuple, ast.Dict, ast.Set, ast.JoinedStr, ast.ListComp, ast.DictComp)):
+        return f"{func!r} in the reward function's file is not a function", f"it is bound to a {type(found).__name__.lower()}"
+    return None
+
+
 def _changed(t: Any, keys: tuple[str, ...]) -> list[str]:
     """The keys whose value is not the default (a spec read back from a plan file has every key set)."""
     fields = type(t).model_fields
