@@ -198,6 +198,25 @@ def test_a_raising_reward_is_recorded_with_function_and_sample_and_answers_nan()
     assert error.exit_code == 70 and "reward function 'picky.py:picky' raised on rank 1: ValueError: cannot parse" in error.what
 
 
+def test_a_reward_that_is_no_number_fails_the_agreed_way_not_out_of_the_guard():
+    failures: list = []
+    (guarded,) = rewards.guard([("words.py:words", lambda prompts, completions, **kw: ["good"] * len(prompts))], 0, failures)
+    assert all(math.isnan(v) for v in guarded(["q0"], ["c0"]))
+    (failure,) = failures
+    assert "returned str 'good', not a number" in failure.error and failure.sample.startswith("sample 0:")
+
+
+def test_two_reward_files_of_one_name_are_two_functions_with_two_metric_names(tmp_path):
+    for folder, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "score.py").write_text(f"def score(prompts, completions, **kw):\n    return [{value}] * len(prompts)\n")
+    names = [f"{tmp_path}/a/score.py:score", f"{tmp_path}/b/score.py:score"]
+    train = type("Train", (), {"reward_funcs": names})()
+    guarded = rewards.guard(rewards.resolve(train), 0, [])
+    assert [g(["q"], ["c"]) for g in guarded] == [[1.0], [2.0]]  # before: a/score.py's function twice
+    assert [g.__name__ for g in guarded] == ["a/score:score", "b/score:score"]
+
+
 # ---------------------------------------------------------------- slow: real training
 
 

@@ -21,6 +21,7 @@ same ``RewardFailed`` (the lowest failing rank's record), so none is left waitin
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -104,7 +105,9 @@ def _user_function(name: str) -> Callable[..., Any]:
             path = Path(file_form.group(1))
             if str(path.parent) not in sys.path:
                 sys.path.insert(0, str(path.parent))  # the file may import its siblings
-            module_name = f"swiftslurm_reward_{path.stem}"
+            # named by its resolved path: a/score.py and b/score.py are two modules (by the stem alone the second name
+            # found the first's module, and ran a/score.py's function for both)
+            module_name = f"swiftslurm_reward_{path.stem}_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
             module = sys.modules.get(module_name)
             if module is None:
                 spec = importlib.util.spec_from_file_location(module_name, path)
@@ -191,7 +194,15 @@ class Guarded:
             self.failures.append(RewardFailure(self.name, self.rank, f"batch of {len(prompts)}",
                                                f"returned {len(out)} rewards for {len(prompts)} completions"))
             return nan
-        return [math.nan if r is None else float(r) for r in out]
+        scores = []
+        for i, r in enumerate(out):  # a value that is no number fails the same agreed way as a raise, on every rank
+            try:
+                scores.append(math.nan if r is None else float(r))
+            except (TypeError, ValueError, OverflowError):
+                self.failures.append(RewardFailure(self.name, self.rank, _sample(prompts, completions, i),
+                                                   f"returned {type(r).__name__} {str(r)[:100]!r}, not a number"))
+                return nan
+        return scores
 
     def _where(self, prompts, completions, kwargs: dict[str, Any], exc: Exception) -> str:
         """The sample that raised: found by calling the function on one completion at a time (cheap; it failed once)."""
@@ -205,7 +216,15 @@ class Guarded:
 
 
 def guard(named: list[tuple[str, Callable[..., Any]]], rank: int, failures: list[RewardFailure]) -> list[Guarded]:
-    return [Guarded(name, func, rank, failures) for name, func in named]
+    """Each function guarded; names TRL logs its metrics under (``rewards/<name>/mean``) made unique: two files' ``score``
+    are told apart by their directories."""
+    guarded = [Guarded(name, func, rank, failures) for name, func in named]
+    shown = [g.__name__ for g in guarded]
+    for g in guarded:
+        if shown.count(g.__name__) > 1 and FILE_REWARD_RE.fullmatch(g.name):
+            file, func = g.name.rsplit(":", 1)
+            g.__name__ = f"{Path(file).parent.name}/{Path(file).stem}:{func}"
+    return guarded
 
 
 def agree_on_failure(failures: list[RewardFailure], device) -> RewardFailure | None:
