@@ -254,11 +254,16 @@ def test_a_node_set_down_is_replaced_by_the_spare_then_the_run_shrinks(tmp_path,
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_run_that_hangs_before_its_first_save_on_every_attempt_stops_after_two_attempts(tmp_path, slurm_cluster):
-    """The progress guard on the supervisor's side: max_restarts = 5 would allow six attempts of a step that hangs at
-    step 5 every time (before its first save at 8; the watchdog arms after 3 steps of each attempt); the second
-    attempt that commits nothing newer ends the job, exit 79, with the reason in restarts.json and `status`."""
-    spec, out = write_spec(tmp_path, "loop", "max_restarts = 5", 'SWIFTSLURM_TEST_STALL = "1:5:3600:every"')
+@pytest.mark.parametrize("slurm, exit_code, said", [
+    # the progress guard: max_restarts = 5 would allow six attempts; the second that commits nothing newer ends the job
+    ("max_restarts = 5", "79:0", "no progress in 2 attempt(s) in a row (no checkpoint committed yet)"),
+    # without the guard, max_restarts is the bound: exhausted end to end, with the step's own exit code (srun's)
+    ("max_restarts = 1\nno_progress_attempts = 0", None, "not restarted: max_restarts reached (slurm.max_restarts = 1"),
+])
+def test_a_run_that_hangs_before_its_first_save_on_every_attempt_stops_after_two_attempts(tmp_path, slurm_cluster, slurm, exit_code, said):
+    """A step that hangs at step 5 every time (before its first save at 8; the watchdog arms after 3 steps of each
+    attempt) is tried twice, then the job ends with the reason in restarts.json and `status`."""
+    spec, out = write_spec(tmp_path, "loop", slurm, 'SWIFTSLURM_TEST_STALL = "1:5:3600:every"')
     spec.write_text(spec.read_text() + "[checkpoint]\nforced_save_fractions = []\n")  # no save before step 8
     job = submit(spec, out)
     try:
@@ -267,7 +272,33 @@ def test_a_run_that_hangs_before_its_first_save_on_every_attempt_stops_after_two
         subprocess.run(["scancel", "--name=restart-loop", job], capture_output=True, timeout=30)
     records = restarts(out)
     assert [(r["cause"], r["restarted"]) for r in records] == [("hang", True), ("hang", False)], f"{records}\n{explain(out)}"
-    assert "no progress in 2 attempt(s) in a row (no checkpoint committed yet)" in records[-1]["message"], records
-    assert states[job] == "FAILED" and sacct_rows(job, "ExitCode") == [["79:0"]], states
+    assert said in records[-1]["message"], records
+    (code,) = sacct_rows(job, "ExitCode")
+    assert states[job] == "FAILED" and (code == [exit_code] if exit_code else code[0] not in ("0:0", "79:0")), (states, code)
     status = cli("status", str(out))
-    assert "no progress in 2 attempt(s)" in status.stdout, status.stdout + status.stderr
+    assert said.split(" (")[0] in " ".join(status.stdout.split()), status.stdout + status.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scancel_and_a_walltime_stop_under_the_supervisor_are_never_restarts(tmp_path, slurm_cluster):
+    """The supervisor's "do not restart" rows, end to end: a job cancelled mid-run (scancel) ends CANCELLED, and a
+    walltime USR2 (a 1-minute job, max_requeues = 0) is the requeue path's to decide (requeues.json, exit 75); neither
+    leaves a restart record, although max_restarts = 3 would allow one."""
+    cancelled_spec, cancelled = write_spec(tmp_path, "cancel", "max_restarts = 3")
+    walltime_spec, walltime = write_spec(tmp_path, "wall", "max_restarts = 3\nmax_requeues = 0\nsignal_grace_s = 10")
+    walltime_spec.write_text(walltime_spec.read_text().replace('time = "00:15:00"', 'time = "00:01:00"')
+                             .replace(f'SWIFTSLURM_TEST_MIN_STEP_S = "{MIN_STEP_S}"', 'SWIFTSLURM_TEST_MIN_STEP_S = "3"'))
+    job, wall_job = submit(cancelled_spec, cancelled), submit(walltime_spec, walltime)
+    try:
+        wait_until(lambda: last_step(cancelled) >= 3, 600, lambda: explain(cancelled))
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        states = wait_for_job(job, timeout_s=300)
+        wall_states = wait_for_job(wall_job, timeout_s=300)
+    finally:
+        for j, name in ((job, "restart-cancel"), (wall_job, "restart-wall")):
+            subprocess.run(["scancel", f"--name={name}", j], capture_output=True, timeout=30)
+    assert states[job] == "CANCELLED" and restarts(cancelled) == [], f"{states} {restarts(cancelled)}\n{explain(cancelled)}"
+    assert wall_states[wall_job] == "FAILED" and restarts(walltime) == [], f"{wall_states} {restarts(walltime)}\n{explain(walltime)}"
+    (stop,) = json.loads((walltime / "requeues.json").read_text())
+    assert stop["outcome"] == "max_requeues" and not stop["requeued"], stop

@@ -162,8 +162,8 @@ def test_a_file_of_its_share_another_rank_cannot_see_is_a_view_problem_not_damag
     checkpoint damaged and every rank would silently resume an older step."""
     import os as os_module
 
-    from swiftslurm.checkpoint.ranks import split
     from swiftslurm.checkpoint.names import owner_rank
+    from swiftslurm.checkpoint.ranks import split
 
     newest = ck.final_dir(three, 3)
     hidden = newest / next(rel for rel in share_of(newest, 2)[1] if owner_rank(rel) == 0)  # not a file rank 1 loads
