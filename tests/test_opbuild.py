@@ -132,3 +132,13 @@ def test_a_run_after_a_build_killed_midway_trains(tmp_path):
     assert not (ext / OP_DIR / "lock").exists()
     assert opbuild.Holder.parse((ext / opbuild.BUILD_LOCK).read_bytes()) is None  # the last build finished
     assert (out / "checkpoint-4").is_dir()
+
+
+def test_an_op_cache_that_cannot_be_made_leaves_the_ops_to_deepspeed(tmp_path, monkeypatch):
+    """A read-only home or a file in the cache's place: a warning, never a rank that dies before DeepSpeed could try."""
+    (tmp_path / "file").write_text("")
+    root = str(tmp_path / "file" / "cache")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", root)
+    opbuild.ensure_built((OP,), root, True, "thishost")
+    assert not (tmp_path / "file" / "cache").exists()
+

@@ -224,7 +224,12 @@ def ensure_built(ops: tuple[str, ...], root: str, ours: bool, host: str, note: C
     if os.environ.get(EXTENSIONS_ENV) != root:  # torch builds where this says: the lock must guard that directory
         raise ValueError(f"{EXTENSIONS_ENV} must be {root!r} in this process's environment before its ops are built")
     path = Path(root)
-    fd = _open_lock(path)
+    try:
+        fd = _open_lock(path)
+    except OSError as exc:  # a read-only home, a file in the way: DeepSpeed loads (or fails to build) the ops itself
+        log.warning("cannot use the op cache %s (%s): DeepSpeed's ops are left to DeepSpeed, without the build lock", path,
+                    exc.strerror or exc)
+        return
     try:
         note(f"taking the op build lock {path / BUILD_LOCK}")
         _take(fd, path / BUILD_LOCK, note)
