@@ -142,3 +142,10 @@ def test_an_op_cache_that_cannot_be_made_leaves_the_ops_to_deepspeed(tmp_path, m
     opbuild.ensure_built((OP,), root, True, "thishost")
     assert not (tmp_path / "file" / "cache").exists()
 
+
+
+def test_the_start_up_limit_is_the_collective_timeout_and_never_under_half_an_hour(monkeypatch):
+    monkeypatch.delenv(startup.LIMIT_ENV, raising=False)
+    assert startup.limit_s(None) == 1800 and startup.limit_s(60) == 1800 and startup.limit_s(7200) == 7200
+    monkeypatch.setenv(startup.LIMIT_ENV, "5")
+    assert startup.limit_s(7200) == 5

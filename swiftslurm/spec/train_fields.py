@@ -339,7 +339,8 @@ class HealthFields(Table):
     ddp_timeout: int | None = Field(None, ge=10, le=7 * 24 * 3600, description=(
         'seconds a collective may wait for the other ranks before the process group aborts '
         "(TrainingArguments' `ddp_timeout`, and `DEEPSPEED_TIMEOUT` rounded up to minutes); unset = 30 "
-        'minutes'
+        'minutes. A rank still starting (imports, op builds, model load) after this long, and at least 30 '
+        'minutes, is ended with its stacks and where it waited (docs/runtime.md)'
     ))
     # steps per straggler window; 0 = off (train/health/straggler.py)
     straggler_window: int = Field(50, ge=0, le=MAX_COUNT, description=(

@@ -73,14 +73,19 @@ class StartupWatch:
 _current: StartupWatch | None = None
 
 
+FLOOR_S = 1800.0  # a start may load a large model from a slow filesystem: never less than this
+
+
 def limit_s(ddp_timeout: int | None) -> float:
-    """The start-up limit: the process-group timeout (``train.ddp_timeout``, 1800 s unset), the longest a peer waits
-    in the rendezvous for this rank anyway; ``$SWIFTSLURM_STARTUP_LIMIT_S`` overrides it (tests)."""
+    """The start-up limit: the process-group timeout (``train.ddp_timeout``), the longest a peer waits in the
+    rendezvous for this rank anyway, and at least ``FLOOR_S`` (a short ddp_timeout bounds collectives, not a model's
+    load); ``$SWIFTSLURM_STARTUP_LIMIT_S`` overrides it (tests)."""
+    chosen = max(FLOOR_S, float(ddp_timeout or 0))
     raw = os.environ.get(LIMIT_ENV, "")
     try:
-        return max(1.0, float(raw)) if raw else float(ddp_timeout or 1800)
+        return max(1.0, float(raw)) if raw else chosen
     except ValueError:
-        return float(ddp_timeout or 1800)
+        return chosen
 
 
 @contextlib.contextmanager
