@@ -296,3 +296,66 @@ def test_a_slurmctld_that_does_not_answer_is_unknown_not_a_crash(tmp_path, monke
     monkeypatch.setattr(steps, "QUERY_TIMEOUT_S", 0.5)
     assert steps.node_states(("node1", "node2")) == {}
     assert steps.job_nodes("5") is None
+
+
+STANDIN_SRUN = """#!/bin/bash
+# a stand-in srun for the restart probe: one step on the node --nodelist names, answering as the probe does
+node=""
+for arg in "$@"; do case "$arg" in --nodelist=*) node="${arg#--nodelist=}";; esac; done
+mark="$STANDIN_DIR/running.$$"; touch "$mark"
+ls "$STANDIN_DIR" | grep -c '^running\\.' >> "$STANDIN_DIR/concurrency"
+echo "$node" >> "$STANDIN_DIR/probed"
+sleep 0.3
+case " $STANDIN_FAIL " in *" $node "*) ok=false;; *) ok=true;; esac
+echo "{\\"node\\": \\"$node\\", \\"ok\\": $ok, \\"observed\\": \\"stand-in\\"}"
+rm -f "$mark"
+"""
+
+
+@pytest.fixture
+def standin_srun(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text(STANDIN_SRUN)
+    (bindir / "srun").chmod(0o755)
+    return {"PATH": f"{bindir}:{__import__('os').environ['PATH']}", "STANDIN_DIR": str(tmp_path)}
+
+
+def test_the_probe_runs_a_bounded_number_of_steps_at_once(tmp_path, monkeypatch, standin_srun):
+    monkeypatch.setattr(steps, "PROBE_CONCURRENCY", 3)
+    nodes = tuple(f"node{i}" for i in range(1, 9))
+    done = steps.probe(nodes, ["true"], {**__import__("os").environ, **standin_srun, "STANDIN_FAIL": ""}, timeout_s=60)
+    assert sorted(done) == sorted(nodes) and all(p.returncode == 0 for p in done.values())
+    assert max(int(x) for x in (tmp_path / "concurrency").read_text().split()) <= 3
+
+
+def _supervisor(tmp_path, standin_srun, fail: str):
+    from swiftslurm.node.batch.supervise import Supervisor
+    from swiftslurm.plan import write_plan
+
+    plan_path = write_plan(plan_of(tmp_path, "max_restarts = 2\nspare_nodes = 2"))
+    return Supervisor(str(plan_path), 0, ["srun", "true"], {**__import__("os").environ, **standin_srun, "STANDIN_FAIL": fail,
+                                                         "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "node[1-4]"})
+
+
+def test_the_restart_probe_runs_on_the_new_nodes_and_the_master_only(tmp_path, standin_srun):
+    from swiftslurm import ledger
+
+    sup = _supervisor(tmp_path, standin_srun, fail="node3")
+    cause = restart.Cause("node_failure", "node2 lost", (), ("node2",))
+    first = restart.RestartDecision(True, ("node1", "node3"), ("node2",), "restart 1")
+    decision = sup._probe(first, cause, 0, ran=("node1", "node2"))
+    assert decision.restart and decision.nodes == ("node1", "node4") and "node3" in decision.dropped, decision
+    probed = (tmp_path / "probed").read_text().split()
+    assert sorted(probed) == ["node1", "node1", "node3", "node4"]  # never node2 (gone), the master each time
+    assert [e.node for e in ledger.read()] == ["node3"]
+
+
+def test_a_probe_that_fails_on_every_node_is_a_probe_error_not_bad_nodes(tmp_path, standin_srun):
+    from swiftslurm import ledger
+
+    sup = _supervisor(tmp_path, standin_srun, fail="node1 node3 node4")
+    cause = restart.Cause("node_failure", "node2 lost", (), ("node2",))
+    decision = sup._probe(restart.RestartDecision(True, ("node1", "node3"), ("node2",), "restart 1"), cause, 0, ran=("node1", "node2"))
+    assert not decision.restart and "a probe error, no node is blamed" in decision.message
+    assert ledger.read() == []

@@ -22,6 +22,7 @@ import time
 from .commands import UNUSABLE_STATES, _run
 
 PROBE_TIMEOUT_S = 120
+PROBE_CONCURRENCY = 32  # probe steps at once: 64 pipes (under a 1024 soft limit at any allocation size), 32 step requests
 STEP_START_S = 5  # srun --immediate for a step after a failure: refused when not started in this long, then asked again
 RETRY_PAUSE_S = 1.0
 SETTLE_S = 10.0  # refused as busy for this long after a failure: the next try shares the CPUs (--overlap)
@@ -138,9 +139,10 @@ def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeo
     refused = False
     while todo:
         options = after_failure(time.monotonic() - start if refused else None)
+        batch, later = todo[:PROBE_CONCURRENCY], todo[PROBE_CONCURRENCY:]  # bounded: two pipes a step, and slurmctld
         procs = {n: subprocess.Popen(["srun", *placement((n,), 1), *options, "--unbuffered", *command], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace") for n in todo}
-        todo = []
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace") for n in batch}
+        todo = later
         for node, proc in procs.items():
             try:
                 stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -152,6 +154,6 @@ def probe(nodes: tuple[str, ...], command: list[str], env: dict[str, str], timeo
             if out[node].returncode != 0 and busy(out[node].stderr) and time.monotonic() + RETRY_PAUSE_S < deadline:
                 todo.append(node)
                 refused = True
-        if todo:
+        if todo and not later:
             time.sleep(RETRY_PAUSE_S)
     return out

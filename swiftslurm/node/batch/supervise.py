@@ -195,7 +195,7 @@ class Supervisor:
             decision = guard or restart.decide_restart(attempt, self.spec.slurm.max_restarts, cause, nodes, self.allocation, self.excluded,
                                                        self.need, self.spec.slurm.shrink_on_failure)
             if decision.restart:
-                decision = self._probe(decision, cause, attempt)
+                decision = self._probe(decision, cause, attempt, nodes)
             self._remember(decision.dropped, cause)
             self.excluded |= set(decision.dropped)
             restart.record_restart(self.out, restart.RestartRecord(
@@ -208,13 +208,22 @@ class Supervisor:
             nodes, attempt = decision.nodes, attempt + 1
             self.need = min(self.need, len(nodes))  # after a shrink: the smaller world is the one to keep
 
-    def _probe(self, decision: restart.RestartDecision, cause: restart.Cause, attempt: int) -> restart.RestartDecision:
-        """The next step's nodes, each running one short check; a node that fails it is dropped and replaced."""
+    def _probe(self, decision: restart.RestartDecision, cause: restart.Cause, attempt: int,
+               ran: tuple[str, ...] = ()) -> restart.RestartDecision:
+        """The next step's new nodes (a spare, a node not in the step that failed) and its master (whose MASTER_PORT must
+        be free), each running one short check; a node that fails it is dropped and replaced. Every probed node failing
+        at once is the probe's own failure (a systematic cause), never that many bad nodes: nothing is ledgered."""
         dropped = list(decision.dropped)
         for _ in range(len(self.allocation)):
-            bad = self._probe_nodes(decision.nodes)
+            probed = tuple(dict.fromkeys([decision.nodes[0], *(n for n in decision.nodes if n not in ran)]))
+            bad = self._probe_nodes(probed)
             if not bad:
                 return restart.RestartDecision(True, decision.nodes, tuple(dropped), decision.message)
+            if len(probed) > 1 and len(bad) == len(probed):
+                why = "; ".join(f"{n}: {w}" for n, w in list(bad.items())[:4])
+                log.warning("restart probe failed on every node it ran on (%s): a probe error, not %d bad nodes", why, len(bad))
+                return restart.RestartDecision(False, (), tuple(dropped), f"not restarted: the restart probe failed on every node "
+                                               f"it ran on ({why}): a probe error, no node is blamed (first: {cause.detail})")
             log.warning("restart probe: %s", "; ".join(f"{n}: {why}" for n, why in bad.items()))
             probe_cause = restart.Cause(restart.PROBE, "restart probe failed on " + "; ".join(f"{n}: {why}" for n, why in bad.items()),
                                         tuple(bad), tuple(bad))
