@@ -60,6 +60,33 @@ def test_watch_uses_the_slowest_recent_step_fires_once_and_reports_the_margin():
     assert deadline.DeadlineWatch(None, lambda: 1.0, 5.0).margin_s() is None
 
 
+def test_the_trackers_close_within_the_deadlines_reserve_at_a_walltime_stop(tmp_path):
+    """W&B or MLflow flushing online at a walltime stop: every tracker is closed at once, within PAUSE_CLOSE_S in all,
+    and the deadline keeps that much more before the end (before: 30 s per tracker, after a 5 s reserve)."""
+    from swiftslurm.slurm.distenv import derive
+    from swiftslurm.spec import parse_spec
+    from swiftslurm.train.tracking import session
+    from swiftslurm.train.tracking.identity import PAUSE_CLOSE_S
+
+    class SlowSink:  # an online tracker whose close hangs on the network
+        def __init__(self, name: str) -> None:
+            self.name, self.closed = name, []
+
+        def close(self, how: str) -> None:
+            self.closed.append(how)
+            time.sleep(60)
+
+    sinks = [SlowSink("wandb"), SlowSink("mlflow")]
+    t0 = time.monotonic()
+    session._close(sinks, None, failed=False)  # no finished callback: the run paused (a walltime stop)
+    assert time.monotonic() - t0 < PAUSE_CLOSE_S + 2 and all(s.closed == ["paused"] for s in sinks)
+    dist = derive({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "1"})
+    text = '[job]\nname = "t"\n[train]\nmodel = "tiny-llama"\ndataset = ["d.jsonl"]\n'
+    plain = deadline.watch_for(parse_spec(text), dist, str(tmp_path), lambda: None)
+    tracked = deadline.watch_for(parse_spec(text + 'report_to = ["wandb"]\n'), dist, str(tmp_path), lambda: None)
+    assert (plain.reserve_s, tracked.reserve_s) == (deadline.RESERVE_S, deadline.RESERVE_S + PAUSE_CLOSE_S)
+
+
 def test_parse_end_time_reads_squeue_local_time_and_no_end():
     got = parse_end_time("2026-12-01T10:45:03\n")
     assert time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(got)) == "2026-12-01T10:45:03"

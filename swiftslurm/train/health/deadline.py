@@ -65,7 +65,8 @@ class DeadlineWatch:
     others have no end time and answer False; the trainer's all-reduce spreads rank 0's answer)."""
 
     def __init__(self, end_time: float | None, last_step_s: Callable[[], float | None], save_s: float | None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, reserve_s: float = RESERVE_S):
+        self.reserve_s = reserve_s  # after the last save: the requeue, and the trackers' close at a walltime stop
         self.end_time = end_time
         self.last_step_s = last_step_s
         self.save_s = save_s
@@ -87,7 +88,8 @@ class DeadlineWatch:
         step = self.last_step_s()
         if step is not None:
             self.steps.append(step)
-        verdict = decide(self.clock(), self.end_time, max(self.steps) if self.steps else None, self.save_s, saving)
+        verdict = decide(self.clock(), self.end_time, max(self.steps) if self.steps else None, self.save_s, saving,
+                         reserve_s=self.reserve_s)
         if verdict.stop:
             self.fired = True
             log.warning("deadline: %s; %s, before the walltime signal, then stopping for requeue", verdict.reason,
@@ -110,4 +112,7 @@ def watch_for(spec: JobSpec, dist: DistEnv, output_dir: str, last_step_s: Callab
             log.warning("deadline: the job ends at %s (in %.0f s); a save is made before the signal when the next one "
                         "would not fit", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end_time)), end_time - time.time())
     record = savetime.read_save(output_dir) or {}
-    return DeadlineWatch(end_time, last_step_s, record.get("save_s"))
+    from ..tracking.identity import PAUSE_CLOSE_S, wanted
+
+    reserve = RESERVE_S + (PAUSE_CLOSE_S if wanted(spec) else 0.0)  # W&B / MLflow are closed before the requeue
+    return DeadlineWatch(end_time, last_step_s, record.get("save_s"), reserve_s=reserve)

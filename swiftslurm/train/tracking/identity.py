@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "pip install 'swiftslurm[tracking]' (wandb, mlflow-skinny)"
 TRACKERS = ("wandb", "mlflow")  # the report_to values this package serves (tensorboard stays the Trainer's)
+# closing the trackers at a walltime stop, all of them together: within the deadline's reserve (health/deadline.py),
+# so an online flush never pushes the requeue past the time limit (their steps are logged already)
+PAUSE_CLOSE_S = 5.0
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # the import name each needs (`pip install 'swiftslurm[tracking]'`)
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # W&B: 8 of [a-z0-9]; MLflow: 32 hex digits
 PARAM_VALUE_MAX = 500  # characters of one recorded config value (MLflow keeps 6000; a dataset list can be long)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from ...errors import SwiftSlurmError
 from ...taskdir import WANDB_RUNS_DIR
 from . import identity as idt
 from . import runfile
-from .identity import TrackerUnavailable
+from .identity import PAUSE_CLOSE_S, TrackerUnavailable
 from .sinks import FAILED, FINISHED, PAUSED, MlflowSink, WandbSink, new_wandb_id, parent_run
 
 if TYPE_CHECKING:
@@ -134,8 +135,11 @@ def _where(trackers: tuple[str, ...], task_dir: str) -> str:
 
 
 def _close(sinks: list[_Sink], callback: TrackerCallback | None, failed: bool) -> None:
-    """Each open tracker ended as finished, paused or failed, within CLOSE_TIMEOUT_S (an online flush may take long)."""
+    """Every open tracker ended as finished, paused or failed, all of them at once within one budget: CLOSE_TIMEOUT_S,
+    or PAUSE_CLOSE_S at a walltime stop (the deadline keeps that much for it: the requeue must beat the time limit)."""
     how = FAILED if failed else FINISHED if callback is not None and callback.finished else PAUSED
+    deadline = time.monotonic() + (PAUSE_CLOSE_S if how == PAUSED else CLOSE_TIMEOUT_S)
+    closing: list[tuple[_Sink, threading.Event]] = []
     for sink in sinks:
         done = threading.Event()
 
@@ -148,5 +152,7 @@ def _close(sinks: list[_Sink], callback: TrackerCallback | None, failed: bool) -
                 done.set()
 
         threading.Thread(target=close, name=f"close-{sink.name}", daemon=True).start()
-        if not done.wait(CLOSE_TIMEOUT_S):
-            log.warning("trackers: the %s run did not close within %.0f s; leaving it (its steps are logged)", sink.name, CLOSE_TIMEOUT_S)
+        closing.append((sink, done))
+    for sink, done in closing:
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("trackers: the %s run did not close in time; leaving it (its steps are logged)", sink.name)
