@@ -25,8 +25,14 @@ from ..errors import RuntimeEnvError
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import LOCK_FILE, OWNER_FILE
 
-# An earlier run of the same job (a requeue) may still be exiting on another node: wait this long for it.
-SAME_JOB_WAIT_S = 60.0
+# An earlier run of the same job (a requeue, or the step before an in-job restart) may still be exiting on another
+# node: wait this long for it. Its byte locks go when its processes exit; on a node that crashed they go only when the
+# file server gives up on that client: the NFSv4 lease (90 s on Linux's nfsd by default, /proc/fs/nfsd/nfsv4leasetime
+# on the server) and its grace. So the wait is that lease and a minute beyond it, not a minute alone (with which a spare
+# replacing a crashed node failed "an earlier run of this job still holds its output dir"). NFSv3's NLM locks of a
+# client that never comes back are released by no timeout at all: the message then says so.
+NFS_LEASE_S = 90.0
+SAME_JOB_WAIT_S = NFS_LEASE_S + 60.0
 
 _held: dict[str, int] = {}  # lock path -> fd, for this process's life (closing any fd would drop the lock)
 
@@ -71,8 +77,9 @@ def claim(out_dir: str, rank: int, job_id: str, node: str = "") -> None:
                     "an earlier run of this job still holds its output dir",
                     f"{out_dir} is held by {describe(owner)}: its processes did not exit within {SAME_JOB_WAIT_S:g} s; "
                     f"this is rank {rank}",
-                    "a process of the earlier step is stuck (see `swiftslurm doctor` and Slurm's UnkillableStepTimeout); "
-                    "cancel the job and resubmit: it resumes from the newest verified checkpoint",
+                    "a process of the earlier step is stuck (see `swiftslurm doctor` and Slurm's UnkillableStepTimeout), or "
+                    "its node crashed and the shared filesystem still holds its locks (an NFSv3 server keeps them until that "
+                    "node is back); cancel the job and resubmit: it resumes from the newest verified checkpoint",
                 ) from None
             raise RuntimeEnvError(
                 "another job is running in this output dir",
