@@ -46,6 +46,7 @@ bench: setup
 	$(PY) benchmarks/verify.py
 	$(PY) benchmarks/train_overhead.py
 	$(PY) benchmarks/submit_array.py
+	$(PY) benchmarks/supervisor_scale.py
 
 clean:
 	rm -rf $(VENV) output build *.egg-info
