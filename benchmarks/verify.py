@@ -97,7 +97,7 @@ def verify_ok(path: Path) -> None:
 
 def _rank_proc(base: Path, rank: int, gb: float, files: int, barrier, results, cold: bool, workers: int) -> None:
     """One rank: write its shards, then (between barriers) hash its own files, then its verify share."""
-    from swiftslurm.checkpoint.split import shares
+    from swiftslurm.checkpoint.ranks.split import shares
     from swiftslurm.checkpoint.verify import hash_problems
 
     stage = ck.staging_dir(base, 1)
