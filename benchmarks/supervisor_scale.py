@@ -8,8 +8,9 @@ supervisor's own side, with the real code (``Supervisor._probe``, ``slurm.steps.
 
 - **probe, now**: a node lost, a spare in its place: the probe runs on the new node and the master only, at most
   ``PROBE_CONCURRENCY`` steps at once;
-- **probe, before** (every node of the step probed, all at once, as before this change), under a 1024 soft limit of
-  open files (the common default): the peak of the supervisor's open file descriptors, and whether it ran out;
+- **every node probed**, ``PROBE_CONCURRENCY`` at a time (now) and all at once (before this change), under a 1024
+  soft limit of open files (the common default): seconds, the peak of the supervisor's open file descriptors, and
+  whether it ran out;
 - **straggler window**: rank 0's ratio of each rank to the median of the others (``train.health.straggler.ratios``)
   at 8192 ranks, against the per-rank median it replaced (timed at 4096 ranks, where it still ends).
 
@@ -112,14 +113,15 @@ def probe_now(tmp: Path, nodes: int, env: dict[str, str]) -> dict:
     return {"seconds": round(took, 3), "srun_started": len(started.read_text().split()), "peak_fds": fds.peak}
 
 
-def probe_before(nodes: int, env: dict[str, str]) -> dict:
-    """Every node of the step probed at once (PROBE_CONCURRENCY = all), under a 1024 soft limit of open files."""
+def probe_all(nodes: int, env: dict[str, str], at_once: int | None) -> dict:
+    """Every node of the step probed, ``at_once`` steps at a time (None: all at once, as before), under a 1024 soft
+    limit of open files."""
     from swiftslurm.slurm import steps
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
     saved = steps.PROBE_CONCURRENCY
-    steps.PROBE_CONCURRENCY = nodes
+    steps.PROBE_CONCURRENCY = at_once or nodes
     error = ""
     try:
         with FdPeak() as fds:
@@ -133,6 +135,12 @@ def probe_before(nodes: int, env: dict[str, str]) -> dict:
         steps.PROBE_CONCURRENCY = saved
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return {"seconds": round(took, 3), "peak_fds": fds.peak, "error": error or None}
+
+
+def steps_at_once() -> int:
+    from swiftslurm.slurm import steps
+
+    return steps.PROBE_CONCURRENCY
 
 
 def straggler(ranks_now: int = 8192, ranks_before: int = 4096) -> dict:
@@ -163,7 +171,10 @@ def main() -> int:
         env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "STANDIN_DIR": str(tmp), "SWIFTSLURM_LEDGER": str(tmp / "ledger.json")}
         result: dict = {"stand_in_srun_answer_s": 0.05, "nodes": {}}
         for n in args.nodes:
-            result["nodes"][n] = {"probe_now": probe_now(tmp / f"now{n}", n, env), "probe_before": probe_before(n, env)}
+            result["nodes"][n] = {"restart_probe_now": probe_now(tmp / f"now{n}", n, env),
+                                  "every_node_bounded": probe_all(n, env, steps_at_once())}
+        for n in args.nodes:  # last: a run out of file descriptors leaves processes and pipes behind
+            result["nodes"][n]["every_node_at_once_before"] = probe_all(n, env, None)
             print(n, json.dumps(result["nodes"][n]), flush=True)
         result["straggler"] = straggler()
         print(json.dumps(result["straggler"]))
