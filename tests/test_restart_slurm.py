@@ -302,3 +302,20 @@ def test_scancel_and_a_walltime_stop_under_the_supervisor_are_never_restarts(tmp
     assert wall_states[wall_job] == "FAILED" and restarts(walltime) == [], f"{wall_states} {restarts(walltime)}\n{explain(walltime)}"
     (stop,) = json.loads((walltime / "requeues.json").read_text())
     assert stop["outcome"] == "max_requeues" and not stop["requeued"], stop
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_failed_rank_preflight_under_the_supervisor_is_never_a_restart(tmp_path, slurm_cluster):
+    """The preflight stopped training (a disk floor no node meets): the preflight's decision, not a crash the
+    supervisor restarts, although max_restarts = 3 would allow it."""
+    spec, out = write_spec(tmp_path, "preflight", "max_restarts = 3")
+    spec.write_text(spec.read_text().replace("[preflight]\nchecks = []", '[preflight]\nchecks = ["disk"]\nmin_disk_free_gb = 1000000'))
+    job = submit(spec, out)
+    try:
+        states = wait_for_job(job, timeout_s=300)
+    finally:
+        subprocess.run(["scancel", "--name=restart-preflight", job], capture_output=True, timeout=30)
+    assert states[job] == "FAILED" and restarts(out) == [], f"{states} {restarts(out)}\n{explain(out)}"
+    said = "".join(p.read_text(errors="replace") for p in (out / "logs").rglob("*") if p.is_file() and p.suffix in (".out", ".err"))
+    assert "not restarted (the preflight stopped training" in said, explain(out)
