@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import REQUEUES_FILE, STOPS_DIR
-from .restart import progressed
+from .restart import progressed, streak_without_progress
 
 if TYPE_CHECKING:
     from ..slurm.distenv import DistEnv
@@ -82,12 +82,7 @@ def made_progress(record: dict[str, Any]) -> bool | None:
 
 def no_progress_streak(records: list[dict[str, Any]]) -> int:
     """How many of the last stop records, in a row, ended an attempt with no progress (pure)."""
-    streak = 0
-    for record in reversed(records):
-        if made_progress(record) is not False:
-            break
-        streak += 1
-    return streak
+    return streak_without_progress(made_progress(record) for record in records)
 
 
 def guard_decision(streak: int, limit: int, done: int, committed: int | None, save_advice: str | None) -> RequeueDecision | None:

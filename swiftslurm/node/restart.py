@@ -166,17 +166,22 @@ def progressed(start: Any, committed: Any) -> bool | None:
     return not (isinstance(start, int) and not isinstance(start, bool) and committed <= start)
 
 
-def no_progress_streak(records: list[dict[str, Any]], start: int | None, committed: int | None) -> int:
-    """How many step attempts in a row, ending with this one (``start`` -> ``committed``), committed no newer
-    checkpoint (pure); ``records``: this job's earlier restart records, oldest first."""
-    if progressed(start, committed) is not False:
-        return 0
-    streak = 1
-    for record in reversed(records):
-        if "start_step" not in record or progressed(record.get("start_step"), record.get("resume_step")) is not False:
+def streak_without_progress(attempts: Iterable[bool | None]) -> int:
+    """How many of the last attempts, in a row, made no progress (``False``); ``None`` (a record that does not say)
+    ends the count like a progress does (pure). The one count of requeues and restarts."""
+    streak = 0
+    for made in reversed(list(attempts)):
+        if made is not False:
             break
         streak += 1
     return streak
+
+
+def no_progress_streak(records: list[dict[str, Any]], start: int | None, committed: int | None) -> int:
+    """How many step attempts in a row, ending with this one (``start`` -> ``committed``), committed no newer
+    checkpoint (pure); ``records``: this job's earlier restart records, oldest first."""
+    earlier = [progressed(r.get("start_step"), r.get("resume_step")) if "start_step" in r else None for r in records]
+    return streak_without_progress([*earlier, progressed(start, committed)])
 
 
 def progress_guard(streak: int, limit: int, cause: Cause, committed: int | None) -> RestartDecision | None:
