@@ -27,6 +27,8 @@ import logging, os, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from swiftslurm.train.kernels import opbuild
 from swiftslurm.train.health import startup
+from deepspeed.accelerator import get_accelerator  # imported before the watch: its limit times the wait, not imports
+get_accelerator()
 def expired(what):
     print("EXPIRED:", what, flush=True)
 with startup.watching(float(sys.argv[3]), expired):
