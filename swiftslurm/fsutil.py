@@ -415,3 +415,14 @@ def is_inside(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> boo
     except (OSError, RuntimeError):
         return False
     return real == real_root or real_root in real.parents
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks after boot, /proc/PID/stat field 22); None if gone. With the pid,
+    it names one process: a pid the kernel handed out again has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from swiftslurm import fsutil
 from swiftslurm.train.health import startup
 from swiftslurm.train.kernels import opbuild
 
@@ -87,11 +88,11 @@ def test_a_lock_is_taken_over_only_when_a_dead_build_of_ours_explains_it(tmp_pat
     assert opbuild.stale_locks(tmp_path, (OP,), None, True, "thishost")[0] == [tmp_path / OP_DIR / "lock"]  # our cache
     assert opbuild.stale_locks(tmp_path, (OP,), gone, False, "thishost")[0] == [tmp_path / OP_DIR / "lock"]
     here = opbuild.this_machine()
-    reused = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, opbuild.process_start(os.getpid()) + 1)
+    reused = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, fsutil.process_start(os.getpid()) + 1)
     assert opbuild.stale_locks(tmp_path, (OP,), reused, False, "thishost")[0] == [tmp_path / OP_DIR / "lock"]  # pid reused
     aliased = opbuild.Holder("node2", int(dead.stdout), 0.0, (OP,), here)  # another node name, the same machine
     assert opbuild.stale_locks(tmp_path, (OP,), aliased, False, "node1")[0] == [tmp_path / OP_DIR / "lock"]
-    live = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, opbuild.process_start(os.getpid()))
+    live = opbuild.Holder("thishost", os.getpid(), 0.0, (OP,), here, fsutil.process_start(os.getpid()))
     elsewhere = opbuild.Holder("node2", 1, 0.0, (OP,), "another-boot-id")
     for previous in (None, live, elsewhere):
         remove, judge = opbuild.stale_locks(tmp_path, (OP,), previous, False, "thishost")

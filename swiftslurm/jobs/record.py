@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .. import slurm
 from ..errors import SwiftSlurmError
-from ..fsutil import RECORD_CAP, RESULT_CAP, Unreadable, atomic_write_text, read_json, read_plain_pickle
+from ..fsutil import RECORD_CAP, RESULT_CAP, Unreadable, atomic_write_text, process_start, read_json, read_plain_pickle  # noqa: F401 -- process_start re-exported
 from ..taskdir import SUBMISSION_FILE
 
 POLL_S = 2.0
@@ -303,15 +303,6 @@ def _result_state(folder: Path, job_id: str, ranks: int) -> str | None:
     if any(o != "success" for o in outcomes):
         return "FAILED"
     return "COMPLETED" if outcomes and len(outcomes) >= ranks else None
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks after boot, /proc/PID/stat field 22); None if gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 class CancelRefused(SwiftSlurmError):

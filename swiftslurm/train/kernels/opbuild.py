@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ...fsutil import process_start
+
 BUILD_LOCK = ".swiftslurm-build.lock"  # our flock; its body: the Holder building now (or one that died building)
 TORCH_LOCK = "lock"  # torch's FileBaton, in each op's build directory
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
@@ -144,18 +146,6 @@ def this_machine() -> str:
         return ""
 
 
-def process_start(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22); 0 when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    try:
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        return 0
-
-
 def _here(holder: Holder, host: str) -> bool:
     """Whether ``holder`` ran on this machine, where its pid can be checked."""
     mine = this_machine()
@@ -242,7 +232,7 @@ def ensure_built(ops: tuple[str, ...], root: str, ours: bool, host: str, note: C
         for line in judge:
             log.warning("%s", line)
             note(f"waiting on {line}")
-        _write_holder(fd, Holder(host, os.getpid(), time.time(), ops, this_machine(), process_start(os.getpid())))
+        _write_holder(fd, Holder(host, os.getpid(), time.time(), ops, this_machine(), process_start(os.getpid()) or 0))
         for op in ops:
             if not judge:
                 note(f"building DeepSpeed's {op} in {path}")
