@@ -16,7 +16,7 @@ PKG = Path(swiftslurm.__file__).parent
 
 # unit -> layer; a unit may import its own modules and units of a strictly lower layer.
 LAYERS = {
-    "__init__": 0, "errors": 0, "fsutil": 0, "taskdir": 0, "quoting": 0, "resources": 0,
+    "__init__": 0, "errors": 0, "fsutil": 0, "taskdir": 0, "quoting": 0, "resources": 0, "tasks": 0,
     "dsconfig": 1, "sizing": 1,
     "spec": 2,
     "plan": 3,
@@ -174,13 +174,19 @@ def test_readers_do_not_import_the_modules_that_write():
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_task_the_spec_takes_has_one_registered_class():
-    """Adding a task: its name in the spec's `task`, one module in train/tasks/ and one row in TASKS."""
+def test_the_two_task_registries_name_the_same_tasks_and_the_spec_takes_exactly_those():
+    """A task is a row in spec/tasks.py (what the spec, rules, sizing and validate's scan read) and a row in
+    train/tasks/__init__.py (the class that trains); the spec's `task` takes the names of the first, and each row's
+    data module has the scan validate calls."""
+    import importlib
     import typing
 
+    from swiftslurm import tasks as spec_tasks
     from swiftslurm.spec.model import TrainTable
     from swiftslurm.train.tasks import TASKS, task_for
 
-    assert set(typing.get_args(TrainTable.model_fields["task"].annotation)) == set(TASKS)
-    for name in TASKS:
-        assert task_for(name).name == name
+    assert list(spec_tasks.TASKS) == list(TASKS)
+    assert typing.get_args(TrainTable.model_fields["task"].annotation) == tuple(TASKS)
+    for name, row in spec_tasks.TASKS.items():
+        assert task_for(name).name == name == row.name
+        assert callable(importlib.import_module(f"swiftslurm.train.data.{row.data}").count_records), row

@@ -6,6 +6,7 @@ the queue wait is refused here.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from ..plan import ArrayLimits, Plan, make_plan
 from ..slurm.render import render_all
 from ..slurm.scriptcheck import script_problems, setup_problems
 from ..spec import load_raw, load_spec, require_training
+from ..tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,11 @@ def check_resume_sources(plan: Plan) -> None:
 
 
 def scan_data(plan: Plan) -> list[str]:
-    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list:
-    SFT records, ``{"text"}`` records for ``task = "pt"``, prompt/chosen/rejected pairs for ``task = "dpo"`` and
-    ``"rm"``, prompt/completion/label records for ``task = "kto"``; a malformed record is a DataError naming its file
-    and line. One note per scan, for ``validate``."""
-    from ..train.data import preference, unpaired
-    from ..train.data.tokens import scan
-
+    """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list, by the
+    ``count_records`` of the data module its task's row names (``swiftslurm/tasks.py``): SFT records, ``{"text"}`` records
+    for ``task = "pt"``, prompt/chosen/rejected pairs for ``"dpo"`` and ``"rm"``, prompt/completion/label records for
+    ``"kto"``, prompts for ``"grpo"``; a malformed record is a DataError naming its file and line. One note per
+    scan, for ``validate``."""
     notes, seen = [], set()
     for task in plan.tasks:
         t = task.spec.train
@@ -149,27 +149,10 @@ def scan_data(plan: Plan) -> list[str]:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
-        if t.task == "grpo":
-            count, kind = scan_prompts(t), "prompt(s)"
-        elif t.task == "kto":  # prompt/completion/label records
-            count, kind = unpaired.check_files(list(t.dataset))[0], "labelled completion(s)"
-        elif t.task in ("dpo", "rm"):
-            count, kind = preference.check_files(list(t.dataset))[0], "preference pair(s)"
-        elif t.task == "pt":
-            from ..train.data import text
-
-            count, kind = text.scan(list(t.dataset)), "record(s)"
-        else:
-            count, kind = scan(t.dataset), "record(s)"
-        notes.append(f"dataset: {count:,} {kind} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
+        row = TASKS[t.task]
+        count = importlib.import_module(f"..train.data.{row.data}", __package__).count_records(t)
+        notes.append(f"dataset: {count:,} {row.counts} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes
-
-
-def scan_prompts(t) -> int:
-    """``task = "grpo"``: every prompt record checked, with the ``solution`` column the built-in ``accuracy`` reads."""
-    from ..train.data import prompts
-
-    return prompts.check_files(list(t.dataset), ("solution",) if "accuracy" in t.reward_funcs else ())[0]
 
 
 def check_reward_files(source: str, reward_funcs: list[str]) -> None:

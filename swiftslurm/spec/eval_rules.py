@@ -10,15 +10,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..tasks import TASKS
+
 EVAL_KEYS = ("eval_steps", "per_device_eval_batch_size", "metric_for_best_model", "greater_is_better", "early_stopping_patience")
 # names a lower value of is better: HF's rule (a name ending in "loss") and the obvious others (times, perplexity)
 _LOWER = re.compile(r"(loss|perplexity|ppl|error|runtime|time|(?<!per)_s)$")
 _METRIC_RE = re.compile(r"[A-Za-z0-9_./-]+")
-# what each built-in task's evaluation reports (without the eval_ prefix); a task not listed: any name
-TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "sft": ("loss",),
-    "dpo": ("loss", "rewards/", "logps/", "logits/"),
-}
 
 
 def metric_key(name: str) -> str:
@@ -59,7 +56,7 @@ def eval_problems(t: Any) -> list[str]:
         out.append(f"metric_for_best_model = {name!r}: a metric's name as the logs show it, like \"eval_loss\"")
     else:
         bare = metric_key(name)[len("eval_"):]
-        known = TASK_METRICS.get(t.task)
+        known = TASKS[t.task].eval_metrics  # what the task's evaluation reports; None: any name
         if known is not None and not any(bare == k or (k.endswith("/") and bare.startswith(k)) for k in known):
             out.append(f"metric_for_best_model = {name!r}: task = {t.task!r} evaluation reports "
                        f"{', '.join('eval_' + k + ('...' if k.endswith('/') else '') for k in known)}. HINT: "

@@ -12,6 +12,7 @@ from typing import Literal, Union
 
 from pydantic import Field
 
+from ..tasks import TaskName, task_help
 from .parallel import ModelShapeTable, Table
 
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3"]
@@ -28,13 +29,7 @@ class ModelFields(Table):
     train_type: Literal["lora", "full"] = Field("lora", description=(
         '`lora` or `full`'
     ))
-    task: Literal["sft", "dpo", "pt", "rm", "kto", "grpo"] = Field("sft", description=(
-        "`sft` (supervised), `dpo` (preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer),"
-        ' `pt` (continued pretraining on raw `text` records: every token a label, packed; docs/training.md), '
-        "`rm` (a reward model with a 1-output score head, on the same pairs, through TRL's RewardTrainer), "
-        "`kto` (unpaired `prompt`/`completion`/`label` records, through TRL's KTOTrainer) or `grpo` (online "
-        "RL: prompts scored by `reward_funcs`, through TRL's GRPOTrainer; docs/training.md)"
-    ))
+    task: TaskName = Field("sft", description=task_help())  # the registered tasks: swiftslurm/tasks.py
     # a hub model not on disk: its shape, for `plan`'s memory estimate
     model_shape: ModelShapeTable | None = Field(None, description=(
         'a hub model not on disk: `{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size,'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..tasks import TASKS
 from .reward_rules import reward_problems
 
 LOW_RANK = ("galore_adamw", "galore_adamw_8bit", "apollo_adamw")
@@ -39,10 +40,11 @@ def train_problems(t: Any) -> list[str]:
         out.append(f"{', '.join(galore_keys)} set with optimizer = {t.optimizer!r}: they configure the low-rank "
                    "optimizers only. HINT: optimizer = \"galore_adamw\" (or galore_adamw_8bit, apollo_adamw), or drop them")
     if t.attn_implementation == "varlen_attn":
-        if t.task not in ("sft", "pt") or not t.packing:
+        packs = TASKS[t.task].packs
+        if not packs or not t.packing:
             out.append(
                 "attn_implementation = \"varlen_attn\" needs packed rows: it reads where each sample starts from the "
-                f"packing collator, and {'packing is off' if t.task in ('sft', 'pt') else 'task = ' + repr(t.task) + ' never packs'} "
+                f"packing collator, and {'packing is off' if packs else 'task = ' + repr(t.task) + ' never packs'} "
                 "(padded batches carry a mask this kernel cannot apply). HINT: set packing = true (SFT), or "
                 "attn_implementation = \"auto\"")
         elif not (t.bf16 or t.fp16):
@@ -65,7 +67,7 @@ def train_problems(t: Any) -> list[str]:
                 f"max_prompt_length ({t.max_prompt_length}) must be below max_length ({t.max_length}): the prompt "
                 "and the completion share max_length, and a prompt that fills it leaves no completion token to "
                 "score. HINT: e.g. max_prompt_length = max_length / 2")
-    elif t.task in ("sft", "pt"):
+    elif not TASKS[t.task].trl:  # our own trainer (sft, pt): the preference keys configure TRL's
         dpo_keys = _changed(t, ("dpo_beta", "dpo_loss_type", "precompute_ref_log_probs", "max_prompt_length"))
         if dpo_keys:
             out.append(f"{', '.join(dpo_keys)} set with task = {json.dumps(t.task)}: these keys only apply to preference "

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SwiftSlurmError
+from ..tasks import TASKS
 from .evaluation import eval_arguments
 from .kernels.varlen import NAME as VARLEN
 from .kernels.varlen import refuse_masks
@@ -45,7 +46,7 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
     import torch
 
     train = spec.train
-    reward = train.task == "rm"
+    reward = TASKS[train.task].score_head
     if attn_implementation == VARLEN:
         register_varlen()
     if train.model == "tiny-llama":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import SUMMARY_FILE
+from ..tasks import summary_line
 
 
 @dataclass
@@ -80,15 +81,9 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]
-    if result.task == "dpo":
-        lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}")
-    elif result.task == "rm":
-        lines.insert(2, f"  reward accuracy (chosen scored above rejected, last logged step): {fmt(result.reward_accuracy, '.3f')}; "
-                        f"margin {fmt(result.reward_margin, '.3f')}")
-    elif result.task == "kto":
-        lines.insert(2, f"  reward margin (desirable minus undesirable, last logged step): {fmt(result.reward_margin, '.3f')}")
-    elif result.task == "grpo":
-        lines.insert(2, f"  mean reward: first {fmt(result.rewards[0])} -> last {fmt(result.rewards[-1])} (logged steps)")
+    own = summary_line(result.task, dataclasses.asdict(result))  # the task's own line (swiftslurm/tasks.py)
+    if own:
+        lines.insert(2, f"  {own}")
     if result.stop_reason:
         lines.insert(1, f"  {result.stop_reason}")
     if result.metric_for_best_model:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import SwiftSlurmError
 from ..taskdir import HANG_FILE, METRICS_FILE
+from ..tasks import TASKS
 from .build import (
     _offloads_optimizer,
     allow_low_rank_optimizer_state,
@@ -161,12 +162,12 @@ def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) 
     from .kernels import choose as kernels
 
     node = kernels.node_facts(cuda)
-    packs = spec.train.packing and spec.train.task in ("sft", "pt")
+    packs = spec.train.packing and TASKS[spec.train.task].packs
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node,
                                              compiled=spec.train.compile)
-    if task.name in ("dpo", "rm", "kto", "grpo") and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
+    if TASKS[task.name].trl and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
         liger, liger_why = None, f"not used by {task.name}"
     return _Kernels(attn, attn_why, liger, liger_why, packs)
 

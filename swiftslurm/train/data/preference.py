@@ -102,3 +102,8 @@ def load(paths: list[str], cache_dir: str | Path):
     check_files(paths)
     digests = [_file_digest(p) for p in paths]
     return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))
+
+
+def count_records(t) -> int:
+    """``task = "dpo"``/``"rm"`` at validate: every prompt/chosen/rejected pair of ``t.dataset`` checked (swiftslurm/tasks.py)."""
+    return check_files(list(t.dataset))[0]

@@ -114,3 +114,9 @@ def load(paths: list[str], cache_dir: str | Path, need: tuple[str, ...] = ()):
     check_files(paths, need)
     digests = [_file_digest(p) for p in paths]
     return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))
+
+
+def count_records(t) -> int:
+    """``task = "grpo"`` at validate: every prompt record of ``t.dataset`` checked, with the ``solution`` column the
+    built-in ``accuracy`` reward reads when it is among ``t.reward_funcs`` (swiftslurm/tasks.py)."""
+    return check_files(list(t.dataset), ("solution",) if "accuracy" in t.reward_funcs else ())[0]

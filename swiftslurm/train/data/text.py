@@ -81,3 +81,8 @@ def encode_many(records: list[tuple[str, Any]], tokenizer, max_length: int) -> l
             ids.append(eos)
         out += pieces(ids, max_length) or [None]
     return out
+
+
+def count_records(t) -> int:
+    """``task = "pt"`` at validate: every ``{"text"}`` record of ``t.dataset`` checked (swiftslurm/tasks.py)."""
+    return scan(list(t.dataset))

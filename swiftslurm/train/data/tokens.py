@@ -200,3 +200,8 @@ class Collator:
             out["labels"].append(ex["labels"] + [IGNORE_INDEX] * pad)
             out["attention_mask"].append(ex["attention_mask"] + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+
+def count_records(t) -> int:
+    """``task = "sft"`` at validate: every record of ``t.dataset`` checked (swiftslurm/tasks.py)."""
+    return scan(list(t.dataset))

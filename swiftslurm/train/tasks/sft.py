@@ -32,7 +32,7 @@ class SFTTask:
     ``spec.train.dataset`` only in ``data()`` and (2) passing ``**kwargs`` (``eval_dataset`` among them) on to its
     Trainer; one whose eval set is built otherwise adds ``eval_data(spec, args, tok, model, attn, output_dir)``
     returning the eval dataset. What its evaluation logs (``eval_loss``, ...) is listed in
-    ``spec/eval_rules.TASK_METRICS``, which ``metric_for_best_model`` is checked against."""
+    its row of ``swiftslurm/tasks.py`` (``eval_metrics``), which ``metric_for_best_model`` is checked against."""
 
     name = "sft"
 
