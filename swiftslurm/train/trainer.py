@@ -169,6 +169,11 @@ class SwiftTrainer(Trainer):
         return finite_or_mean(loss, summed, self.state.global_step - self._globalstep_last_logged)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches = self.take_batches(epoch_iterator, num_batches)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def take_batches(self, epoch_iterator, num_batches: int) -> list:
+        """This step's batches (up to ``num_batches``), each counted with the wait for it by ``count_batch``."""
         self.meter.begin_step()
         batches = []
         for _ in range(num_batches):
@@ -177,9 +182,12 @@ class SwiftTrainer(Trainer):
                 batch = next(epoch_iterator)
             except StopIteration:
                 break
-            self.meter.add_batch(batch, time.perf_counter() - start)
+            self.count_batch(batch, time.perf_counter() - start)
             batches.append(batch)
-        return batches, self._get_num_items_in_batch(batches, device)
+        return batches
+
+    def count_batch(self, batch, wait_s: float) -> None:
+        self.meter.add_batch(batch, wait_s)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training-step log: add the measured values (one all-reduce, every rank)

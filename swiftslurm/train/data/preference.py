@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from .records import of_one_form
 from .tokens import ROLES, DataError, read_records
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -70,19 +71,10 @@ def check_record(path: Path, where: str, rec: Any) -> str:
 
 def check_files(paths: list[str]) -> tuple[int, str]:
     """(record count, form) of every file together; the first malformed record, or a second form, raises."""
-    count, first = 0, None  # (form, path, where) of the first record
-    for path in paths:
-        for where, rec in _records(path):
-            form = check_record(Path(path), where, rec)
-            if first is None:
-                first = (form, path, where)
-            elif form != first[0]:
-                raise _bad(Path(path), where, f"this record is {form} but {first[1]}, {first[2]} is {first[0]}: "
-                           "one dataset holds one form")
-            count += 1
-    if first is None:
-        raise DataError("no preference record in the dataset", f"{len(paths)} file(s)", "check train.dataset")
-    return count, first[0]
+    count, form = 0, ""
+    for checked in of_one_form(paths, check_record, str, FORMAT_HINT, "preference"):
+        count, form = count + 1, checked  # one form throughout
+    return count, form
 
 
 def _rows(paths: list[str], digests: list[str]) -> Iterator[dict[str, Any]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 from ...errors import SwiftSlurmError
 from ...fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
@@ -82,6 +82,36 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     else:
         raise DataError("unknown dataset format", f"{p} (suffix {suffix or 'none'!r})",
                         f"train.dataset takes {FORMATS}; rename the file to its format's suffix")
+
+
+def count_checked(checked: Iterable[Any], paths: list[str]) -> int:
+    """How many records a scan of ``validate`` checked (``checked``: one item a record, each raising on a bad one);
+    a dataset without any record is a DataError too (training it would fail)."""
+    count = sum(1 for _ in checked)
+    if not count:
+        raise DataError("the dataset holds no record", f"{len(paths)} file(s): {', '.join(paths)}"[:300],
+                        "check train.dataset: every file or directory there is empty")
+    return count
+
+
+def of_one_form(paths: list[str], check: Callable[[Path, str, Any], Any], form_of: Callable[[Any], str], hint: str,
+                kind: str) -> Iterator[Any]:
+    """``check(path, where, record)`` of every record of every file, in order, each result yielded; a dataset holds
+    one form (plain text or messages): a record whose ``form_of(result)`` differs from the first record's raises
+    naming both places (``hint``: the format's), and a dataset without a record raises ("no ``kind`` record")."""
+    first = None  # (form, path, where) of the first record
+    for path in paths:
+        for where, rec in read_records(path):
+            result = check(Path(path), where, rec)
+            form = form_of(result)
+            if first is None:
+                first = (form, path, where)
+            elif form != first[0]:
+                raise DataError(f"{path}, {where}: this record is {form} but {first[1]}, {first[2]} is {first[0]}: "
+                                "one dataset holds one form", "", hint)
+            yield result
+    if first is None:
+        raise DataError(f"no {kind} record in the dataset", f"{len(paths)} file(s)", "check train.dataset")
 
 
 def dataset_dir_files(directory: Path) -> list[Path]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from .records import DataError, read_records
+from .records import DataError, count_checked, read_records
 
 KIND = "text"
 DROPPED = "an empty text has no token to predict"
@@ -47,11 +47,7 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
 
 def scan(paths: list[str]) -> int:
     """Every record checked, nothing tokenized (the scan of ``validate``): the record count; none is a DataError."""
-    count = sum(1 for _ in checked_records(paths))
-    if not count:
-        raise DataError("the dataset holds no record", f"{len(paths)} file(s): {', '.join(paths)}"[:300],
-                        "check train.dataset: every file or directory there is empty")
-    return count
+    return count_checked(checked_records(paths), paths)
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .records import DataError, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
+from .records import DataError, count_checked, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -151,11 +151,7 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
 def scan(paths: list[str]) -> int:
     """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count.
     A dataset without any record is a DataError too (training it would fail)."""
-    count = sum(1 for _ in checked_records(paths))
-    if not count:
-        raise DataError("the dataset holds no record", f"{len(paths)} file(s): {', '.join(paths)}"[:300],
-                        "check train.dataset: every file or directory there is empty")
-    return count
+    return count_checked(checked_records(paths), paths)
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:

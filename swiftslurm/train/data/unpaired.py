@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .preference import _form
+from .records import of_one_form
 from .tokens import DataError, read_records
 
 FIELDS = ("prompt", "completion", "label")
@@ -55,23 +56,13 @@ def check_record(path: Path, where: str, rec: Any) -> tuple[str, bool]:
 def check_files(paths: list[str]) -> tuple[int, str, int]:
     """(record count, form, desirable count) of every file together; the first malformed record, or a second
     form, raises. Both labels must occur: KTO learns from the contrast of desirable and undesirable completions."""
-    count, desirable, first = 0, 0, None  # (form, path, where) of the first record
-    for path in paths:
-        for where, rec in read_records(path):
-            form, label = check_record(Path(path), where, rec)
-            if first is None:
-                first = (form, path, where)
-            elif form != first[0]:
-                raise _bad(Path(path), where, f"this record is {form} but {first[1]}, {first[2]} is {first[0]}: "
-                           "one dataset holds one form")
-            count += 1
-            desirable += label
-    if first is None:
-        raise DataError("no KTO record in the dataset", f"{len(paths)} file(s)", "check train.dataset")
+    count, desirable, form = 0, 0, ""
+    for checked, label in of_one_form(paths, check_record, lambda result: result[0], FORMAT_HINT, "KTO"):
+        count, desirable, form = count + 1, desirable + label, checked  # one form throughout
     if desirable in (0, count):
         raise DataError(f"every KTO record has label = {str(desirable == count).lower()}", f"{count} record(s) in {len(paths)} file(s)",
                         "KTO needs desirable (true) and undesirable (false) completions; add some of the other label")
-    return count, first[0], desirable
+    return count, form, desirable
 
 
 def _rows(paths: list[str], digests: list[str]) -> Iterator[dict[str, Any]]:

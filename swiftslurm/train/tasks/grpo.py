@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,19 +88,12 @@ def trainer_class():
             self.after_trl_init()  # TRL applied LoRA (peft_config) inside __init__: count, fuse
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
-            """Prompts, not token tensors: count them as samples here; their tokens once generated (below)."""
-            self.meter.begin_step()
-            batches = []
-            for _ in range(num_batches):
-                start = time.perf_counter()
-                try:
-                    batch = next(epoch_iterator)
-                except StopIteration:
-                    break
-                self.meter.data_s += time.perf_counter() - start
-                self.meter.samples += len(batch)
-                batches.append(batch)
-            return batches, None
+            """Prompts, not token tensors: counted as samples here; their tokens once generated (below)."""
+            return self.take_batches(epoch_iterator, num_batches), None
+
+        def count_batch(self, batch, wait_s: float) -> None:
+            self.meter.data_s += wait_s
+            self.meter.samples += len(batch)
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
