@@ -26,13 +26,44 @@ class ModelUnavailable(SwiftSlurmError):
 
 
 def prepare_device_env() -> bool:
-    """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported."""
+    """True when CUDA is usable; otherwise select DeepSpeed's CPU accelerator (gloo) before it is imported. Then
+    imports the training stack (``import_stack``)."""
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import_stack()
     return cuda
+
+
+# What the stack imports at its own import time and no rank of ours runs: DeepSpeed's autotuner (never started by
+# us) imports mlflow when it is installed, and peft imports bitsandbytes for quantized LoRA layers (we load no
+# quantized model). Together 2-3 s of CPU in every rank's start (benchmarks/rank_start.py).
+UNUSED_AT_IMPORT = {"deepspeed": ("mlflow",), "peft": ("bitsandbytes",)}
+
+
+def import_stack() -> None:
+    """Import transformers, then DeepSpeed and peft with the packages of ``UNUSED_AT_IMPORT`` kept out while they
+    import (a ``None`` in ``sys.modules``: their ``try: import`` and ``find_spec`` checks see them missing), and
+    importable again afterwards: our MLflow tracker and the 8-bit optimizer import them when a run asks.
+    transformers first, so its own checks of what is installed see everything."""
+    import importlib
+    import sys
+
+    importlib.import_module("transformers")
+    for package, unused in UNUSED_AT_IMPORT.items():
+        if package in sys.modules:
+            continue
+        kept_out = [name for name in unused if name not in sys.modules]
+        for name in kept_out:
+            sys.modules[name] = None  # type: ignore[assignment]  # import's documented "not importable" mark
+        try:
+            importlib.import_module(package)
+        finally:
+            for name in kept_out:
+                if sys.modules.get(name, 0) is None:
+                    del sys.modules[name]
 
 
 def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
