@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 PYTEST_ARGS ?=
+# test workers: a file to a worker, so the Slurm tests' waiting overlaps the CPU-bound ones (tests/conftest.py)
+TEST_WORKERS ?= 4
 
 .PHONY: demo test setup system-deps ds-ops cluster-up cluster-down clean bench
 
@@ -40,13 +42,14 @@ ds-ops: $(VENV)/.installed
 
 test: setup ds-ops
 	bash tests/cluster/up.sh
-	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS) tests; rc=$$?; bash tests/cluster/down.sh; exit $$rc
+	$(PY) -m pytest -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests; rc=$$?; bash tests/cluster/down.sh; exit $$rc
 
 bench: setup
 	$(PY) benchmarks/verify.py
 	$(PY) benchmarks/train_overhead.py
 	$(PY) benchmarks/submit_array.py
 	$(PY) benchmarks/supervisor_scale.py
+	$(PY) benchmarks/rank_start.py
 
 clean:
 	rm -rf $(VENV) output build *.egg-info

@@ -14,6 +14,7 @@ turned into a failure here (`_deny_skip`); `.ci/run` checks pytest's JUnit repor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -50,6 +51,62 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.continue_on_collection_errors = True
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster of tests/cluster/up.sh")
     config.addinivalue_line("markers", "slow: takes tens of seconds or more")
+    config.addinivalue_line("markers", "alone: runs with no other test beside it (parallel workers: see _machine_share)")
+
+
+# The suite runs in parallel workers (pytest-xdist, `make test`), a file to a worker, so the waiting of the Slurm
+# tests (the queue, walltime signals, hang limits) overlaps the CPU-bound tests. Files start slowest first (the
+# per-file times of tests/DURATIONS.txt, the last CI rehearsal), so no long file starts last. A test that must
+# have the machine to itself (it sets a cluster node down, which kills every job on it; or it times the machine)
+# is marked `alone`: it takes the machine lock exclusively, every other test takes it shared.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "DURATIONS.txt")
+
+
+def _file_seconds() -> dict[str, float]:
+    """test file stem -> its seconds in the last CI rehearsal (tests/DURATIONS.txt's per-file table)."""
+    try:
+        text = open(DURATIONS, encoding="utf-8").read()
+    except OSError:
+        return {}
+    return {name: float(s) for s, name in re.findall(r"(?m)^\s+([\d.]+) s  (test_\w+)$", text)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seconds = _file_seconds()
+    # a stable sort: the tests of a file stay together and in their order (module fixtures are made once)
+    items.sort(key=lambda item: -seconds.get(item.path.stem, 0.0))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _machine_share(item.config, exclusive=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _machine_share(config: pytest.Config, *, exclusive: bool):
+    """Hold the machine shared (most tests) or exclusively (`alone`) across the test's setup, call and teardown.
+
+    A readers-writer lock of two flock files in the run's common temp dir: the turnstile is passed by every test
+    on its way in and held by an exclusive one until it has the machine, so a stream of shared tests cannot starve
+    it. Without workers (one process) there is nothing to share and nothing is locked.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    base = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]  # the workers' common dir
+    with open(base / "machine.turnstile", "a") as turnstile, open(base / "machine.lock", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 def needs_hardware(what: str, have: bool) -> pytest.MarkDecorator:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import TINY_TRAIN
 
 from swiftslurm.slurm.commands import parse_end_time
 from swiftslurm.train.health import deadline
@@ -107,13 +108,7 @@ time = "00:02:00"
 signal_grace_s = 10
 max_requeues = 3
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-learning_rate = 1e-3
+""" + TINY_TRAIN + """learning_rate = 1e-3
 max_steps = 100000
 max_length = 128
 save_steps = 10

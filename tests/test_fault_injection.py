@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import TINY_TRAIN
 
 from swiftslurm import checkpoint as ck
 
@@ -128,13 +129,7 @@ output_dir = "{out}"
 [slurm]
 tasks_per_node = 1
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-learning_rate = 1e-3
+""" + TINY_TRAIN + """learning_rate = 1e-3
 max_steps = {steps}
 max_length = 128
 save_steps = 2

@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import sacct_rows, wait_for_job
+from runs import TINY_TRAIN, explain, losses
+from runs import submit as submit_spec
 
 from swiftslurm import checkpoint as ck
 
@@ -53,13 +54,7 @@ time = "{time}"
 signal_grace_s = 10
 max_requeues = 25
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-learning_rate = 1e-3
+""" + TINY_TRAIN + """learning_rate = 1e-3
 lr_scheduler_type = "cosine"
 max_steps = {steps}
 max_length = 128
@@ -87,27 +82,7 @@ def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = M
     if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)
         text = text.replace("nodes = 2", f"nodes = {nodes}").replace("[checkpoint]\n", "[checkpoint]\nallow_spec_change = true\n")
     spec.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    record = json.loads((out / "submission.json").read_text())["submissions"][-1]
-    return record["job_ids"][0], out
-
-
-def losses(out: Path) -> dict[int, list[float]]:
-    """Every training-loss value logged per step (a step logged again after a resume appears twice)."""
-    per_step: dict[int, list[float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            per_step.setdefault(int(row["step"]), []).append(row["loss"])
-    return per_step
-
-
-def explain(out: Path) -> str:
-    logs = sorted((out / "logs").rglob("*.err"))
-    tails = [f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:]) for p in logs[-4:]]
-    return "\n".join(tails)
+    return submit_spec(spec, out), out
 
 
 @pytest.mark.slurm

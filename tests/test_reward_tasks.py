@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from conftest import sacct_rows, wait_for_job
+from runs import losses, metrics, submit
 from test_train import quickstart_spec, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,26 +158,6 @@ def cluster_spec(tmp: Path, name: str, example: Path, min_step_s: float = 0.0, *
     return Path(spec), out
 
 
-def submit(spec: Path, out: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"][0]
-
-
-def rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def losses(out: Path) -> dict[int, list[float]]:
-    per_step: dict[int, list[float]] = {}
-    for row in rows(out):
-        if "loss" in row:
-            per_step.setdefault(int(row["step"]), []).append(row["loss"])
-    return per_step
-
-
 def signal_when(out: Path, job: str, step: int, timeout_s: float) -> None:
     """USR2 to the job's ranks (what Slurm sends signal_grace_s before the time limit) once rank 0 logged ``step``."""
     deadline = time.monotonic() + timeout_s
@@ -249,8 +230,8 @@ def test_rm_requeued_at_a_walltime_signal_resumes_to_the_uninterrupted_losses(cl
     assert any(k.endswith("score.weight") for k in keys) and any("lora_A" in k for k in keys), keys
 
     # the reward metrics: metrics.jsonl, TensorBoard, the summary
-    accuracy = [r["accuracy"] for r in rows(ref) if "accuracy" in r]
-    margin = [r["margin"] for r in rows(ref) if "margin" in r]
+    accuracy = [r["accuracy"] for r in metrics(ref) if "accuracy" in r]
+    margin = [r["margin"] for r in metrics(ref) if "margin" in r]
     assert len(accuracy) == len(margin) == RM_STEPS and accuracy[-1] > 0.8 and margin[-1] > margin[0], (accuracy, margin)
     scalars = tensorboard_steps(req)
     assert scalars["train/accuracy"] == scalars["train/margin"] == set(range(1, RM_STEPS + 1)), sorted(scalars)
@@ -268,7 +249,7 @@ def test_kto_trains_across_two_nodes_and_its_checkpoints_verify(cluster_runs):
     assert len(subprocess.run(["scontrol", "show", "hostnames", hosts], capture_output=True, text=True, timeout=30).stdout.split()) == 2
     r = verify(out)
     assert r.returncode == 0 and "checkpoint-4" in r.stdout and "checkpoint-8" in r.stdout, r.stdout + r.stderr
-    logged = rows(out)
+    logged = metrics(out)
     assert sorted(losses(out)) == list(range(1, 9))
     margins = [r["rewards/margins"] for r in logged if "rewards/margins" in r]
     assert len(margins) == 8 and all("kl" in r for r in logged if "rewards/margins" in r), logged[:2]

@@ -14,6 +14,7 @@ import pytest
 from conftest import wait_for_job
 from hypothesis import given
 from hypothesis import strategies as st
+from runs import TINY_TRAIN
 
 from swiftslurm.doctor.evidence import TaskRun
 from swiftslurm.doctor.rules.slowrules import straggler
@@ -86,13 +87,7 @@ tasks_per_node = 1
 cpus_per_task = 1
 time = "00:15:00"
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-max_steps = 20
+""" + TINY_TRAIN + """max_steps = 20
 max_length = 128
 save_steps = 1000
 logging_steps = 10

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for_job
+from runs import TINY_TRAIN
 from test_login_imports import HEAVY, modules_at_exit, recorder  # noqa: F401 (recorder: the fixture)
 from wandb_records import run_facts
 
@@ -222,13 +223,7 @@ cpus_per_task = 1
 time = "00:20:00"
 signal_grace_s = 60
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-max_steps = {steps}
+""" + TINY_TRAIN + """max_steps = {steps}
 max_length = 128
 save_steps = 1000
 logging_steps = 1
