@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 from conftest import sacct_rows, wait_for_job
+from runs import TINY_TRAIN, last_step
 
 from swiftslurm.node import chain
-from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, after_walltime_stop, read_requeues
+from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, after_walltime_stop
+from swiftslurm.records.requeues import read_requeues
 from swiftslurm.slurm import parse_batch_script
 from swiftslurm.slurm.distenv import derive
 from swiftslurm.spec import parse_spec
@@ -99,7 +101,7 @@ def test_max_requeues_bounds_the_chain(tmp_path):
     decision, before any Slurm call (none could be made here: there is no job 19)."""
     spec = parse_spec('[job]\nname = "c"\n[slurm]\nmax_requeues = 2\ncontinue_with = "singleton"\n')
     out = str(tmp_path)
-    chain._write(out, [["10", "14", "19"]], "c")
+    chain.write_chains(out, [["10", "14", "19"]], "c")
     dist = derive({"SLURM_JOB_ID": "19", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODEID": "0",
                    "SLURM_JOB_NODELIST": "node1", "SLURMD_NODENAME": "node1", "SLURM_TASKS_PER_NODE": "1"})
     code = after_walltime_stop(dist, spec, out, logging.getLogger("test"), step=30)
@@ -123,13 +125,7 @@ signal_grace_s = 10
 max_requeues = 1
 continue_with = "singleton"
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-max_steps = 120
+""" + TINY_TRAIN + """max_steps = 120
 max_length = 128
 save_steps = 1000
 logging_steps = 1
@@ -159,14 +155,6 @@ def wait_until(what, timeout_s: float, why: str):
             return found
         time.sleep(0.5)
     raise TimeoutError(why)
-
-
-def last_step(out: Path) -> int:
-    try:
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        return 0
-    return max((r.get("step", 0) for r in rows if "loss" in r), default=0)
 
 
 @pytest.mark.slurm

@@ -22,9 +22,9 @@ from rich.rule import Rule
 from rich.table import Table
 
 from swiftslurm.errors import PreflightFailed
-from swiftslurm.node import failure
 from swiftslurm.preflight.report import build_report, failure_of
 from swiftslurm.preflight.results import INSTALL_HINTS, CheckResult, decide, missing_tool
+from swiftslurm.records import failures as failure
 from swiftslurm.watch.failure import task_failure
 from swiftslurm.watch.logs import is_decoration, last_words
 

@@ -17,7 +17,7 @@ PKG = Path(swiftslurm.__file__).parent
 # unit -> layer; a unit may import its own modules and units of a strictly lower layer.
 LAYERS = {
     "__init__": 0, "errors": 0, "fsutil": 0, "taskdir": 0, "quoting": 0, "resources": 0, "tasks": 0,
-    "dsconfig": 1, "sizing": 1,
+    "dsconfig": 1, "sizing": 1, "records": 1,
     "spec": 2,
     "plan": 3,
     "slurm": 4, "checkpoint": 4, "ledger": 4,
@@ -161,8 +161,8 @@ def test_no_import_cycles_anywhere():
 
 
 # the modules that write a run's records while it trains, and what only reads them afterwards
-WRITERS = ("swiftslurm.train.run", "swiftslurm.train.tasks", "swiftslurm.train.trainer", "swiftslurm.jobs.send")
-READERS = ("swiftslurm.watch", "swiftslurm.doctor")
+WRITERS = ("swiftslurm.train.run", "swiftslurm.train.tasks", "swiftslurm.train.trainer", "swiftslurm.jobs.send", "swiftslurm.node")
+READERS = ("swiftslurm.watch", "swiftslurm.doctor", "swiftslurm.jobs.record", "swiftslurm.jobs.target")
 TRAINER = WRITERS[:3]  # the login-side commands (cli) read a run's summary through train/result.py, never these
 
 

@@ -10,16 +10,8 @@ import logging
 
 import pytest
 
-from swiftslurm.node.requeue import (
-    NO_PROGRESS,
-    NO_PROGRESS_EXIT,
-    NOT_REQUEUED_EXIT,
-    after_walltime_stop,
-    made_progress,
-    no_progress_streak,
-    read_requeues,
-    stop_reason,
-)
+from swiftslurm.node.requeue import NO_PROGRESS_EXIT, NOT_REQUEUED_EXIT, after_walltime_stop
+from swiftslurm.records.requeues import NO_PROGRESS, made_progress, no_progress_streak, read_requeues, stop_reason
 from swiftslurm.slurm.distenv import derive
 from swiftslurm.spec import parse_spec
 
@@ -75,9 +67,9 @@ def test_a_run_that_progresses_between_attempts_is_never_stopped_by_the_guard(tm
 
 
 def test_the_guard_counts_the_chains_links_and_can_be_turned_off(tmp_path):
-    from swiftslurm.node import chain
+    from swiftslurm.records import chains
 
-    chain._write(str(tmp_path), [["990000010", "990000014"]], "g")
+    chains.write_chains(str(tmp_path), [["990000010", "990000014"]], "g")
     singleton = 'continue_with = "singleton"\n'
     after_walltime_stop(_dist("990000010"), _spec(singleton), str(tmp_path), LOG, step=None, start_step=None)
     code = after_walltime_stop(_dist("990000014"), _spec(singleton), str(tmp_path), LOG, step=None, start_step=None)

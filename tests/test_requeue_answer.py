@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import sacct_rows, wait_for_job
 
-from swiftslurm.node.requeue import read_requeues
+from swiftslurm.records.requeues import read_requeues
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,7 @@ from swiftslurm.jobs.send import slurm_parameters
 from swiftslurm.node import restart
 from swiftslurm.node.batch.supervise import job_id_of, task_index
 from swiftslurm.plan import make_plan
+from swiftslurm.records import restarts
 from swiftslurm.slurm import steps
 from swiftslurm.slurm.render import render_sbatch
 from swiftslurm.spec.load import validate_spec
@@ -113,20 +114,20 @@ def test_a_hang_culprit_is_replaced_only_when_a_spare_is_free():
 
 
 def test_restart_records_and_status_summary(tmp_path):
-    assert restart.read_restarts(tmp_path) == [] and restart.summary([], "7") == (0, None)
-    rec = restart.RestartRecord("7", 0, "rank_killed", "task 1 on node2: Killed", ["node1", "node2"], True,
+    assert restarts.read_restarts(tmp_path) == [] and restarts.summary([], "7") == (0, None)
+    rec = restarts.RestartRecord("7", 0, "rank_killed", "task 1 on node2: Killed", ["node1", "node2"], True,
                                 ["node1", "node2"], [], 20, "restart 1 of at most 2", 137)
-    restart.record_restart(tmp_path, rec)
-    records = restart.read_restarts(tmp_path)
+    restarts.record_restart(tmp_path, rec)
+    records = restarts.read_restarts(tmp_path)
     assert [r["cause"] for r in records] == ["rank_killed"]
-    made, line = restart.summary(records, "7")
+    made, line = restarts.summary(records, "7")
     assert made == 1 and "restarted in place 1 time(s)" in line and "Killed" in line and "resumed from step 20" in line
-    assert restart.summary(records, "8") == (0, None)  # another job's record
-    stop = restart.RestartRecord("7", 1, "rank_killed", "x", [], False, [], [], 20, "not restarted: max_restarts reached", 137)
-    restart.record_restart(tmp_path, stop)
-    assert restart.summary(restart.read_restarts(tmp_path), "7") == (1, "not restarted: max_restarts reached")
+    assert restarts.summary(records, "8") == (0, None)  # another job's record
+    stop = restarts.RestartRecord("7", 1, "rank_killed", "x", [], False, [], [], 20, "not restarted: max_restarts reached", 137)
+    restarts.record_restart(tmp_path, stop)
+    assert restarts.summary(restarts.read_restarts(tmp_path), "7") == (1, "not restarted: max_restarts reached")
     (tmp_path / "restarts.json").write_text("{not json")
-    assert restart.read_restarts(tmp_path) == []
+    assert restarts.read_restarts(tmp_path) == []
 
 
 # ---------------------------------------------------------------- where the step runs

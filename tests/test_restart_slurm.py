@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import sacct_rows, wait_for_job
+from runs import TINY_TRAIN, explain, last_step, losses, restarts, submit
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
@@ -46,13 +47,7 @@ cpus_per_task = 1
 time = "00:15:00"
 {slurm}
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-learning_rate = 1e-3
+""" + TINY_TRAIN + """learning_rate = 1e-3
 max_steps = {steps}
 max_length = 128
 save_steps = 8
@@ -81,33 +76,6 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env={**os.environ, "COLUMNS": "250", **(env or {})})
 
 
-def submit(spec: Path, out: Path) -> str:
-    proc = cli("submit", str(spec), "--executor", "slurm")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"][0]
-
-
-def losses(out: Path) -> dict[int, list[float]]:
-    per_step: dict[int, list[float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            per_step.setdefault(int(row["step"]), []).append(row["loss"])
-    return per_step
-
-
-def last_step(out: Path) -> int:
-    try:
-        return max((int(json.loads(x)["step"]) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x), default=0)
-    except (OSError, ValueError):
-        return 0
-
-
-def restarts(out: Path) -> list[dict]:
-    path = out / "restarts.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
 def wait_until(what, timeout_s: float, explain=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not what():
@@ -130,11 +98,6 @@ def rank_pids(job_id: str, rank: int) -> list[int]:
                 and (b"submitit.core._submit" in cmd or b"swiftslurm\0run" in cmd)):
             found.append(int(entry.name))
     return found
-
-
-def explain(out: Path) -> str:
-    logs = sorted((out / "logs").rglob("*.err")) + sorted(out.glob("slurm-*.out"))
-    return "\n".join(f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:]) for p in logs[-3:]) + f"\nrestarts: {restarts(out)}"
 
 
 @pytest.mark.slurm
@@ -213,6 +176,7 @@ def loss_rows(out: Path) -> int:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.alone  # a node set down kills every job on it, another test's too
 def test_a_node_set_down_is_replaced_by_the_spare_then_the_run_shrinks(tmp_path, slurm_cluster, down_node):
     down, resume = down_node
     ledger = tmp_path / "ledger.json"

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from runs import TINY_TRAIN
 
-from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, read_requeues, report_stopped, stop_reason, walltime_requeues
+from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, report_stopped
 from swiftslurm.plan import make_plan, write_plan
+from swiftslurm.records.requeues import read_requeues, stop_reason, walltime_requeues
 from swiftslurm.slurm import distenv
 from swiftslurm.spec import parse_spec
 
@@ -473,13 +475,7 @@ output_dir = "{out}"
 tasks_per_node = 1
 max_requeues = 2
 [train]
-model = "tiny-llama"
-dataset = ["{data}"]
-train_type = "full"
-deepspeed = "zero2"
-gradient_checkpointing = false
-per_device_train_batch_size = 2
-max_steps = 500
+""" + TINY_TRAIN + """max_steps = 500
 max_length = 128
 save_steps = 1000
 logging_steps = 1

@@ -401,7 +401,7 @@ def _attempt_key(read, attempt: int) -> str:
 
 
 def _print_errors(console: Console, reports, many: bool, files: int, records: list | None = None) -> int:
-    """The reason each task's ranks recorded (node/failure.py) first, then the errors found in the logs."""
+    """The reason each task's ranks recorded (records/failures.py) first, then the errors found in the logs."""
     for task, rec in records or []:
         console.print(Text(f"{'task ' + str(task) + ' ' if many else ''}failed: ", style="bold red") + Text(rec.line())
                       + Text(f"  (recorded by rank {rec.rank} {rec.node or '?'}, logs/failure-rank-{rec.rank}.json)", style="dim"),

@@ -14,8 +14,8 @@ from typing import Any
 
 from .. import fsutil
 from ..checkpoint.savetime import read_save
-from ..node.requeue import read_requeues
-from ..node.restart import read_restarts
+from ..records.requeues import read_requeues
+from ..records.restarts import read_restarts
 from ..slurm.distenv import FR_DUMP_NAME
 from ..taskdir import METRICS_FILE, SUMMARY_FILE, TASK_SPEC_FILE
 from ..train.health import frtrace

@@ -53,7 +53,7 @@ def _last_save(task_dir: str) -> dict[str, Any] | None:
 def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
     """This job's walltime requeues as the runtime recorded them (``requeues.json``: the count where sacct
     has none), and why its last walltime stop was not requeued (None when it was, or none happened)."""
-    from ..node.requeue import read_requeues, stop_reason, walltime_requeues
+    from ..records.requeues import read_requeues, stop_reason, walltime_requeues
 
     records = read_requeues(task_dir) if task_dir else []
     return walltime_requeues(records, job_id), stop_reason(records, job_id)
@@ -61,7 +61,7 @@ def _walltime_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
 
 def _restart_record(task_dir: str, job_id: str) -> tuple[int, str | None]:
     """This job's in-job restarts (``restarts.json``) and one line on the last decision (None without any)."""
-    from ..node.restart import read_restarts, summary
+    from ..records.restarts import read_restarts, summary
 
     return summary(read_restarts(task_dir) if task_dir else [], job_id)
 
@@ -149,7 +149,7 @@ class Submission:
         began with the submitted job, else the submitted job itself."""
         if self.executor != "slurm":
             return list(self.job_ids)
-        from ..node.chain import newest, read_chains
+        from ..records.chains import newest, read_chains
 
         return [newest(read_chains(d), jid)[-1] if d else jid for jid, d in zip(self.job_ids, self.task_dirs, strict=False)]
 
@@ -160,7 +160,7 @@ class Submission:
             in_job, row.restart_note = _restart_record(row.output_dir, row.job_id)
             row.restarts = max(row.restarts, requeues) + in_job
             if row.job_id != first:  # a singleton chain: its earlier links are continuations too
-                from ..node.chain import newest, read_chains
+                from ..records.chains import newest, read_chains
 
                 row.restarts += len(newest(read_chains(row.output_dir), first)) - 1
             row.last_save = _last_save(row.output_dir)  # a small JSON: cheap

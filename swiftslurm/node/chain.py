@@ -19,7 +19,6 @@ Slurm's and the rank's own variables (``submit_env``): the batch script sets wha
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -27,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..fsutil import RECORD_CAP, atomic_write_text, read_json
+from ..records.chains import links_before, newest, read_chains, with_link, write_chains  # noqa: F401  (the chain's record)
 from ..spec.model import PER_RANK_VARS, RUNTIME_VARS
-from ..taskdir import CHAIN_FILE
 from ..train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
 from .restart import PROBE_MASTER_ENV, STEP_NODES_ENV
 
@@ -39,55 +37,6 @@ JOB_VARS = (*PER_RANK_VARS, *RUNTIME_VARS, "MASTER_ADDR", "MASTER_PORT")
 # ... and what the in-job restart supervisor set for this step: a shrunk node count left in the next link's environment
 # made its ranks fail their allocation check (the next link starts on the spec's own nodes, at attempt 0)
 SUPERVISOR_VARS = (STEP_NODES_ENV, ATTEMPT_ENV, HANG_RESTART_ENV, PROBE_MASTER_ENV)
-
-
-# ---------------------------------------------------------------- the record (pure over its contents)
-
-
-def read_chains(task_dir: str) -> list[list[str]]:
-    """Each chain of this task dir as its job ids, oldest first; [] when none (missing or not ours)."""
-    try:
-        data = read_json(Path(task_dir, CHAIN_FILE), RECORD_CAP)
-    except (OSError, ValueError):  # missing, or Unreadable: no chain
-        return []
-    chains = data.get("chains")
-    out = []
-    for chain in chains if isinstance(chains, list) else []:
-        links = chain.get("links") if isinstance(chain, dict) else None
-        if isinstance(links, list) and links and all(isinstance(j, str) and j for j in links):
-            out.append(list(links))
-    return out
-
-
-def links_before(chains: list[list[str]], job_id: str) -> int:
-    """How many jobs came before ``job_id`` in its chain (0: the first link, or in no chain)."""
-    for links in chains:
-        if job_id in links:
-            return links.index(job_id)
-    return 0
-
-
-def newest(chains: list[list[str]], first: str) -> list[str]:
-    """The links of the chain that began with job ``first`` (just ``[first]`` when it continued nowhere)."""
-    for links in reversed(chains):  # the latest chain that began there (a reused job id: the newer one)
-        if links[0] == first:
-            return links
-    return [first]
-
-
-def with_link(chains: list[list[str]], after: str, new: str) -> list[list[str]]:
-    """The chains with ``new`` appended to the one ending in ``after`` (a new chain ``[after, new]`` otherwise)."""
-    out = [list(links) for links in chains]
-    for links in out:
-        if links[-1] == after:
-            links.append(new)
-            return out
-    return out + [[after, new]]
-
-
-def _write(task_dir: str, chains: list[list[str]], name: str) -> None:
-    body = {"chains": [{"name": name, "links": links} for links in chains]}
-    atomic_write_text(Path(task_dir, CHAIN_FILE), json.dumps(body, indent=2) + "\n")
 
 
 def submit_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -143,7 +92,7 @@ def continue_job(requeue_id: str, job_name: str, task_dir: str, environ: Mapping
         tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
         shutil.copyfile(how.pickle, tmp)
         os.replace(tmp, target)
-    _write(task_dir, with_link(read_chains(task_dir), requeue_id, new_id), job_name)
+    write_chains(task_dir, with_link(read_chains(task_dir), requeue_id, new_id), job_name)
     return new_id
 
 

@@ -18,7 +18,6 @@ cluster whose job ids restarted) are told apart by SLURM_RESTART_COUNT, which on
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -28,9 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..fsutil import RECORD_CAP, atomic_write_text, read_json
-from ..taskdir import REQUEUES_FILE, STOPS_DIR
-from .restart import progressed, streak_without_progress
+from ..fsutil import atomic_write_text
+from ..records.requeues import (
+    CANNOT,
+    MAX_REACHED,
+    NO_PROGRESS,
+    REFUSED,
+    REQUEUED,
+    REQUEUEING,
+    no_progress_streak,
+    read_requeues,
+    same_job,
+    walltime_requeues,
+    write_requeue,
+)
+from ..taskdir import STOPS_DIR
 
 if TYPE_CHECKING:
     from ..slurm.distenv import DistEnv
@@ -40,9 +51,6 @@ if TYPE_CHECKING:
 NOT_REQUEUED_EXIT = 75
 # the progress guard stopped it: attempts in a row committed nothing newer (resubmitting the same spec would loop)
 NO_PROGRESS_EXIT = 79
-# outcome of one walltime stop; "requeueing" is written just before `scontrol requeue`, which kills the ranks
-REQUEUED, REQUEUEING, MAX_REACHED, REFUSED, CANNOT = "requeued", "requeueing", "max_requeues", "refused", "cannot_requeue"
-NO_PROGRESS = "no_progress"
 POLL_S = 0.2
 # a report's mtime comes from the node (or file server) that wrote it: this much clock skew is forgiven
 STALE_SLACK_S = 120.0
@@ -72,19 +80,6 @@ def decide_requeue(done: int, max_requeues: int, executor: str = "slurm") -> Req
     )
 
 
-def made_progress(record: dict[str, Any]) -> bool | None:
-    """Whether the attempt a stop record ends committed a checkpoint newer than the one it started from (pure);
-    None for a record that does not say (written before the guard existed, or not of our shape)."""
-    if "committed_step" not in record:
-        return None
-    return progressed(record.get("start_step"), record.get("committed_step"))
-
-
-def no_progress_streak(records: list[dict[str, Any]]) -> int:
-    """How many of the last stop records, in a row, ended an attempt with no progress (pure)."""
-    return streak_without_progress(made_progress(record) for record in records)
-
-
 def guard_decision(streak: int, limit: int, done: int, committed: int | None, save_advice: str | None) -> RequeueDecision | None:
     """The progress guard (pure): stop for good after ``limit`` attempts in a row without progress (0: never)."""
     if not limit or streak < limit:
@@ -106,50 +101,6 @@ def newest_committed_step(out_dir: str) -> int | None:
 
     listed = list_checkpoints(out_dir)
     return step_of(listed[0]) if listed else None
-
-
-def read_requeues(out_dir: str) -> list[dict[str, Any]]:
-    try:
-        records = read_json(Path(out_dir, REQUEUES_FILE), RECORD_CAP, expect=list)
-    except (OSError, ValueError):  # missing, or Unreadable (damaged, foreign, not a regular file): no record
-        return []
-    return [r for r in records if isinstance(r, dict) and _plain_record(r)]
-
-
-def _plain_record(record: dict[str, Any]) -> bool:
-    """A record of the shape we write: the fields we compare are strings or ints (anything else is not ours)."""
-    count = record.get("restart_count", 0)
-    return isinstance(record.get("job_id", ""), (str, int)) and isinstance(count, int) and not isinstance(count, bool)
-
-
-def _same_job(record: dict[str, Any], job_id: str) -> bool:
-    rid = str(record.get("job_id", ""))
-    return rid == job_id or rid == f"local-{job_id}"
-
-
-def job_records(records: list[dict[str, Any]], job_id: str, restart_count: int | None = None) -> list[dict[str, Any]]:
-    """Pure: the records of this job's runs before run ``restart_count`` (all of this job's with None)."""
-    return [r for r in records if _same_job(r, job_id) and (restart_count is None or int(r.get("restart_count", 0)) < restart_count)]
-
-
-def walltime_requeues(records: list[dict[str, Any]], job_id: str, restart_count: int | None = None) -> int:
-    """Pure: how often this job was requeued at walltime (a record whose run was followed by another)."""
-    return sum(1 for r in job_records(records, job_id, restart_count) if r.get("outcome", REQUEUED if r.get("requeued") else "") in (REQUEUED, REQUEUEING))
-
-
-def stop_reason(records: list[dict[str, Any]], job_id: str) -> str | None:
-    """Pure: why this job's last walltime stop was not requeued, or None (for `swiftslurm status`)."""
-    mine = job_records(records, job_id)
-    if mine and not mine[-1].get("requeued"):
-        return str(mine[-1].get("message") or "stopped at walltime, not requeued")
-    return None
-
-
-def _record(out_dir: str, entry: dict[str, Any]) -> None:
-    """Add or replace (same job and restart count) this run's record."""
-    records = [r for r in read_requeues(out_dir)
-               if not (r.get("job_id") == entry["job_id"] and r.get("restart_count") == entry["restart_count"])]
-    atomic_write_text(Path(out_dir, REQUEUES_FILE), json.dumps(records + [entry], indent=2))
 
 
 def _stops_dir(out_dir: str, dist: DistEnv) -> Path:
@@ -209,7 +160,7 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     singleton = spec.slurm.continue_with == "singleton" and dist.executor == "slurm"
     chain = [dist.requeue_id]
     if singleton:  # max_requeues bounds the chain's links and requeues together
-        from .chain import links_before, read_chains
+        from ..records.chains import links_before, read_chains
 
         chains = read_chains(out_dir)
         done += links_before(chains, dist.requeue_id)
@@ -222,14 +173,14 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     if not spec.train.command:  # the built-in trainer's checkpoints tell progress; a command's own saves are not ours
         committed = newest_committed_step(out_dir)
         entry.update(start_step=start_step, committed_step=committed)
-        earlier = [r for r in records if any(_same_job(r, job) for job in chain)
-                   and not (_same_job(r, dist.requeue_id) and int(r.get("restart_count", 0)) >= dist.restart_count)]
+        earlier = [r for r in records if any(same_job(r, job) for job in chain)
+                   and not (same_job(r, dist.requeue_id) and int(r.get("restart_count", 0)) >= dist.restart_count)]
         guard = guard_decision(no_progress_streak([*earlier, entry]), spec.slurm.no_progress_attempts, done, committed,
                                _save_advice(out_dir))
     decision = guard or decide_requeue(done, spec.slurm.max_requeues, dist.executor)
     entry.update(requeued=decision.requeue, outcome=decision.outcome, message=decision.message)
     # written before the requeue: `scontrol requeue` signals this very process
-    _record(out_dir, entry)
+    write_requeue(out_dir, entry)
     if not decision.requeue:
         log.error("%s", decision.message)
         return NO_PROGRESS_EXIT if decision.outcome == NO_PROGRESS else NOT_REQUEUED_EXIT
@@ -248,7 +199,7 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
     except SwiftSlurmError as exc:
         if slurm.job_restarts(dist.requeue_id) > dist.restart_count:  # its answer was lost, but Slurm did requeue
             entry.update(outcome=REQUEUED, message=f"{decision.message} (Slurm requeued the job although scontrol said: {exc.found or exc.what})")
-            _record(out_dir, entry)
+            write_requeue(out_dir, entry)
             log.warning("%s", entry["message"])
             return 0
         if previous is not None:
@@ -256,11 +207,11 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
         entry.update(requeued=False, outcome=REFUSED,
                      message=f"stopped at walltime, requeue refused by Slurm: {exc.found or exc.what}; "
                      "resubmit the same spec to continue from the newest verified checkpoint")
-        _record(out_dir, entry)
+        write_requeue(out_dir, entry)
         log.error("%s", entry["message"])
         return NOT_REQUEUED_EXIT
     entry.update(outcome=REQUEUED)
-    _record(out_dir, entry)
+    write_requeue(out_dir, entry)
     return 0
 
 
@@ -296,11 +247,11 @@ def _continue_as_singleton(dist: DistEnv, spec: JobSpec, out_dir: str, log, entr
         entry.update(requeued=False, outcome=REFUSED,
                      message=f"stopped at walltime, the singleton continuation was refused: {why}; "
                      "resubmit the same spec to continue from the newest verified checkpoint")
-        _record(out_dir, entry)
+        write_requeue(out_dir, entry)
         log.error("%s", entry["message"])
         return NOT_REQUEUED_EXIT
     entry = record_entry(entry, new_id)
-    _record(out_dir, entry)
+    write_requeue(out_dir, entry)
     log.warning("%s", entry["message"])
     return 0
 

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 from ..errors import PreflightFailed, RuntimeEnvError, SwiftSlurmError
 from ..fsutil import open_append
+from ..records import failures as failure
 from ..slurm import distenv
 from ..taskdir import attempt_header
-from . import banner, failure, ownership, restart, signals
+from . import banner, ownership, restart, signals
 from .requeue import newest_committed_step, walltime_exit
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def run_task(plan_path: str, task_index: int, mode: str = "train") -> int:
 
 
 def run_task_outcome(plan_path: str, task_index: int, mode: str = "train") -> tuple[int, failure.Failure | None]:
-    """``run_task``, and why this rank failed when it knows: the record it wrote (node/failure.py) for a failed
+    """``run_task``, and why this rank failed when it knows: the record it wrote (records/failures.py) for a failed
     preflight (rank 0) or an exception (which is raised on, after the record)."""
     if mode not in ("train", "preflight"):
         raise RuntimeEnvError(f"unknown run mode {mode!r}", mode, "use 'train' or 'preflight'")

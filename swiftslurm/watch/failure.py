@@ -1,6 +1,6 @@
 """Why a task failed, in one line: what ``submit --wait``, ``status`` and ``logs --errors`` show first.
 
-The structured source first: the failure records the ranks wrote (``node/failure.py``: a failed preflight's
+The structured source first: the failure records the ranks wrote (``records/failures.py``: a failed preflight's
 check with its fix, an exception's message), the earliest of this submission. Without one (a killed rank, a
 ``train.command`` that exited non-zero), the last words of rank 0's stderr (submitit's ``<job>_0_log.err``),
 skipping what can never be a reason: table borders and rows, rules, progress bars, blank lines, the
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..fsutil import Unreadable, read_tail
-from ..node.failure import Failure, read_failures
+from ..records.failures import Failure, read_failures
 from .logs import last_words
 
 TAIL_BYTES = 64 << 10  # rank 0's stderr is read from its last 64 KiB (a traceback and the lines before it)

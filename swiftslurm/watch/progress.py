@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import fsutil, slurm
-from ..node.requeue import REQUEUES_FILE
 from ..plan import PLAN_FILE
-from ..taskdir import METRICS_FILE, SUMMARY_FILE
+from ..taskdir import METRICS_FILE, REQUEUES_FILE, SUMMARY_FILE
 
 # Slurm's final states (slurm.FINAL_STATES, the one list) but COMPLETED; UNKNOWN: Slurm lost the job
 FAILED_STATES = (slurm.FINAL_STATES - {"COMPLETED"}) | {"UNKNOWN"}

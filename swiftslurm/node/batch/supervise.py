@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from ...fsutil import Unreadable, read_json
+from ...records import failures as failure
+from ...records.requeues import job_records, read_requeues
 from ...slurm import distenv, steps
 from ...taskdir import HANG_FILE
 from ...train.health.watchdog import ATTEMPT_ENV, HANG_RESTART_ENV
-from .. import failure, restart
-from ..requeue import NO_PROGRESS_EXIT, job_records, read_requeues
+from .. import restart
+from ..requeue import NO_PROGRESS_EXIT
 
 POLL_S = 0.2
 PREFLIGHT_REFUSED = 4  # PreflightFailed.exit_code: the rank's own preflight stopped it, nothing to restart
