@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import explain
 
 from swiftslurm import ledger
 from swiftslurm.doctor import diagnose_task
@@ -27,7 +28,6 @@ from swiftslurm.doctor.target import runs_of
 from swiftslurm.jobs.send import submit_plan
 from swiftslurm.plan import make_plan
 from swiftslurm.spec import parse_toml, validate_spec
-from tests.test_resume import explain
 
 HEALTHY_RUN = Path(__file__).parent / "data" / "watch_run"  # the quickstart model, 12 steps, 2 ranks (local)
 WAIT_S = 180
@@ -168,6 +168,23 @@ def test_hang_names_the_rank_the_others_wait_for(tmp_path, mode):
         assert any(f["code"] == "node_failure" and f["ranks"] == [2] for f in findings), findings
     assert any(f["code"] == "nccl_timeout" for f in findings)
     assert ledger.read() == []  # a local run's "node" is this machine: never recorded in the node-health ledger
+
+
+def test_a_rank_that_logs_the_lost_peer_late_waited_with_the_others_the_silent_rank_is_the_culprit(tmp_path):
+    """Rank 2's process is gone: ranks 1 and 3 lose it at once, rank 0 (its node loaded) says so 40 s later. Without a
+    timeout nobody arrived late: rank 0 waited too, and the culprit is the one rank that said nothing."""
+    def lost(rank: int, at: float) -> Line:
+        return Line(f"rank-{rank}.log", 1, rank, "localhost", at, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
+
+    spec = {"slurm": {"nodes": 1, "tasks_per_node": 4}}
+    run = TaskRun(0, str(tmp_path), state="FAILED", lines=[[lost(1, 100.0)], [lost(3, 100.5)], [lost(0, 140.0)]], spec=spec)
+    found = culprits(run)
+    assert found is not None and (found.ranks, found.waiting) == ((2,), (0, 1, 3)), found
+    # with timeouts they waited out, a rank whose error came long after theirs did arrive late: it is named too
+    timed_out = Line("rank-1.log", 1, 1, "localhost", 100.0, "Timed out waiting 1000ms for recv operation to complete")
+    run = TaskRun(0, str(tmp_path), state="FAILED", lines=[[timed_out], [lost(3, 100.5)], [lost(0, 140.0)]], spec=spec)
+    found = culprits(run)
+    assert found is not None and found.ranks == (0, 2) and "long after theirs" in found.how, found
 
 
 @pytest.mark.slurm

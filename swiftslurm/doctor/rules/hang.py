@@ -221,13 +221,16 @@ def _by_comm_errors(run: TaskRun, world: list[int]) -> Culprits | None:
     if not first:
         return None
     timeouts = [ln.time for ln, t in first.values() if t]
-    t0 = min(timeouts) if timeouts else min(ln.time for ln, _ in first.values())
-    window = CASCADE_S
-    for ln, _ in first.values():
-        m = TIMEOUT_MS.search(bare(ln.text))
-        if m:
-            window = max(window, 0.25 * int(m.group(1)) / 1000.0)
-    waiting = sorted(r for r, (ln, _) in first.items() if ln.time <= t0 + window)
+    if timeouts:  # they waited out the timeout: a rank whose error came long after theirs arrived late, the culprit
+        t0, window = min(timeouts), CASCADE_S
+        for ln, _ in first.values():
+            m = TIMEOUT_MS.search(bare(ln.text))
+            if m:
+                window = max(window, 0.25 * int(m.group(1)) / 1000.0)
+        waiting = sorted(r for r, (ln, _) in first.items() if ln.time <= t0 + window)
+    else:  # a peer's process went away: every rank that lost it was waiting on it, however late it said so (a rank
+        # slowed by a loaded node logs its loss seconds after the others); the culprit is the rank that said nothing
+        waiting = sorted(first)
     missing = [r for r in world if r not in waiting]
     if not waiting or not missing:
         return None
