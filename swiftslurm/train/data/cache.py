@@ -26,6 +26,7 @@ with ``num_proc > 1`` the encoding runs in that many worker processes, chunk by 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ...fsutil import RECORD_CAP, open_regular, read_json
+from ...tasks import TASKS
 from . import tokens as data
 from .records import content_files, not_found
 
@@ -74,13 +76,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def codec(task: str):
-    """The module that checks and encodes the records of ``task``: raw text for "pt", else SFT's (``tokens``).
-    Each has ``checked_records``, ``encode_many``, ``no_example_error`` and ``DROPPED`` (why a record gave nothing)."""
-    if task == "pt":
-        from . import text
-
-        return text
-    return data
+    """The module that checks and encodes the records of ``task``, a task that tokenizes through this cache (SFT's
+    ``tokens``, raw text's ``text`` for "pt"): the data module its row names (``swiftslurm/tasks.py``). Each has
+    ``checked_records``, ``encode_many``, ``no_example_error`` and ``DROPPED`` (why a record gave nothing)."""
+    return importlib.import_module(f".{TASKS[task].data}", __package__)
 
 
 def cache_key(paths: list[str], tokenizer, max_length: int, task: str = "sft") -> str:
