@@ -27,6 +27,45 @@ per_device_train_batch_size = 2
 """
 
 
+# a Slurm job of 1 CPU rank a node on the test cluster's partition: what [slurm] of a cluster test starts from
+ONE_RANK_A_NODE = {"partition": "debug", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1}
+QUIET = {"checkpoint": {"forced_save_fractions": []}, "preflight": {"checks": []}}  # no forced saves, no preflight
+
+
+def tiny_spec(name: str, out: Path | str, *, data: Path | str = DATA, **tables: dict) -> str:
+    """The TOML of a spec that trains the tiny model of ``TINY_TRAIN`` on ``data`` into ``out``: ``tables`` are its
+    tables (``slurm={...}``, ``train={...}`` added to the tiny model's keys, ``env={...}``, ...), in that order."""
+    train = {"model": "tiny-llama", "dataset": [str(data)], "train_type": "full", "deepspeed": "zero2",
+             "gradient_checkpointing": False, "per_device_train_batch_size": 2, **tables.pop("train", {})}
+    first = {"job": {"name": name, "output_dir": str(out)}, **({"slurm": tables.pop("slurm")} if "slurm" in tables else {})}
+    return to_toml({**first, "train": train, **tables})
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def to_toml(data: dict) -> str:
+    """TOML of a spec's tables (a nested dict in a table: its sub-table)."""
+    lines = []
+    for table, body in data.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items() if not isinstance(v, dict)]
+        for k, v in body.items():
+            if isinstance(v, dict):
+                lines.append(f"[{table}.{k}]")
+                lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
 def submit(spec: Path, out: Path, *, executor: str = "slurm", timeout: float = 120) -> str:
     """``swiftslurm submit SPEC`` (from the checkout's root); the id of the job it sent into ``out``."""
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", executor],

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import sacct_rows, wait_for_job
-from runs import TINY_TRAIN, last_step
+from runs import ONE_RANK_A_NODE, QUIET, last_step, tiny_spec
 
 from swiftslurm.node import chain
 from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, after_walltime_stop
@@ -111,35 +111,13 @@ def test_max_requeues_bounds_the_chain(tmp_path):
 
 # ---------------------------------------------------------------- on the cluster
 
-SPEC = """
-[job]
-name = "chain-train"
-output_dir = "{out}"
-[slurm]
-partition = "debug"
-nodes = 1
-tasks_per_node = 1
-cpus_per_task = 1
-time = "00:10:00"
-signal_grace_s = 10
-max_requeues = 1
-continue_with = "singleton"
-[train]
-""" + TINY_TRAIN + """max_steps = 120
-max_length = 128
-save_steps = 1000
-logging_steps = 1
-straggler_window = 0
-report_to = ["none"]
-[checkpoint]
-forced_save_fractions = []
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-PATH = "{path}"
-SWIFTSLURM_TEST_MIN_STEP_S = "0.1"
-"""
+def chain_spec(out: Path, path: str) -> str:
+    return tiny_spec("chain-train", out, data=DATA,
+                     slurm={**ONE_RANK_A_NODE, "time": "00:10:00", "signal_grace_s": 10, "max_requeues": 1,
+                            "continue_with": "singleton"},
+                     train={"max_steps": 120, "max_length": 128, "save_steps": 1000, "logging_steps": 1,
+                            "straggler_window": 0, "report_to": ["none"]},
+                     **QUIET, env={"OMP_NUM_THREADS": "1", "PATH": path, "SWIFTSLURM_TEST_MIN_STEP_S": "0.1"})
 
 
 def cli(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -161,7 +139,7 @@ def wait_until(what, timeout_s: float, why: str):
 def test_refused_requeue_continues_as_a_singleton_chain_to_the_end(tmp_path, slurm_cluster):
     out = tmp_path / "run"
     spec = tmp_path / "chain.toml"
-    spec.write_text(SPEC.format(out=out, data=DATA, path=standin_path(tmp_path)))
+    spec.write_text(chain_spec(out, standin_path(tmp_path)))
     sent = cli("submit", str(spec), "--executor", "slurm")
     assert sent.returncode == 0, sent.stdout + sent.stderr
     first = json.loads((out / "submission.json").read_text())["submissions"][-1]["job_ids"][0]

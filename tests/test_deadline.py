@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import TINY_TRAIN
+from runs import ONE_RANK_A_NODE, tiny_spec
 
 from swiftslurm.slurm.commands import parse_end_time
 from swiftslurm.train.health import deadline
@@ -95,34 +95,13 @@ def test_parse_end_time_reads_squeue_local_time_and_no_end():
         assert parse_end_time(text) is None, text
 
 
-SPEC = """
-[job]
-name = "{name}"
-output_dir = "{out}"
-[slurm]
-partition = "debug"
-nodes = 1
-tasks_per_node = 1
-cpus_per_task = 1
-time = "00:02:00"
-signal_grace_s = 10
-max_requeues = 3
-[train]
-""" + TINY_TRAIN + """learning_rate = 1e-3
-max_steps = 100000
-max_length = 128
-save_steps = 10
-logging_steps = 10
-report_to = ["none"]
-[checkpoint]
-keep = 2
-forced_save_fractions = []
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-SWIFTSLURM_CKPT_TEST_DELAY_S = "10"
-"""
+def deadline_spec(name: str, out: Path) -> str:
+    return tiny_spec(name, out, data=ROOT / "examples" / "data" / "alpaca_demo.jsonl",
+                     slurm={**ONE_RANK_A_NODE, "time": "00:02:00", "signal_grace_s": 10, "max_requeues": 3},
+                     train={"learning_rate": 1e-3, "max_steps": 100000, "max_length": 128, "save_steps": 10,
+                            "logging_steps": 10, "report_to": ["none"]},
+                     checkpoint={"keep": 2, "forced_save_fractions": []}, preflight={"checks": []},
+                     env={"OMP_NUM_THREADS": "1", "SWIFTSLURM_CKPT_TEST_DELAY_S": "10"})
 
 
 @pytest.mark.slurm
@@ -131,7 +110,7 @@ def test_a_slow_save_is_made_before_the_signal_and_the_job_requeues(tmp_path, sl
     name = f"deadline-{tmp_path.name}"[:40]
     out = tmp_path / "run"
     spec = tmp_path / "deadline.toml"
-    spec.write_text(SPEC.format(name=name, out=out, data=ROOT / "examples" / "data" / "alpaca_demo.jsonl"))
+    spec.write_text(deadline_spec(name, out))
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import TINY_TRAIN
+from runs import tiny_spec
 
 from swiftslurm import checkpoint as ck
 
@@ -122,27 +122,12 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
 
 # ---------------------------------------------------------------- the real trainer, killed mid-save
 
-TRAIN_SPEC = """
-[job]
-name = "fault"
-output_dir = "{out}"
-[slurm]
-tasks_per_node = 1
-[train]
-""" + TINY_TRAIN + """learning_rate = 1e-3
-max_steps = {steps}
-max_length = 128
-save_steps = 2
-logging_steps = 1
-report_to = ["none"]
-[checkpoint]
-keep = 2
-forced_save_fractions = []
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-"""
+def train_spec(out: Path, data: Path, steps: int) -> str:
+    return tiny_spec("fault", out, data=data, slurm={"tasks_per_node": 1},
+                     train={"learning_rate": 1e-3, "max_steps": steps, "max_length": 128, "save_steps": 2,
+                            "logging_steps": 1, "report_to": ["none"]},
+                     checkpoint={"keep": 2, "forced_save_fractions": []}, preflight={"checks": []},
+                     env={"OMP_NUM_THREADS": "1"})
 
 
 def _start_trainer(plan: Path, delay_s: str | None) -> subprocess.Popen:
@@ -189,7 +174,7 @@ def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_pat
 
     steps = 16
     root = Path(__file__).resolve().parents[1]
-    toml = TRAIN_SPEC.format(out=tmp_path / "out", data=root / "examples/data/alpaca_demo.jsonl", steps=steps)
+    toml = train_spec(tmp_path / "out", root / "examples/data/alpaca_demo.jsonl", steps)
     plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
     out = tmp_path / "out"
     rng = random.Random(7)

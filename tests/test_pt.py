@@ -134,7 +134,7 @@ def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_o
 
     from swiftslurm import checkpoint as ck
 
-    steps, pt = 60, 'task = "pt"\n'
+    steps, pt = 60, {"task": "pt"}
     ref_job, ref_out = submit(tmp_path, "pt-reference", "00:10:00", steps=steps, data=DEMO, train=pt)
     # every step at least 0.2 s (the watchdog's test hook; the losses do not change): the signal lands mid-run
     req_job, req_out = submit(tmp_path, "pt-requeued", "00:10:00", steps=steps, min_step_s=0.2, data=DEMO, train=pt)

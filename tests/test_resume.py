@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 from conftest import sacct_rows, wait_for_job
-from runs import TINY_TRAIN, explain, losses
+from runs import ONE_RANK_A_NODE, explain, losses, tiny_spec
 from runs import submit as submit_spec
 
 from swiftslurm import checkpoint as ck
@@ -41,48 +41,27 @@ DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
 MAX_STEPS = int(os.environ.get("SWIFTSLURM_RESUME_TEST_STEPS", "1800"))
 MIN_STEP_S = 0.06
 
-SPEC = """
-[job]
-name = "{name}"
-output_dir = "{out}"
-[slurm]
-partition = "debug"
-nodes = 2
-tasks_per_node = 1
-cpus_per_task = 1
-time = "{time}"
-signal_grace_s = 10
-max_requeues = 25
-[train]
-""" + TINY_TRAIN + """learning_rate = 1e-3
-lr_scheduler_type = "cosine"
-max_steps = {steps}
-max_length = 128
-save_steps = 1000
-logging_steps = 1
-report_to = ["none"]
-[checkpoint]
-keep = 2
-forced_save_fractions = [0.5]
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-"""
-
-
 def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0,
-           data: Path = DATA, train: str = "") -> tuple[str, Path]:
-    """Submit SPEC as job ``resume-<name>`` into ``tmp/<name>``; ``train``: lines added to its [train] table."""
+           data: Path = DATA, train: dict | None = None) -> tuple[str, Path]:
+    """Submit the spec of job ``resume-<name>`` (2 nodes x 1 rank, ZeRO-2, full fine-tuning) into ``tmp/<name>``;
+    ``train``: keys added to its [train] table."""
     out = tmp / name
     spec = tmp / f"{name}.toml"
-    text = SPEC.format(name=f"resume-{name}", out=out, time=time_limit, data=data, steps=steps).replace("[train]\n", "[train]\n" + train)
-    if min_step_s:  # every step takes at least this long (the watchdog's test hook): the number of walltime stops
-        text += f'SWIFTSLURM_TEST_MIN_STEP_S = "{min_step_s}"\n'  # no longer depends on how fast this machine is
-    if nodes != 2:  # a later leg on another world size, and longer (max_steps is part of the spec fingerprint)
-        text = text.replace("nodes = 2", f"nodes = {nodes}").replace("[checkpoint]\n", "[checkpoint]\nallow_spec_change = true\n")
-    spec.write_text(text)
+    spec.write_text(resume_spec(f"resume-{name}", out, time_limit, nodes, steps, min_step_s, data, train or {}))
     return submit_spec(spec, out), out
+
+
+def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, min_step_s: float, data: Path, train: dict) -> str:
+    # min_step_s: every step takes at least this long (the watchdog's test hook): the number of walltime stops no longer
+    # depends on how fast this machine is. nodes != 2: a later leg on another world size, and longer (max_steps is part
+    # of the spec fingerprint), so the spec may change
+    return tiny_spec(name, out, data=data,
+                     slurm={**ONE_RANK_A_NODE, "nodes": nodes, "time": time_limit, "signal_grace_s": 10, "max_requeues": 25},
+                     train={"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "max_steps": steps, "max_length": 128,
+                            "save_steps": 1000, "logging_steps": 1, "report_to": ["none"], **train},
+                     checkpoint={"keep": 2, "forced_save_fractions": [0.5], **({"allow_spec_change": True} if nodes != 2 else {})},
+                     preflight={"checks": []},
+                     env={"OMP_NUM_THREADS": "1", **({"SWIFTSLURM_TEST_MIN_STEP_S": str(min_step_s)} if min_step_s else {})})
 
 
 @pytest.mark.slurm

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from runs import TINY_TRAIN
+from runs import tiny_spec
 
 from swiftslurm.node.requeue import NOT_REQUEUED_EXIT, await_other_ranks, decide_requeue, report_stopped
 from swiftslurm.plan import make_plan, write_plan
@@ -182,7 +182,7 @@ def test_the_trainer_import_fails_loudly_for_our_modules_and_with_a_hint_for_a_m
     shim.mkdir()
     missing = "import sys; sys.modules[{module!r}] = None  # as if not installed\n"  # import: ModuleNotFoundError
     (shim / "sitecustomize.py").write_text((BROKEN_IMPORT if module.startswith("swiftslurm") else missing).format(module=module))
-    plan = make_plan_file(tmp_path, TRAIN_SPEC.format(out=tmp_path / "out", data=ROOT / "examples" / "data" / "alpaca_demo.jsonl"))
+    plan = make_plan_file(tmp_path, train_spec(tmp_path / "out"))
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT), env.get("PYTHONPATH", "")])
     proc = run_cli("--plan", str(plan), env=env)
@@ -467,25 +467,12 @@ def test_requeues_are_counted_per_job_not_per_directory():
 
 
 
-TRAIN_SPEC = """
-[job]
-name = "rt-train"
-output_dir = "{out}"
-[slurm]
-tasks_per_node = 1
-max_requeues = 2
-[train]
-""" + TINY_TRAIN + """max_steps = 500
-max_length = 128
-save_steps = 1000
-logging_steps = 1
-report_to = ["none"]
-[checkpoint]
-keep = 2
-forced_save_fractions = []
-[preflight]
-checks = []
-"""
+def train_spec(out: Path) -> str:
+    return tiny_spec("rt-train", out, data=ROOT / "examples" / "data" / "alpaca_demo.jsonl",
+                     slurm={"tasks_per_node": 1, "max_requeues": 2},
+                     train={"max_steps": 500, "max_length": 128, "save_steps": 1000, "logging_steps": 1,
+                            "report_to": ["none"]},
+                     checkpoint={"keep": 2, "forced_save_fractions": []}, preflight={"checks": []})
 
 
 @pytest.mark.slow
@@ -495,7 +482,7 @@ def test_walltime_signal_stops_the_in_process_trainer_and_records_the_requeue(tm
     from swiftslurm import checkpoint as ck
 
     out = tmp_path / "out"
-    plan = make_plan_file(tmp_path, TRAIN_SPEC.format(out=out, data=ROOT / "examples" / "data" / "alpaca_demo.jsonl"))
+    plan = make_plan_file(tmp_path, train_spec(out))
     proc = subprocess.Popen([PY, "-m", "swiftslurm", "run", "--plan", str(plan)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -14,7 +14,7 @@ import pytest
 from conftest import wait_for_job
 from hypothesis import given
 from hypothesis import strategies as st
-from runs import TINY_TRAIN
+from runs import ONE_RANK_A_NODE, QUIET, tiny_spec
 
 from swiftslurm.doctor.evidence import TaskRun
 from swiftslurm.doctor.rules.slowrules import straggler
@@ -76,39 +76,18 @@ def test_a_slow_mark_never_excludes_the_node():
     assert avoid(bad, None, None, ["node1", "node2", "node3", "node4"], 2).excluded == ("node3",)
 
 
-SPEC = """
-[job]
-name = "straggler-test"
-output_dir = "{out}"
-[slurm]
-partition = "debug"
-nodes = 2
-tasks_per_node = 1
-cpus_per_task = 1
-time = "00:15:00"
-[train]
-""" + TINY_TRAIN + """max_steps = 20
-max_length = 128
-save_steps = 1000
-logging_steps = 10
-straggler_window = 4
-straggler_factor = 2.0
-report_to = ["none"]
-[checkpoint]
-forced_save_fractions = []
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-SWIFTSLURM_TEST_SLOW_RANK = "1:0.3"
-"""
+def straggler_spec(out: Path) -> str:
+    return tiny_spec("straggler-test", out, data=DATA, slurm={**ONE_RANK_A_NODE, "nodes": 2, "time": "00:15:00"},
+                     train={"max_steps": 20, "max_length": 128, "save_steps": 1000, "logging_steps": 10,
+                            "straggler_window": 4, "straggler_factor": 2.0, "report_to": ["none"]},
+                     **QUIET, env={"OMP_NUM_THREADS": "1", "SWIFTSLURM_TEST_SLOW_RANK": "1:0.3"})
 
 
 @pytest.mark.slurm
 def test_a_slowed_rank_is_named_everywhere(tmp_path, slurm_cluster):
     out = tmp_path / "run"
     spec = tmp_path / "straggler.toml"
-    spec.write_text(SPEC.format(out=out, data=DATA))
+    spec.write_text(straggler_spec(out))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     sent = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

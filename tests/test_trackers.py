@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for_job
-from runs import TINY_TRAIN
+from runs import ONE_RANK_A_NODE, QUIET, tiny_spec
 from test_login_imports import HEAVY, modules_at_exit, recorder  # noqa: F401 (recorder: the fixture)
 from wandb_records import run_facts
 
@@ -211,32 +211,12 @@ def test_a_sweep_nests_under_one_parent_and_a_restart_continues_each_run_sending
 
 MAX_STEPS = 16
 STOP_AFTER = 4  # the walltime signal is sent once rank 0 logged this step
-CLUSTER_SPEC = """
-[job]
-name = "trk-requeue"
-output_dir = "{out}"
-[slurm]
-partition = "debug"
-nodes = 1
-tasks_per_node = 2
-cpus_per_task = 1
-time = "00:20:00"
-signal_grace_s = 60
-[train]
-""" + TINY_TRAIN + """max_steps = {steps}
-max_length = 128
-save_steps = 1000
-logging_steps = 1
-report_to = ["wandb", "mlflow"]
-[checkpoint]
-forced_save_fractions = []
-[preflight]
-checks = []
-[env]
-OMP_NUM_THREADS = "1"
-WANDB_MODE = "offline"
-SWIFTSLURM_TEST_MIN_STEP_S = "0.25"
-"""
+def cluster_spec(out: Path, steps: int) -> str:
+    return tiny_spec("trk-requeue", out, data=DATA,
+                     slurm={**ONE_RANK_A_NODE, "tasks_per_node": 2, "time": "00:20:00", "signal_grace_s": 60},
+                     train={"max_steps": steps, "max_length": 128, "save_steps": 1000, "logging_steps": 1,
+                            "report_to": ["wandb", "mlflow"]},
+                     **QUIET, env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SWIFTSLURM_TEST_MIN_STEP_S": "0.25"})
 
 
 def logged_steps(out: Path) -> list[int]:
@@ -251,7 +231,7 @@ def logged_steps(out: Path) -> list[int]:
 def test_one_training_requeued_at_walltime_is_one_tracker_run_with_every_step_once(tmp_path, slurm_cluster):
     out = tmp_path / "out"
     spec = tmp_path / "trk.toml"
-    spec.write_text(CLUSTER_SPEC.format(out=out, data=DATA, steps=MAX_STEPS))
+    spec.write_text(cluster_spec(out, MAX_STEPS))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
     proc = subprocess.run([sys.executable, "-m", "swiftslurm", "submit", str(spec), "--executor", "slurm"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from conftest import exit_threads_env, sacct_rows, threads_at_exit
+from runs import to_toml
 
 from swiftslurm import checkpoint as ck
 from swiftslurm.train.launch import launch
@@ -30,30 +31,6 @@ METRICS = ["loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", 
            "data_wait_ratio", "comm_wait_ratio", "cpu_rss_mb", "checkpoint_save_s"]
 
 pytestmark = pytest.mark.slow
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(v)
-
-
-def to_toml(data: dict) -> str:
-    lines = []
-    for table, body in data.items():
-        lines.append(f"[{table}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items() if not isinstance(v, dict)]
-        for k, v in body.items():
-            if isinstance(v, dict):
-                lines.append(f"[{table}.{k}]")
-                lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
-    return "\n".join(lines) + "\n"
 
 
 def quickstart_spec(tmp: Path, name: str, example: Path = QUICKSTART, **train) -> tuple[str, Path]:
