@@ -222,6 +222,10 @@ def parent_holder(output_dir: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def _owned(found: str, hint: str) -> SubmissionError:
+    return SubmissionError("an active job already owns this output dir", found, hint)
+
+
 def refuse_if_inside_a_live_job(plan: Plan) -> None:
     """SubmissionError (exit 3) when a live job's lock is held in a dir above the plan's output dir (reads only)."""
     from ..node.ownership import describe
@@ -229,11 +233,8 @@ def refuse_if_inside_a_live_job(plan: Plan) -> None:
 
     above = parent_holder(plan.output_dir)
     if above is not None:
-        raise SubmissionError(
-            "an active job already owns this output dir",
-            f"{above[0]}, a dir above {plan.output_dir}, is in use by {describe(above[1])}",
-            f"wait for it, give this spec a job.output_dir outside it, or stop it (swiftslurm cancel {shell_quote(above[0])})",
-        )
+        raise _owned(f"{above[0]}, a dir above {plan.output_dir}, is in use by {describe(above[1])}",
+                     f"wait for it, give this spec a job.output_dir outside it, or stop it (swiftslurm cancel {shell_quote(above[0])})")
 
 
 def refuse_if_owned(plan: Plan) -> None:
@@ -249,19 +250,13 @@ def refuse_if_owned(plan: Plan) -> None:
     if sub is not None:
         ids = sub.slurm_job_ids if sub.executor == "slurm" else sub.job_ids
         when = datetime.fromtimestamp(sub.submitted_at).strftime("%Y-%m-%d %H:%M:%S")
-        raise SubmissionError(
-            "an active job already owns this output dir",
-            f"{sub.executor} job {', '.join(ids)} ({sub.mode}, submitted {when}) is not finished; it writes to {sub.output_dir}",
-            f"wait for it, give this spec another job.output_dir, or stop it: swiftslurm cancel {shell_quote(sub.output_dir)}",
-        )
+        raise _owned(f"{sub.executor} job {', '.join(ids)} ({sub.mode}, submitted {when}) is not finished; it writes to {sub.output_dir}",
+                     f"wait for it, give this spec another job.output_dir, or stop it: swiftslurm cancel {shell_quote(sub.output_dir)}")
     for task in plan.tasks:  # a job started some other way (plain sbatch of a rendered script) holds the task dir's lock
         owner = holder(task.output_dir)
         if owner is not None:
-            raise SubmissionError(
-                "an active job already owns this output dir",
-                f"{task.output_dir} is in use by {describe(owner)}",
-                f"wait for it, give this spec another job.output_dir, or stop it (scancel, or swiftslurm cancel {shell_quote(plan.output_dir)})",
-            )
+            raise _owned(f"{task.output_dir} is in use by {describe(owner)}", "wait for it, give this spec another job.output_dir, "
+                         f"or stop it (scancel, or swiftslurm cancel {shell_quote(plan.output_dir)})")
 
 
 @contextlib.contextmanager

@@ -204,15 +204,19 @@ def after_walltime_stop(dist: DistEnv, spec: JobSpec, out_dir: str, log, step: i
             return 0
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        entry.update(requeued=False, outcome=REFUSED,
-                     message=f"stopped at walltime, requeue refused by Slurm: {exc.found or exc.what}; "
-                     "resubmit the same spec to continue from the newest verified checkpoint")
-        write_requeue(out_dir, entry)
-        log.error("%s", entry["message"])
-        return NOT_REQUEUED_EXIT
+        return _refused(out_dir, entry, log, f"requeue refused by Slurm: {exc.found or exc.what}")
     entry.update(outcome=REQUEUED)
     write_requeue(out_dir, entry)
     return 0
+
+
+def _refused(out_dir: str, entry: dict[str, Any], log, why: str) -> int:
+    """Record a walltime stop that was not continued (``why``); the rank then exits NOT_REQUEUED_EXIT."""
+    entry.update(requeued=False, outcome=REFUSED, message=f"stopped at walltime, {why}; resubmit the same spec to "
+                 "continue from the newest verified checkpoint")
+    write_requeue(out_dir, entry)
+    log.error("%s", entry["message"])
+    return NOT_REQUEUED_EXIT
 
 
 def _save_advice(out_dir: str) -> str | None:
@@ -244,12 +248,7 @@ def _continue_as_singleton(dist: DistEnv, spec: JobSpec, out_dir: str, log, entr
         new_id = continue_job(dist.requeue_id, name, out_dir, os.environ, os.getcwd())
     except (SwiftSlurmError, ValueError, OSError) as exc:
         why = f"{exc.what}: {exc.found}" if isinstance(exc, SwiftSlurmError) else str(exc)
-        entry.update(requeued=False, outcome=REFUSED,
-                     message=f"stopped at walltime, the singleton continuation was refused: {why}; "
-                     "resubmit the same spec to continue from the newest verified checkpoint")
-        write_requeue(out_dir, entry)
-        log.error("%s", entry["message"])
-        return NOT_REQUEUED_EXIT
+        return _refused(out_dir, entry, log, f"the singleton continuation was refused: {why}")
     entry = record_entry(entry, new_id)
     write_requeue(out_dir, entry)
     log.warning("%s", entry["message"])

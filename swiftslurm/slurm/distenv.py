@@ -351,22 +351,17 @@ def _derive_single(env: Mapping[str, str], pid: int | None, explicit: Mapping[st
 def check_allocation(dist: DistEnv, spec: JobSpec) -> None:
     """What Slurm granted vs what the spec asked; RuntimeEnvError with a HINT before any training."""
     want_nodes, want_tpn = spec.slurm.nodes, spec.slurm.ranks_per_node
-    if dist.executor == "torchrun":
+    # torchrun, and the local executor (the whole job's ranks on this one machine): only the world size is theirs
+    launchers = {
+        "torchrun": ("the launcher", f"WORLD_SIZE={dist.world_size}; slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
+                     f"start torchrun with --nnodes={want_nodes} --nproc-per-node={want_tpn}"),
+        "local": ("the local executor", f"slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
+                  f"submit with `swiftslurm submit --executor local` so it starts {spec.world_size} local ranks"),
+    }
+    if dist.executor in launchers:
         if dist.world_size != spec.world_size:
-            raise RuntimeEnvError(
-                f"the launcher started {dist.world_size} rank(s), the spec asks for {spec.world_size}",
-                f"WORLD_SIZE={dist.world_size}; slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
-                f"start torchrun with --nnodes={want_nodes} --nproc-per-node={want_tpn}",
-            )
-        return
-    if dist.executor == "local":
-        # the local executor runs the whole job's ranks on this one machine
-        if dist.world_size != spec.world_size:
-            raise RuntimeEnvError(
-                f"the local executor started {dist.world_size} rank(s), the spec asks for {spec.world_size}",
-                f"slurm.nodes={want_nodes} x tasks_per_node={want_tpn}",
-                f"submit with `swiftslurm submit --executor local` so it starts {spec.world_size} local ranks",
-            )
+            who, found, hint = launchers[dist.executor]
+            raise RuntimeEnvError(f"{who} started {dist.world_size} rank(s), the spec asks for {spec.world_size}", found, hint)
         return
     if dist.nnodes != want_nodes:
         raise RuntimeEnvError(

@@ -6,17 +6,7 @@ May import only the base modules (``errors``, ``dsconfig``); everything downstre
 """
 
 from .load import (
-    CHECKS,
-    MAX_SPEC_BYTES,
     NO_TRAIN_NOTE,
-    OWNED_SBATCH_OPTIONS,
-    TINY_MODELS,
-    CheckpointTable,
-    JobSpec,
-    JobTable,
-    PreflightTable,
-    SlurmTable,
-    TrainTable,
     apply_overrides,
     check_files,
     load_raw,
@@ -25,8 +15,20 @@ from .load import (
     parse_toml,
     require_training,
     sweep_key_path,
-    time_limit_s,
     validate_spec,
+)
+from .model import (
+    CHECKS,
+    MAX_SPEC_BYTES,
+    OWNED_SBATCH_OPTIONS,
+    TINY_MODELS,
+    CheckpointTable,
+    JobSpec,
+    JobTable,
+    PreflightTable,
+    SlurmTable,
+    TrainTable,
+    time_limit_s,
 )
 
 __all__ = [

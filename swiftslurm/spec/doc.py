@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .load import CHECKS, JobSpec, table_model
+from .load import table_model
+from .model import CHECKS, JobSpec
 
 DESCRIPTIONS: dict[str, str] = {
     "job.name": "Slurm job name; letters, digits, `.`, `_`, `-`",

@@ -18,27 +18,14 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, SpecError, did_you_mean
 from ..fsutil import DIRECTORY, FILE, MISSING, UNREACHABLE, Unreadable, path_kind, read_bytes
-from .model import (  # re-exported: `from swiftslurm.spec import JobSpec` is the public path
-    CHECKS,
+from .model import (
     MAX_SPEC_BYTES,
-    OWNED_SBATCH_OPTIONS,
     TINY_MODELS,
-    CheckpointTable,
     FieldProblem,
     JobSpec,
-    JobTable,
-    PreflightTable,
-    SlurmTable,
     TrainTable,
     is_local_image,
-    time_limit_s,
 )
-
-__all__ = [
-    "CHECKS", "MAX_SPEC_BYTES", "OWNED_SBATCH_OPTIONS", "TINY_MODELS", "CheckpointTable", "JobSpec", "JobTable",
-    "PreflightTable", "SlurmTable", "TrainTable", "time_limit_s", "apply_overrides", "check_files", "load_raw",
-    "load_spec", "parse_spec", "parse_toml", "sweep_key_path", "validate_spec",
-]
 
 if sys.version_info >= (3, 11):
     import tomllib
