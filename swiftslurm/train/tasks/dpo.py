@@ -1,6 +1,6 @@
 """Preference training (``train.task = "dpo"``) through TRL's ``DPOTrainer``, behind ``run.train``'s task seam.
 
-Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
+Everything the run owns (``run.py``) stays shared: resume agreement, verified checkpoints, the walltime stop,
 measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the arguments: TRL's ``DPOConfig`` = the SFT ``TrainingArguments`` keys + beta, loss type,

@@ -1,6 +1,6 @@
 """KTO (``train.task = "kto"``) through TRL's ``KTOTrainer``, behind ``run.train``'s task seam.
 
-Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
+Everything the run owns (``run.py``) stays shared: resume agreement, verified checkpoints, the walltime stop,
 measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the arguments: TRL's ``KTOConfig`` = the SFT ``TrainingArguments`` keys + ``beta`` (``train.dpo_beta``: the same

@@ -1,6 +1,6 @@
 """Reward models (``train.task = "rm"``) through TRL's ``RewardTrainer``, behind ``run.train``'s task seam.
 
-Everything the SFT trainer owns stays shared: resume agreement, verified checkpoints, the walltime stop,
+Everything the run owns (``run.py``) stays shared: resume agreement, verified checkpoints, the walltime stop,
 measured metrics, metrics.jsonl and the summary (``run.train``, ``trainer.SwiftTrainer``). This module adds:
 
 - the model: ``build.load_model_and_tokenizer`` gives the backbone a 1-output score head
