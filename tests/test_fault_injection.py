@@ -95,13 +95,13 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     expected_resume = 0
-    mid_save = 0
+    mid_save = after_commit = 0
     t0 = time.monotonic()
     for trial in range(TRIALS):
-        starts = len(read_log(out)[1]) if (out / "writer.log").exists() else 0
+        committed, started = map(len, read_log(out)) if (out / "writer.log").exists() else (0, 0)
         proc = subprocess.Popen([sys.executable, str(script), str(out), str(KEEP), "0.01"], env=env)
         deadline = time.monotonic() + 30
-        while not (out / "writer.log").exists() or len(read_log(out)[1]) == starts:  # wait for its resume line
+        while not (out / "writer.log").exists() or len(read_log(out)[1]) == started:  # wait for its resume line
             assert proc.poll() is None and time.monotonic() < deadline, f"trial {trial}: the writer did not start"
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.8))  # kill at a random moment of its work (python startup excluded)
@@ -109,15 +109,18 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
         proc.wait(timeout=10)
         assert proc.returncode == -signal.SIGKILL, f"trial {trial}: the writer exited on its own ({proc.returncode})"
         commits, resumes = read_log(out)
+        after_commit += len(commits) > committed  # this life committed at least once before its kill
         assert resumes[-1] == expected_resume, f"trial {trial}: resumed from {resumes[-1]}, expected {expected_resume}"
         if any(p.name.startswith((".staging-", ".deleting-")) for p in out.iterdir()):
             mid_save += 1
         expected_resume = check_after_kill(out, commits)
     elapsed = time.monotonic() - t0
     commits, _ = read_log(out)
-    print(f"{TRIALS} kills in {elapsed:.1f} s; {mid_save} landed with a save in progress; {len(commits)} commits; resumed at {expected_resume}")
+    print(f"{TRIALS} kills in {elapsed:.1f} s; {mid_save} landed with a save in progress; {after_commit} after a commit of "
+          f"that life; {len(commits)} commits; resumed at {expected_resume}")
+    # both kinds of moment, counted in the writer's own progress (not in commits per second, which a loaded machine halves)
     assert mid_save >= TRIALS // 4, f"only {mid_save} of {TRIALS} kills hit a save in progress: the test lost its point"
-    assert len(commits) >= TRIALS, "the writer barely committed anything; kills came too early"
+    assert after_commit >= TRIALS // 4, f"only {after_commit} of {TRIALS} kills came after a commit (and its prune): kills came too early"
 
 
 # ---------------------------------------------------------------- the real trainer, killed mid-save

@@ -54,9 +54,11 @@ def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = M
 def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, min_step_s: float, data: Path, train: dict) -> str:
     # min_step_s: every step takes at least this long (the watchdog's test hook): the number of walltime stops no longer
     # depends on how fast this machine is. nodes != 2: a later leg on another world size, and longer (max_steps is part
-    # of the spec fingerprint), so the spec may change
+    # of the spec fingerprint), so the spec may change. no_progress_attempts: a start that meets its signal before step 1
+    # is allowed here (see the test), and on a loaded machine two can come in a row; the guard has tests of its own
     return tiny_spec(name, out, data=data,
-                     slurm={**ONE_RANK_A_NODE, "nodes": nodes, "time": time_limit, "signal_grace_s": 10, "max_requeues": 25},
+                     slurm={**ONE_RANK_A_NODE, "nodes": nodes, "time": time_limit, "signal_grace_s": 10, "max_requeues": 25,
+                            "no_progress_attempts": 5},
                      train={"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "max_steps": steps, "max_length": 128,
                             "save_steps": 1000, "logging_steps": 1, "report_to": ["none"], **train},
                      checkpoint={"keep": 2, "forced_save_fractions": [0.5], **({"allow_spec_change": True} if nodes != 2 else {})},
