@@ -2,13 +2,15 @@
 
     python benchmarks/rank_start.py [--runs 5] [--json OUT]
 
-Both sides are a fresh interpreter that ends with transformers, DeepSpeed and peft imported, on DeepSpeed's CPU
-accelerator (what a rank has before it builds its ops and its model):
+Both sides are a fresh interpreter that ends with transformers, DeepSpeed and peft imported, and DeepSpeed's Muon
+optimizer module, which every DeepSpeed engine imports as it starts (ZeRO's optimizer check), on DeepSpeed's CPU
+accelerator (what a rank has when its engine starts):
 
-- **before**: ``import transformers, deepspeed, peft``, as a rank did: DeepSpeed's autotuner imports mlflow and
-  peft imports bitsandbytes when they are installed (the ``tracking`` and ``train`` extras install them);
-- **now**: ``train.build.prepare_device_env()``, which imports the same three with those two kept out
-  (``import_stack``).
+- **before**: ``import transformers, deepspeed, peft`` and the Muon module, as a rank did: DeepSpeed's autotuner
+  imports mlflow and peft imports bitsandbytes when they are installed (the ``tracking`` and ``train`` extras
+  install them), and the Muon module wraps its kernels with ``torch.compile`` as it imports;
+- **now**: ``train.build.prepare_device_env()``, which imports the same with those two kept out and the Muon
+  kernels wrapped on their first call (``import_stack``).
 
 Figures: the child's CPU seconds (user + sys, from ``resource.getrusage(RUSAGE_CHILDREN)``) and wall seconds, the
 median of ``--runs`` alternating runs each; printed, and with --json written as one object.
@@ -29,11 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 SIDES = {
-    "before": "import transformers, deepspeed, peft",
+    "before": f"import transformers, deepspeed, peft, {MUON}",
     "now": "from swiftslurm.train.build import prepare_device_env; prepare_device_env()",
 }
-END = "import sys; assert {'transformers', 'deepspeed', 'peft'} <= set(sys.modules)"
+END = f"import sys, {MUON}; assert {{'transformers', 'deepspeed', 'peft', '{MUON}'}} <= set(sys.modules)"
 
 
 def one(code: str) -> tuple[float, float]:

@@ -5,10 +5,10 @@ Two jobs of the same spec (2 nodes x 1 CPU rank, ZeRO-2, tiny-llama, full fine-t
 - reference: a 10-minute time limit, runs uninterrupted;
 - requeued: `time = "00:01:00"`, `signal_grace_s = 10`. Slurm's USR2 arrives 20-50 s into each allocation
   (slurmctld checks every 30 s) and a start costs 5-35 s of imports here, so one allocation trains at most
-  ~45 s: ~700 steps at the ~15 steps/s seen on this machine. 1800 steps (~2 minutes uninterrupted here)
-  therefore cannot finish with fewer than 2 requeues. At each stop the ranks agree, save a verified
-  checkpoint, rank 0 requeues, and every start resumes from the newest verified checkpoint.
-  (SWIFTSLURM_RESUME_TEST_STEPS=2500 gives the ~3-minute run of issue 7, at ~1.4x the test time.)
+  ~45 s. Every step of this run takes at least 0.18 s (the watchdog's test hook), so 600 steps need 108 s of
+  training and cannot finish with fewer than 2 requeues, on any machine. At each stop the ranks agree, save a
+  verified checkpoint, rank 0 requeues, and every start resumes from the newest verified checkpoint.
+  (SWIFTSLURM_RESUME_TEST_STEPS=2500 gives the ~3-minute run of issue 7; the floor keeps the slots' count.)
 
 The requeued job must finish after >= 2 walltime requeues (how many depends on this machine's speed), each
 recorded in requeues.json, and Slurm must have run it exactly once more than that many times (sacct -D: no
@@ -38,8 +38,8 @@ from swiftslurm import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "alpaca_demo.jsonl"
-MAX_STEPS = int(os.environ.get("SWIFTSLURM_RESUME_TEST_STEPS", "1800"))
-MIN_STEP_S = 0.06
+MAX_STEPS = int(os.environ.get("SWIFTSLURM_RESUME_TEST_STEPS", "600"))
+MIN_STEP_S = 108 / MAX_STEPS  # 108 s of training at least: more than two 1-minute slots hold
 
 def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0,
            data: Path = DATA, train: dict | None = None) -> tuple[str, Path]:
@@ -70,7 +70,7 @@ def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, m
 @pytest.mark.slow
 def test_walltime_requeues_resume_to_the_same_losses(tmp_path, slurm_cluster):
     ref_job, ref_out = submit(tmp_path, "reference", "00:10:00")
-    # 1800 steps of at least 0.06 s: 108 s of training, more than two 1-minute slots can hold (each loses its
+    # MAX_STEPS steps of at least MIN_STEP_S: 108 s of training, more than two 1-minute slots can hold (each loses its
     # start-up and the signal's grace), so the run is stopped and requeued at least twice on any machine
     req_job, req_out = submit(tmp_path, "requeued", "00:01:00", min_step_s=MIN_STEP_S)
     t0 = time.monotonic()

@@ -41,6 +41,27 @@ def prepare_device_env() -> bool:
 # us) imports mlflow when it is installed, and peft imports bitsandbytes for quantized LoRA layers (we load no
 # quantized model). Together 2-3 s of CPU in every rank's start (benchmarks/rank_start.py).
 UNUSED_AT_IMPORT = {"deepspeed": ("mlflow",), "peft": ("bitsandbytes",)}
+# What every DeepSpeed engine imports as it starts (ZeRO's optimizer check and ZeRO-1/2/3 each import the Muon optimizer
+# to ask "is this Muon?") and whose import decorates functions with ``torch.compile``: about 1 s of CPU per rank spent
+# wrapping kernels that only a Muon run calls. Imported here with each wrapper made on its first call instead.
+COMPILED_AT_IMPORT = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+
+
+class CompiledOnFirstCall:
+    """``torch.compile(fn, **options)`` made when the function is first called, not when it is decorated. torch's own
+    wrapper compiles on the first call too, so a run that calls it behaves the same; one that never does skips the cost."""
+
+    def __init__(self, compile_fn, fn, options: dict[str, Any]) -> None:
+        self._compile, self._fn, self._options = compile_fn, fn, options
+        self._compiled: Any = None
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "compiled")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            self._compiled = self._compile(self._fn, **self._options)
+        return self._compiled(*args, **kwargs)
 
 
 def import_stack() -> None:
@@ -64,6 +85,32 @@ def import_stack() -> None:
             for name in kept_out:
                 if sys.modules.get(name, 0) is None:
                     del sys.modules[name]
+    for module in COMPILED_AT_IMPORT:
+        if module not in sys.modules:
+            _import_compiling_on_first_call(module)
+
+
+def _import_compiling_on_first_call(module: str) -> None:
+    """Import ``module`` with ``torch.compile(fn, ...)`` returning a ``CompiledOnFirstCall``; absent in this DeepSpeed:
+    nothing to do."""
+    import importlib
+
+    import torch
+
+    real = torch.compile
+
+    def deferred(fn=None, **options):
+        if fn is None:  # @torch.compile(mode=...): the decorator, deferred too
+            return lambda f: CompiledOnFirstCall(real, f, options)
+        return CompiledOnFirstCall(real, fn, options)
+
+    torch.compile = deferred  # type: ignore[assignment]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        pass
+    finally:
+        torch.compile = real
 
 
 def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
