@@ -441,6 +441,28 @@ def test_validate_warns_of_a_secret_in_env_and_of_evaluating_on_the_training_dat
     out = " ".join(result.output.split())
     assert "[env] HF_TOKEN, WANDB_API_KEY look(s) like a secret" in out and "export it in the shell you submit from" in out
     assert "train.eval_dataset names training data" in out
+    (tmp_cwd / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n' * 20)
     clean = TRAINER.format(model="tiny-llama", slurm="", train="eval_split = 0.2", tail='[env]\nNCCL_DEBUG = "WARN"\n')
     (tmp_cwd / "job.toml").write_text(clean)
     assert "warning" not in CliRunner().invoke(app, ["validate", "job.toml"]).output
+
+
+@pytest.mark.parametrize("records,split,found", [
+    (1, 0.2, "1 record(s) in train.dataset"),
+    (10, 0.7, "10 record(s): 7 held out for evaluation by eval_split = 0.7, 3 left to train on; one step takes 4"),
+    (10, 0.99, "9 held out"),
+])
+def test_an_eval_split_that_leaves_less_than_one_step_to_train_on_is_refused(tmp_cwd, records, split, found):
+    """The nodes would train on the few records left, repeated within every step (or fail on under 2): 2 ranks x a
+    micro-batch of 2 take 4 records a step."""
+    (tmp_cwd / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n' * records)
+    refused(tmp_cwd, TRAINER.format(model="tiny-llama", slurm="", train=f"per_device_train_batch_size = 2\neval_split = {split}",
+                                    tail=""), "train.eval_split", found)
+
+
+def test_an_eval_split_that_leaves_one_step_validates(tmp_cwd):
+    (tmp_cwd / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n' * 10)
+    (tmp_cwd / "job.toml").write_text(TRAINER.format(model="tiny-llama", slurm="", train="per_device_train_batch_size = 2\neval_split = 0.6",
+                                                     tail=""))
+    result = CliRunner().invoke(app, ["validate", "job.toml"])
+    assert result.exit_code == 0, result.output

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from ..errors import Problem, SpecError
 from ..plan import ArrayLimits, Plan, make_plan
+from ..sizing.check import layout_of
 from ..slurm.render import render_all
 from ..slurm.scriptcheck import script_problems, setup_problems
 from ..spec import load_raw, load_spec, require_training
+from ..spec.eval_rules import split_problem
 from ..tasks import TASKS
 
 
@@ -151,6 +153,10 @@ def scan_data(plan: Plan) -> list[str]:
         start = time.monotonic()
         row = TASKS[t.task]
         count = importlib.import_module(f"..train.data.{row.data}", __package__).count_records(t)
+        if t.eval_split > 0:
+            bad = split_problem(count, t.eval_split, layout_of(task.spec).global_batch)
+            if bad:
+                raise SpecError(plan.source, [Problem("train.eval_split", *bad)])
         notes.append(f"dataset: {count:,} {row.counts} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
     return notes
 

@@ -34,6 +34,28 @@ def evaluates(t: Any) -> bool:
     return bool(t.eval_dataset) or t.eval_split > 0
 
 
+def split_counts(n: int, ratio: float) -> tuple[int, int]:
+    """(training records, eval records) that ``train.eval_split = ratio`` makes of ``n`` records: ``round(n * ratio)``
+    held out, at least 1 and at most ``n - 1`` (``n >= 2``). The trainer's split draws exactly this many."""
+    held = min(max(1, round(n * ratio)), n - 1)
+    return n - held, held
+
+
+def split_problem(n: int, ratio: float, global_batch: int) -> tuple[str, str, str] | None:
+    """What, found, hint when ``train.eval_split`` cannot leave a training set: under 2 records, or fewer training
+    records than one optimizer step takes (the ranks' samplers would repeat the few left within every step)."""
+    hint = "lower train.eval_split, add records to train.dataset, or give train.eval_dataset files"
+    if n < 2:
+        return ("train.eval_split needs at least 2 records (one to train on, one to evaluate)",
+                f"{n} record(s) in train.dataset", "add records, or give train.eval_dataset files")
+    train, held = split_counts(n, ratio)
+    if train < global_batch:
+        return ("train.eval_split leaves fewer training records than one optimizer step takes",
+                f"{n} record(s): {held} held out for evaluation by eval_split = {ratio}, {train} left to train on; one step "
+                f"takes {global_batch} (per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks)", hint)
+    return None
+
+
 def _changed(t: Any, keys: tuple[str, ...]) -> list[str]:
     return [k for k in keys if getattr(t, k) != type(t).model_fields[k].default]
 

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..spec.eval_rules import evaluates, greater_is_better, metric_key
+from ..spec.eval_rules import evaluates, greater_is_better, metric_key, split_counts, split_problem
 from ..taskdir import SPLIT_CACHE_DIR
 from .data.records import DataError, read_records
 
@@ -49,11 +49,10 @@ SPLIT_FORMAT = 1
 def held_out(n: int, ratio: float, seed: int = SPLIT_SEED) -> set[int]:
     """The indices of ``n`` records that go to the eval set: ``round(n * ratio)`` of them, at least 1 and at most
     ``n - 1``, drawn with ``seed`` (the same ``n``, ratio and seed give the same set on every rank and run)."""
-    if n < 2:
-        raise DataError("train.eval_split needs at least 2 records (one to train on, one to evaluate)",
-                        f"{n} record(s) in train.dataset", "add records, or give train.eval_dataset files")
-    count = min(max(1, round(n * ratio)), n - 1)
-    return set(random.Random(seed).sample(range(n), count))
+    bad = split_problem(n, ratio, 1)  # under 2 records (the batch is the validate's rule: it knows the world)
+    if bad:
+        raise DataError(*bad)
+    return set(random.Random(seed).sample(range(n), split_counts(n, ratio)[1]))
 
 
 def eval_arguments(spec: JobSpec) -> dict[str, Any]:
