@@ -47,6 +47,11 @@ VARIANTS = {
     # under ZeRO-3 (its fp32 master weights live only in the shards)
     "export_lora": {"train_type": "lora", "deepspeed": "zero2", "max_steps": 1, "learning_rate": 1e-2},
     "export_zero3": {"train_type": "full", "deepspeed": "zero3", "bf16": True, "max_steps": 1, "learning_rate": 1e-2},
+    # reward models: their score head is trained whole (under LoRA as peft's modules_to_save), and exported with it
+    "export_rm_lora": {"task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora", "deepspeed": "zero2",
+                       "max_steps": 1, "learning_rate": 1e-2},
+    "export_rm_full": {"task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "full", "deepspeed": "zero2",
+                       "max_steps": 1, "learning_rate": 1e-2},
     # a reward model, full fine-tuning under ZeRO-3 in bf16 (the score head sharded with the rest), on the separable DPO pairs
     "rm": {"task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "full", "deepspeed": "zero3", "bf16": True,
            "gradient_checkpointing": False, "per_device_train_batch_size": 4, "max_steps": 12, "learning_rate": 1e-3,

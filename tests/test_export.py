@@ -27,6 +27,7 @@ from swiftslurm.export.source import ExportRefused, find_source
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA, ZERO3 = "export_lora", "export_zero3"
+RM_LORA, RM_FULL = "export_rm_lora", "export_rm_full"
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -42,12 +43,13 @@ def flip_byte(path: Path, offset: int = -100) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Two one-step runs: LoRA under ZeRO-2 and full bf16 under ZeRO-3, each with its checkpoint-1."""
+    """Four one-step runs, each with its checkpoint-1: LoRA under ZeRO-2, full bf16 under ZeRO-3, and a reward model
+    (task = "rm") with LoRA and with full weights under ZeRO-2."""
     out = tmp_path_factory.mktemp("export-runs")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out), LORA, ZERO3],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out), LORA, ZERO3, RM_LORA, RM_FULL],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = [json.loads(ln[len("PRESET "):]) for ln in proc.stdout.splitlines() if ln.startswith("PRESET ")]
-    assert proc.returncode == 0 and [r["ok"] for r in rows] == [True, True], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and [r["ok"] for r in rows] == [True] * 4, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
@@ -99,6 +101,39 @@ def test_lora_export_is_the_base_plus_adapter_and_loads_and_generates(runs, lora
     assert out.shape[1] > 2
     saved = AutoTokenizer.from_pretrained(str(to))
     assert saved.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True).endswith("<|assistant|>\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", [RM_LORA, RM_FULL])
+def test_a_reward_model_exports_as_a_sequence_classifier_that_scores_as_the_trained_one(runs, tmp_path, preset):
+    """Its score head (trained whole, under LoRA as peft's modules_to_save) goes with it, and the LM head it never had
+    is not asked for: both were refused before ("the adapter does not fit", "weights do not fit config.json")."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from swiftslurm.train.tinymodel import build_model
+
+    ckpt = runs / preset / "checkpoint-1"
+    proc = cli("export", str(runs / preset), "--to", str(tmp_path / "rm"), "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    facts = json.loads(proc.stdout)
+    assert facts["model_class"] == "AutoModelForSequenceClassification" and facts["weights"] == ("merged-lora" if preset == RM_LORA else "full")
+    exported = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"))
+    tok, batch = _batch()
+    fresh = build_model(len(tok), 128, 42, reward_head=True)
+    if preset == RM_LORA:
+        trained = PeftModel.from_pretrained(build_model(len(tok), 128, 42, reward_head=True), str(ckpt))
+    else:
+        from safetensors.torch import load_file
+
+        trained = fresh.__class__(fresh.config)
+        trained.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    got, want, before = (_logits(m, batch) for m in (exported, trained, fresh))
+    assert got.shape == (2, 1) and (got - want).abs().max().item() < 1e-4
+    assert (got - before).abs().max().item() > 1e-4, "training changed no score: the test would not see a fresh head exported"
+    head = exported.state_dict()["score.weight"]
+    assert not torch.equal(head, fresh.state_dict()["score.weight"]), "the exported score head is not the trained one"
 
 
 @pytest.mark.slow

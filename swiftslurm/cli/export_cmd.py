@@ -48,8 +48,10 @@ def _report(console: Console, done: Exported) -> None:
     quoted = escape(json.dumps(done.path))
     if done.weights == "adapter":
         console.print(f"  load it  PeftModel.from_pretrained(base_model, {quoted})", highlight=False)
-    else:
+    elif done.model_class == "AutoModelForCausalLM":
         console.print(f"  load it  AutoModelForCausalLM.from_pretrained({quoted}), or: vllm serve {escape(done.path)}", highlight=False)
+    else:  # a reward model: one score per sequence, from the logits of its last token
+        console.print(f"  load it  {done.model_class}.from_pretrained({quoted})", highlight=False)
     console.print(f"  check it swiftslurm verify {escape(done.path)}", highlight=False)
 
 

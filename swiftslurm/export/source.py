@@ -19,6 +19,7 @@ from ..errors import CheckpointDamaged, SwiftSlurmError
 from ..fsutil import CONFIG_CAP, DIRECTORY, MISSING, TAG_CAP, UNREACHABLE, Unreadable, is_inside, path_kind, read_json, read_text
 from ..jobs.target import resolve
 from ..taskdir import LATEST_BEST_NAME  # the eval's pointer (checkpoint/best.py writes it)
+from ..tasks import TASKS
 
 # The eval's pointer to the best checkpoint of a task dir (by eval metric): one line naming a checkpoint-N dir.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,6 +63,7 @@ class Source:
     zero_stage: int | None
     fingerprint: dict[str, Any] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged, one line each
+    score_head: bool = False  # a reward model (task = "rm"): a sequence-classification model with one score, no LM head
 
     @property
     def step(self) -> int:
@@ -191,7 +193,22 @@ def describe(ckpt: Path, manifest: Manifest, base_model: str | None = None, skip
     tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir() and TAG_RE.match(p.name))
     stage = manifest.meta.get("zero_stage")
     return Source(ckpt, manifest, lora, base, train_dtype, tags[-1] if tags else None,
-                  stage if isinstance(stage, int) else None, dict(fp), skipped)
+                  stage if isinstance(stage, int) else None, dict(fp), skipped, _score_head(ckpt, fp, lora))
+
+
+def _score_head(ckpt: Path, fp: dict[str, Any], lora: bool) -> bool:
+    """A reward model's checkpoint: its task's registry row says so (``train.task`` of the manifest), else what the
+    files say: peft's SEQ_CLS task type for an adapter, a ``*ForSequenceClassification`` architecture for full weights."""
+    task = fp.get("train.task")
+    if isinstance(task, str) and task in TASKS:
+        return TASKS[task].score_head
+    try:
+        if lora:
+            return read_json(ckpt / ADAPTER_CONFIG, CONFIG_CAP, wide_ints=True).get("task_type") == "SEQ_CLS"
+        named = read_json(ckpt / "config.json", CONFIG_CAP, wide_ints=True).get("architectures")
+    except (OSError, Unreadable):
+        return False
+    return isinstance(named, list) and any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in named)
 
 
 def _str(value: Any) -> str | None:

@@ -90,19 +90,28 @@ def full_state(src: Source, log: Log) -> dict[str, Any]:
                                     f"`swiftslurm verify {src.checkpoint}`") from None
 
 
+def model_kind(src: Source) -> tuple[str, str]:
+    """(the transformers Auto class, what it is in words) of the checkpoint's model: a reward model's score head is
+    a sequence-classification model (one output), everything else a causal LM."""
+    if src.score_head:
+        return "AutoModelForSequenceClassification", "a sequence-classification model (a reward model's one score)"
+    return "AutoModelForCausalLM", "a causal LM"
+
+
 def full_model(src: Source, log: Log) -> Any:
     """The checkpoint's model (its own config.json) holding its full weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
     state = full_state(src, log)
+    auto, kind = model_kind(src)
     try:
-        config = AutoConfig.from_pretrained(str(src.checkpoint), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(src.checkpoint), local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelMisfit(f"the config.json of {src.checkpoint} does not describe a causal LM transformers can build",
-                          str(exc).splitlines()[0][:300], "export a checkpoint of a transformers causal LM") from None
+        raise ModelMisfit(f"the config.json of {src.checkpoint} does not describe {kind} transformers can build",
+                          str(exc).splitlines()[0][:300], f"export a checkpoint of {kind} of transformers") from None
     _fit(model, state, str(src.checkpoint))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -141,13 +150,15 @@ def base_model(src: Source, log: Log) -> tuple[Any, Any]:
         if not isinstance(max_length, int) or not isinstance(seed, int):
             raise ExportNeedsBase("the tiny-llama base is rebuilt from train.max_length and train.seed", "not in the manifest",
                                   "export a checkpoint written by swiftslurm's trainer")
-        return build_model(len(tok), max_length, seed), tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return build_model(len(tok), max_length, seed, reward_head=src.score_head), tok
+    import transformers
 
+    auto, _kind = model_kind(src)
+    head = {"num_labels": 1} if src.score_head else {}  # as the trainer loaded it (train/build.py); the head comes from the adapter
     try:
         # no Hub kernels swapped in (downloaded code; train/build.py says why): the plain layers merge and save
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True, use_kernels=False)
-        return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
+        model = getattr(transformers, auto).from_pretrained(name, dtype=torch.float32, local_files_only=True, use_kernels=False, **head)
+        return model, transformers.AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ExportNeedsBase(f"cannot load the base model {name!r}", str(exc).splitlines()[0][:300],
                               "download it first (`huggingface-cli download ...` into HF_HOME), or pass --base-model DIR") from None

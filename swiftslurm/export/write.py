@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, body_checksum, hash_files, library_versions, walk_files
 from ..fsutil import CONFIG_CAP, atomic_write_text, fsync_path, is_inside, read_json
 from .source import ADAPTER_CONFIG, ExportRefused, Source
+from .weights import model_kind
 
 Log = Callable[[str], None]
 STAGING_INFIX = ".exporting-"
@@ -40,6 +41,7 @@ class Exported:
     files: list[str]
     bytes: int
     skipped: list[str]
+    model_class: str = "AutoModelForCausalLM"  # the transformers Auto class that loads it (a reward model's: sequence classification)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +95,8 @@ def write_export(src: Source, to: Path, dtype: str, weights: str, max_shard_size
         shutil.rmtree(stage, ignore_errors=True)
         raise
     log(f"export: wrote {to} ({manifest.total_bytes / 1e6:.1f} MB)")
-    return Exported(str(to), str(src.checkpoint), src.step, weights, dtype, base, sorted(manifest.files), manifest.total_bytes, list(src.skipped))
+    return Exported(str(to), str(src.checkpoint), src.step, weights, dtype, base, sorted(manifest.files), manifest.total_bytes,
+                    list(src.skipped), model_kind(src)[0])
 
 
 def _write_weights(src: Source, stage: Path, dtype: str, weights: str, max_shard_size: str, log: Log) -> str | None:
