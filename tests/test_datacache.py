@@ -86,3 +86,32 @@ def test_malformed_record_still_names_file_and_line_and_leaves_no_cache(tmp_path
         datacache.cached_dataset([str(bad)], tok, 64, tmp_path / "cache")
     assert f"{bad}, line 2" in info.value.what
     assert not list((tmp_path / "cache").iterdir())
+
+
+def test_a_datasets_digest_is_hashed_once_and_read_back_while_its_files_are_unchanged(tmp_path, monkeypatch):
+    """Rank 0 hashes the dataset (every caller runs it first); the other ranks, requeues and restarts read the digest
+    back from the output dir's cache while the file's name, inode, size, mtime and ctime are what was hashed."""
+    import json
+    import os
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    caches = tmp_path / "out" / ".swiftslurm-cache"
+    hashed = []
+    real = datacache._hash_files
+    monkeypatch.setattr(datacache, "_hash_files", lambda path, files: hashed.append(path) or real(path, files))
+    first = datacache.dataset_digest(str(data), caches / "tokenized")
+    assert datacache.dataset_digest(str(data), caches / "split") == first and hashed == [str(data)]  # one memo for every cache
+    (memo,) = (caches / "digests").iterdir()
+    assert json.loads(memo.read_text())["digest"] == first
+    assert datacache.dataset_digest(str(data)) == first and len(hashed) == 2  # without a cache dir: hashed each time
+
+    before = data.stat()
+    time.sleep(0.05)  # file times move in kernel ticks (1-10 ms): the rewrite must land in a later one
+    data.write_text('{"instruction": "a", "output": "c"}\n')  # same size, new bytes,
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the mtime put back: the ctime still moved
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = datacache.dataset_digest(str(data), caches / "tokenized")
+    assert second != first and len(hashed) == 3
+    memo.write_text("{not json")  # damaged, or not ours: hashed again, never trusted
+    assert datacache.dataset_digest(str(data), caches / "tokenized") == second and len(hashed) == 4

@@ -81,10 +81,10 @@ def _with_dataset(spec: JobSpec, files: list[str]) -> JobSpec:
 def split_files(paths: list[str], ratio: float, cache_root: str | Path, seed: int = SPLIT_SEED) -> tuple[Path, Path]:
     """(training part, eval part) of the records of ``paths`` as two JSONL files under ``cache_root/<key>``, the key
     over the files' content, ``ratio`` and ``seed``; made once (built under a temporary name, renamed into place)."""
-    from .data.cache import _file_digest
+    from .data.cache import dataset_digest
 
     h = hashlib.sha256(json.dumps({"format": SPLIT_FORMAT, "ratio": ratio, "seed": seed,
-                                   "files": [_file_digest(p) for p in paths]}).encode())
+                                   "files": [dataset_digest(p, cache_root) for p in paths]}).encode())
     directory = Path(cache_root) / h.hexdigest()[:24]
     train, held = directory / "train.jsonl", directory / "eval.jsonl"
     if (directory / "meta.json").exists():

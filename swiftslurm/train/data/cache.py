@@ -39,7 +39,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...fsutil import RECORD_CAP, open_regular, read_json
+from ...fsutil import RECORD_CAP, atomic_write_text, open_regular, read_json
 from ...tasks import TASKS
 from . import tokens as data
 from .records import content_files, not_found
@@ -49,10 +49,46 @@ CHUNK = 2048  # records per work unit
 WINDOW = 4  # chunks in flight per worker process
 
 
-def _file_digest(path: str) -> str:
-    """sha256 over a dataset's files (one file, or a save_to_disk directory's state and shards)."""
+DIGESTS = "digests"  # beside the caches' own dirs (<output>/.swiftslurm-cache/<kind>): one memo for all of them
+
+
+def _signature(files: list[Path]) -> list[list[Any]] | None:
+    """What changes when a file's bytes may have: name, inode, size, mtime and ctime (ns; ctime no user can set back);
+    None when one is missing. Not the device: a file server's mount has another on every node."""
+    try:
+        return [[f.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] for f in files for st in (os.stat(f),)]
+    except OSError:
+        return None
+
+
+def dataset_digest(path: str, cache_root: str | Path | None = None) -> str:
+    """sha256 over a dataset's files (one file, or a save_to_disk directory's state and shards). With ``cache_root``
+    (a cache dir of the output dir) the digest is remembered beside it under ``digests/``, by the files' signature:
+    every caller runs rank 0 first (``main_process_first``), so rank 0 hashes the dataset once and every other rank,
+    requeue and restart reads the digest back while the files are unchanged."""
+    files = content_files(path)
+    memo = Path(cache_root).parent / DIGESTS / f"{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]}.json" if cache_root else None
+    signature = _signature(files)
+    if memo is not None and signature is not None:
+        try:
+            known = read_json(memo, RECORD_CAP)
+            if known.get("signature") == signature and isinstance(known.get("digest"), str):
+                return known["digest"]
+        except (OSError, ValueError):  # none yet, or not one of ours: hash
+            pass
+    digest = _hash_files(path, files)
+    if memo is not None and signature is not None and _signature(files) == signature:  # unchanged while it was read
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(memo, json.dumps({"path": os.path.abspath(path), "signature": signature, "digest": digest}))
+        except OSError:
+            pass  # the next rank hashes too: slower, never wrong
+    return digest
+
+
+def _hash_files(path: str, files: list[Path]) -> str:
     h = hashlib.sha256()
-    for f in content_files(path):
+    for f in files:
         try:
             with open_regular(f) as fh:  # never a FIFO or a device under a dataset's name
                 for block in iter(lambda: fh.read(1 << 20), b""):
@@ -82,10 +118,10 @@ def codec(task: str):
     return importlib.import_module(f".{TASKS[task].data}", __package__)
 
 
-def cache_key(paths: list[str], tokenizer, max_length: int, task: str = "sft") -> str:
+def cache_key(paths: list[str], tokenizer, max_length: int, task: str = "sft", cache_root: str | Path | None = None) -> str:
     h = hashlib.sha256()
     body = {"format": FORMAT, "max_length": max_length, "tokenizer": tokenizer_fingerprint(tokenizer),
-            "templates": [data.ALPACA_PROMPT, data.ALPACA_PROMPT_INPUT], "files": [_file_digest(p) for p in paths]}
+            "templates": [data.ALPACA_PROMPT, data.ALPACA_PROMPT_INPUT], "files": [dataset_digest(p, cache_root) for p in paths]}
     if task != "sft":  # SFT's key stays what it was, so caches written before tasks had keys are still found
         body["task"] = task
     h.update(json.dumps(body).encode())
@@ -208,7 +244,7 @@ def cached_dataset(paths: list[str], tokenizer, max_length: int, cache_root: str
     """The encoded dataset from ``cache_root/<key>``, tokenizing (and caching) it first when absent."""
     if task == "sft":  # raw text ("pt") is tokenized without a chat template
         data.ensure_chat_template(tokenizer)
-    directory = Path(cache_root) / cache_key(paths, tokenizer, max_length, task)
+    directory = Path(cache_root) / cache_key(paths, tokenizer, max_length, task, cache_root)
     built = False
     if not (directory / "meta.json").exists():
         _build(directory, paths, tokenizer, max_length, num_proc, task)

@@ -76,10 +76,10 @@ def load(paths: list[str], cache_dir: str | Path):
     under ``cache_dir`` (shared by the ranks; TRL's tokenized copy is cached next to it, so a requeue reuses it)."""
     from datasets import Dataset
 
-    from .cache import _file_digest
+    from .cache import dataset_digest
 
     check_files(paths)
-    digests = [_file_digest(p) for p in paths]
+    digests = [dataset_digest(p, cache_dir) for p in paths]
     return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))
 
 
