@@ -206,6 +206,23 @@ def test_a_reward_that_is_no_number_fails_the_agreed_way_not_out_of_the_guard():
     assert "returned str 'good', not a number" in failure.error and failure.sample.startswith("sample 0:")
 
 
+@pytest.mark.parametrize("returned,said", [
+    (lambda n: [1.0] * (n - 1), "returned 2 rewards for 3 completions"),
+    (lambda n: [1.0] * (n + 2), "returned 5 rewards for 3 completions"),
+    (lambda n: 1.0, "TypeError"),  # one number for the batch: not a list of them
+])
+def test_a_reward_of_the_wrong_count_fails_the_agreed_way_naming_both_counts(returned, said):
+    """TRL would pair rewards with the wrong completions (or fail inside its own sum on one rank): every rank must see
+    the same failure instead, with the counts named."""
+    failures: list = []
+    (guarded,) = rewards.guard([("count.py:count", lambda prompts, completions, **kw: returned(len(prompts)))], 1, failures)
+    out = guarded(["q0", "q1", "q2"], ["c0", "c1", "c2"])
+    assert len(out) == 3 and all(math.isnan(v) for v in out)
+    (failure,) = failures
+    assert said in failure.error and failure.rank == 1
+    assert rewards.failed_error(failure).exit_code == 70
+
+
 def test_two_reward_files_of_one_name_are_two_functions_with_two_metric_names(tmp_path):
     for folder, value in (("a", 1.0), ("b", 2.0)):
         (tmp_path / folder).mkdir()

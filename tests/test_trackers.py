@@ -269,3 +269,47 @@ def test_one_training_requeued_at_walltime_is_one_tracker_run_with_every_step_on
     assert steps == list(range(1, MAX_STEPS + 1))
     # the axis goes on where each start stopped
     assert [(min(r["history"]), max(r["history"])) for r in starts] == list(zip([1] + [s + 1 for s in stops], [*stops, MAX_STEPS], strict=True))
+
+
+# ---------------------------------------------------------------- trackers that fail (real MLflow file store, one process)
+
+def test_a_tracker_that_cannot_be_opened_stops_the_start_with_why(tmp_path, monkeypatch):
+    """A store MLflow cannot create (a file where its folder would be): the start ends with what, where and the way
+    out, not a library traceback; every rank raises the same (rank 0's verdict is broadcast: open_trackers)."""
+    from swiftslurm.train.tracking.identity import TrackerUnavailable
+    from swiftslurm.train.tracking.session import open_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "taken").write_text("a file, not a folder")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'taken' / 'mlruns'}")
+    task = sweep_tasks(tmp_path)[0]
+    with pytest.raises(TrackerUnavailable) as refused, contextlib.ExitStack() as stack:
+        open_trackers(task.spec, dist_env("700_0"), task.output_dir, False, stack)
+    err = refused.value
+    assert "cannot open the MLflow run" in err.what and str(tmp_path / "taken") in err.found and "MLFLOW_TRACKING_URI" in err.hint
+    assert err.exit_code == TrackerUnavailable.exit_code
+
+
+def test_a_tracker_failing_mid_run_is_said_once_and_training_goes_on_and_an_error_ends_its_run_failed(tmp_path, monkeypatch, caplog):
+    from swiftslurm.train.tracking.session import open_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    task = sweep_tasks(tmp_path)[0]
+    store = tmp_path / "out" / MLFLOW_STORE_DIR
+    with pytest.raises(KeyError), contextlib.ExitStack() as stack:  # the training's own error, after some steps
+        (callback,) = open_trackers(task.spec, dist_env("800_0"), task.output_dir, False, stack)
+        run_id = runfile.read_ids(Path(task.output_dir) / TRACKER_FILE)["mlflow"]
+        callback.on_log(None, _State(1), None, logs={"loss": 1.0})
+        (run_dir,) = store.glob(f"*/{run_id}")
+        run_dir.rename(run_dir.with_name("away"))  # the store is out of reach for two steps (a server's outage)
+        for step in (2, 3):
+            callback.on_log(None, _State(step), None, logs={"loss": 1.0 / step})  # never raises into the Trainer
+        run_dir.with_name("away").rename(run_dir)
+        callback.on_log(None, _State(4), None, logs={"loss": 0.25})  # later steps are tried, and land
+        raise KeyError("the training failed")
+    said = [r.getMessage() for r in caplog.records if "could not log step" in r.getMessage()]
+    assert len(said) == 1 and "mlflow could not log step 2" in said[0] and "training goes on" in said[0], said
+    assert [s for s, _ in mlflow_metric(store, run_id, "loss")] == [1, 4]
+    assert mlflow_runs(store)[run_id]["status"] == "FAILED"  # an error ends the run FAILED, not SCHEDULED to continue
+    assert sorted(wandb_runs(Path(task.output_dir))[0]["history"]) == [1, 2, 3, 4]  # the other tracker got every step
