@@ -151,6 +151,7 @@ def main(out_root: str, presets: list[str]) -> int:
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
+                       gradient_checkpointing=result.gradient_checkpointing,
                        learning_rate=[r.get("learning_rate") for r in stepped], grad_norm=[r.get("grad_norm") for r in stepped])
         except SwiftSlurmError as exc:
             row.update(refused=True, error=exc.message())

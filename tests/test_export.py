@@ -255,6 +255,25 @@ def test_adapter_only_keeps_the_adapter_and_missing_libraries_are_one_error(runs
         require_libraries(find_source(str(runs / LORA)), merge=True)
 
 
+def test_the_base_of_an_adapter_is_the_flag_else_the_runs_model_else_the_adapters_own_config(tmp_path):
+    """Pure (no tensor loaded): ``--base-model`` wins, then the manifest's train.model, then peft's
+    base_model_name_or_path; what trained a reward model's adapter (peft's SEQ_CLS) is a score head."""
+    from swiftslurm.checkpoint import Manifest
+    from swiftslurm.export.source import describe
+
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    (ckpt / "adapter_model.safetensors").write_bytes(b"")
+    (ckpt / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base-7b", "task_type": "SEQ_CLS"}))
+    bare = Manifest(step=3, algo="xxh3_128", files={}, meta={})
+    run = Manifest(step=3, algo="xxh3_128", files={}, meta={"spec_fingerprint": {"train.model": "/models/base", "train.task": "sft"}})
+    assert describe(ckpt, bare).base_model == "org/base-7b" and describe(ckpt, bare).score_head
+    assert describe(ckpt, run).base_model == "/models/base" and not describe(ckpt, run).score_head  # the run's own record wins
+    assert describe(ckpt, run, base_model="/elsewhere/base").base_model == "/elsewhere/base"
+    (ckpt / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM"}))
+    assert describe(ckpt, bare).base_model is None and not describe(ckpt, bare).score_head  # then export asks for --base-model
+
+
 # ---------------------------------------------------------------- the Slurm job
 
 

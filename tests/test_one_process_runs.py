@@ -56,6 +56,8 @@ def test_every_shipped_preset_takes_one_step_on_a_real_engine(runs):
             continue
         assert row["ok"], f"{name}: {row.get('error')}\n{row.get('trace', '')}"
         assert row["steps"] == 1 and len(row["loss"]) == 1 and math.isfinite(row["loss"][0]), row
+        # what the spec decided is what the model on the node ran with (the example turns it on, the presets off)
+        assert row["gradient_checkpointing"] is (name == EXAMPLE), (name, row["gradient_checkpointing"])
         # DeepSpeed's norm, held as the engine's tensor through the step (test_overflow.py), logged as a number
         assert type(row["grad_norm"][0]) is float and 0 < row["grad_norm"][0] < math.inf, (name, row["grad_norm"])
         shards = out / run_dir(name) / "checkpoint-1" / "global_step1"  # the engine's own checkpoint

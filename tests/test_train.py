@@ -222,6 +222,7 @@ def test_zero2_offload_lora_saves_an_adapter(tmp_path):
     ckpt = out / "checkpoint-2"
     assert results[0]["global_step"] == 2 and ck.verify(ckpt).ok
     assert "train.fused_lora: 14 LoRA projections" in results[0]["stdout"]
+    assert "gradient checkpointing on" in results[0]["stdout"]  # the model the ranks trained had it on, not only the spec
     # peft's own forward trains the same: the same losses (dropout masks included, recomputed under checkpointing)
     peft_spec, peft_out = quickstart_spec(tmp_path, "peft", deepspeed="zero2_offload", train_type="lora", max_steps=2,
                                           save_steps=2, logging_steps=1, gradient_checkpointing=True, lora_dropout=0.2,

@@ -34,6 +34,7 @@ class TrainResult:
     attn_implementation: str = ""
     liger: str = "off"  # kernels.liger_names: "off", "all", or the kernels on ("rope+rms_norm+swiglu")
     packing: bool = False
+    gradient_checkpointing: bool = False  # what the model on the node ran with (is_gradient_checkpointing), not only what was asked
     task: str = "sft"
     reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies; rm: the last logged accuracy
     reward_margin: float | None = None  # rm: the last logged margin; KTO: the last logged rewards/margins
@@ -77,7 +78,7 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"{result.useful_tokens} of {result.total_tokens} positions, padding {fmt(result.padding_ratio, '.1%')}); "
         f"optimizer {result.optimizer or '?'}",
         f"  kernels: attention {result.attn_implementation or '?'}, Liger {result.liger}, "
-        f"packing {'on' if result.packing else 'off'}",
+        f"packing {'on' if result.packing else 'off'}, gradient checkpointing {'on' if result.gradient_checkpointing else 'off'}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]

@@ -121,7 +121,8 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
             raise exc from None
     from .kernels import choose as kernels
 
-    kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name}
+    kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name,
+                    "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
     kernels_used.update(stop_reason=evaluation.stop_reason(trainer), **evaluation.best_of(trainer, output_dir))
     result = _result(trainer, tools.schedule, output_dir, tools.metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
