@@ -264,3 +264,30 @@ def test_a_requeued_run_keeps_its_best_checkpoint_and_patience_and_stops_early(t
     status = cli("status", str(out), "--sort", "eval_loss")
     assert status.returncode == 0 and "eval_loss 5." in status.stdout and "best eval_loss 5." in status.stdout, status.stdout + status.stderr
     assert "early stopping: eval_loss did not improve" in status.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_to_the_one_rank_mean_and_a_new_best_is_saved_between_saves(tmp_path):
+    """The same weights (a learning rate of 1e-12 leaves them bit-identical) evaluated on 2 ranks and on 1: 5 held-out
+    records (eval_split = 0.14 of 36, unpacked, one a batch), so 2 ranks pad one record that must not count. And the
+    first evaluation, at step 3 with save_steps = 4, is a new best: it is saved as checkpoint-3, which latest_best names."""
+    from runs import metrics, tiny_spec
+
+    from swiftslurm import checkpoint as ck
+    from swiftslurm.train.launch import launch
+
+    got = {}
+    for ranks in (2, 1):
+        out = tmp_path / f"r{ranks}"
+        spec = tmp_path / f"r{ranks}.toml"
+        spec.write_text(tiny_spec(f"eval-{ranks}", out, slurm={"tasks_per_node": ranks}, train={
+            "per_device_train_batch_size": 2 // ranks, "learning_rate": 1e-12, "max_steps": 3, "max_length": 128,
+            "packing": False, "save_steps": 4, "logging_steps": 1, "eval_split": 0.14, "eval_steps": 3,
+            "per_device_eval_batch_size": 1, "report_to": ["none"]}, checkpoint={"forced_save_fractions": []}, preflight={"checks": []}))
+        procs = launch(str(spec), str(out), nprocs=ranks, timeout_s=600)
+        assert all(p.returncode == 0 for p in procs), procs[0].stdout[-4000:]
+        (row,) = [r for r in metrics(out) if "eval_loss" in r]
+        got[ranks] = row["eval_loss"]
+        assert row["step"] == 3 and ck.verify(out / "checkpoint-3").ok, sorted(p.name for p in out.iterdir())
+        assert (out / "latest_best").read_text().strip() == "checkpoint-3"
+    assert got[2] == pytest.approx(got[1], rel=1e-6), got

@@ -168,6 +168,16 @@ class SwiftTrainer(Trainer):
             return loss
         return finite_or_mean(loss, summed, self.state.global_step - self._globalstep_last_logged)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Evaluation takes each batch's own mean loss, as one rank computes it. transformers 5 passes evaluation too the
+        count of label tokens summed over the ranks and scales the loss by the ranks' number (training's rule, for the
+        gradient), so a batch with more tokens than its peers weighs more and the last, padded batch (its duplicate
+        dropped by ``gather_for_metrics``) keeps a value scaled for two: 2 ranks reported an eval_loss of 5.70 where
+        1 rank and the records' own mean give 5.64 (tests/test_evaluation.py)."""
+        if not model.training:
+            num_items_in_batch = None
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches = self.take_batches(epoch_iterator, num_batches)
         return batches, self._get_num_items_in_batch(batches, device)
