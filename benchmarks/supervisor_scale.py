@@ -11,6 +11,9 @@ supervisor's own side, with the real code (``Supervisor._probe``, ``slurm.steps.
 - **every node probed**, ``PROBE_CONCURRENCY`` at a time (now) and all at once (before this change), under a 1024
   soft limit of open files (the common default): seconds, the peak of the supervisor's open file descriptors, and
   whether it ran out;
+- **one run** (``Supervisor.run``, the whole loop, stand-in ``sinfo``/``scontrol`` too): a node failure while 1% of
+  the nodes are drained and slurmctld's first answer is late, then the restart cancelled by TERM: what it decided
+  (dropped, ledgered, the drains left alone, the cancel a stop), the restart decision's seconds, the Slurm calls;
 - **straggler window**: rank 0's ratio of each rank to the median of the others (``train.health.straggler.ratios``)
   at 8192 ranks, against the per-rank median it replaced (timed at 4096 ranks, where it still ends).
 
@@ -37,10 +40,34 @@ sys.path.insert(0, str(ROOT))
 
 STANDIN = """#!/bin/bash
 node=""
-for arg in "$@"; do case "$arg" in --nodelist=*) node="${arg#--nodelist=}";; esac; done
+probe=""
+for arg in "$@"; do case "$arg" in --nodelist=*) node="${arg#--nodelist=}";; *swiftslurm.node.batch.probe*) probe=1;; esac; done
 echo x >> "$STANDIN_DIR/started"
+if [ -z "$probe" ] && [ -n "$STANDIN_STEPS" ]; then  # a training step of the one-run scenario
+  date +%s.%N >> "$STANDIN_DIR/steps"  # each training step's start; the first's end in "ended"
+  if [ "$(wc -l < "$STANDIN_DIR/steps")" = 1 ]; then  # the first: a node fails under it
+    date +%s.%N > "$STANDIN_DIR/ended"
+    echo "srun: error: $STANDIN_LOST: task 7: Killed" >&2
+    echo "srun: error: Node failure on $STANDIN_LOST" >&2
+    exit 1
+  fi
+  trap 'exit 143' TERM  # the restarted step runs until the cancel reaches it
+  while :; do sleep 0.05; done
+fi
 sleep 0.05
 echo "{\\"node\\": \\"$node\\", \\"ok\\": true, \\"observed\\": \\"stand-in\\"}"
+"""
+# sinfo: its first answer comes too late (a slurmctld under load), the next says: the lost node down, 1% of the
+# nodes drained by an admin, the rest allocated. scontrol: the job still holds every node but the lost one.
+SINFO = """#!/bin/bash
+echo x >> "$STANDIN_DIR/sinfo"
+if [ "$(wc -l < "$STANDIN_DIR/sinfo")" = 1 ]; then sleep "$STANDIN_SLOW_S"; fi
+cat "$STANDIN_DIR/states"
+"""
+SCONTROL = """#!/bin/bash
+if [ "$2" = hostnames ]; then echo "$3" | tr ',' '\\n'; exit 0; fi  # local, as scontrol's own expansion is
+echo x >> "$STANDIN_DIR/scontrol"
+echo "JobId=5 JobState=RUNNING NodeList=$(cat "$STANDIN_DIR/held")"
 """
 
 SPEC = """
@@ -137,6 +164,63 @@ def probe_all(nodes: int, env: dict[str, str], at_once: int | None) -> dict:
     return {"seconds": round(took, 3), "peak_fds": fds.peak, "error": error or None}
 
 
+def one_run(tmp: Path, nodes: int, env: dict[str, str], slow_s: float) -> dict:
+    """One supervised run with what a real cluster throws at it (``Supervisor.run``, the real loop): the first step
+    ends with a node failure while 1% of the nodes are being drained by an admin and slurmctld's first answer comes
+    later than ``steps.QUERY_TIMEOUT_S``; the restart (the spare in, the lost node out) is then cancelled (TERM to
+    the supervisor, as scancel sends it). Returns the decision, what it cost and whether each was taken as it should."""
+    import signal
+
+    from swiftslurm.node.restart import read_restarts
+
+    lost = f"node{nodes // 2}"
+    drained = {f"node{i}" for i in range(3, nodes + 1, 100)} - {lost}
+    states = "".join(f"node{i}|{'down' if f'node{i}' == lost else 'drain' if f'node{i}' in drained else 'alloc'}\n"
+                     for i in range(1, nodes + 2))
+    run_dir = tmp / f"run{nodes}"
+    run_dir.mkdir()
+    (run_dir / "states").write_text(states)
+    (run_dir / "held").write_text(",".join(f"node{i}" for i in range(1, nodes + 2) if f"node{i}" != lost))
+    env = {**env, "STANDIN_DIR": str(run_dir), "STANDIN_STEPS": "1", "STANDIN_LOST": lost, "STANDIN_SLOW_S": str(slow_s),
+           "SWIFTSLURM_LEDGER": str(run_dir / "ledger.json")}
+    saved_env = dict(os.environ)
+    os.environ.update(env)  # the Slurm queries run with this process's environment (PATH: the stand-ins)
+    sup = supervisor(run_dir, nodes, env)
+    sup.install()
+    steps_file = run_dir / "steps"
+
+    def cancel_the_restart() -> None:
+        while not steps_file.exists() or len(steps_file.read_text().split()) < 2:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=cancel_the_restart, daemon=True).start()
+    try:
+        with FdPeak() as fds:
+            t0 = time.perf_counter()
+            rc = sup.run()
+            took = time.perf_counter() - t0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    (record,) = read_restarts(str(run_dir / "out"))
+    from swiftslurm.ledger.store import read as read_ledger
+
+    blamed = sorted({e.node for e in read_ledger(run_dir / "ledger.json")})
+    count = {name: len((run_dir / name).read_text().split()) if (run_dir / name).exists() else 0
+             for name in ("started", "sinfo", "scontrol")}
+    decided = float(steps_file.read_text().split()[1]) - float((run_dir / "ended").read_text())
+    return {"seconds_whole_run": round(took, 2), "seconds_restart_decision": round(decided, 2), "rc": rc,
+            "restart": record["restarted"], "cause": record["cause"],
+            "dropped": record["dropped"], "spare_in": f"node{nodes + 1}" in record["next_nodes"],
+            "drained_not_dropped": not (set(record["dropped"]) & drained), "drained": len(drained),
+            "ledgered": blamed, "cancel_was_a_stop": rc == 143 and len(read_restarts(str(run_dir / "out"))) == 1,
+            "srun_started": count["started"], "sinfo_asked": count["sinfo"], "scontrol_asked": count["scontrol"],
+            "peak_fds": fds.peak}
+
+
 def steps_at_once() -> int:
     from swiftslurm.slurm import steps
 
@@ -162,14 +246,25 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--query-timeout-s", type=float, default=2.0,
+                    help="steps.QUERY_TIMEOUT_S for the one-run scenario (20 s in production: the slow answer costs that)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "bin").mkdir()
-        (tmp / "bin" / "srun").write_text(STANDIN)
-        (tmp / "bin" / "srun").chmod(0o755)
+        for name, text in (("srun", STANDIN), ("sinfo", SINFO), ("scontrol", SCONTROL)):
+            (tmp / "bin" / name).write_text(text)
+            (tmp / "bin" / name).chmod(0o755)
         env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "STANDIN_DIR": str(tmp), "SWIFTSLURM_LEDGER": str(tmp / "ledger.json")}
-        result: dict = {"stand_in_srun_answer_s": 0.05, "nodes": {}}
+        result: dict = {"stand_in_srun_answer_s": 0.05, "query_timeout_s": args.query_timeout_s, "nodes": {}}
+        from swiftslurm.slurm import steps
+
+        steps.QUERY_TIMEOUT_S = args.query_timeout_s
+        for n in args.nodes:
+            scenario = tmp / f"scenario{n}"
+            scenario.mkdir()
+            result.setdefault("one_run", {})[n] = one_run(scenario, n, env, slow_s=args.query_timeout_s + 1)
+            print(n, "one run:", json.dumps(result["one_run"][n]), flush=True)
         for n in args.nodes:
             result["nodes"][n] = {"restart_probe_now": probe_now(tmp / f"now{n}", n, env),
                                   "every_node_bounded": probe_all(n, env, steps_at_once())}

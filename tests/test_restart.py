@@ -95,6 +95,15 @@ def test_decide_restarts_until_max_then_stops():
     assert not d.restart and "max_restarts reached (slurm.max_restarts = 2" in d.message and "task 1 on node2: Killed" in d.message
 
 
+def test_a_restart_at_4096_nodes_says_its_nodes_as_slurm_does_in_one_short_line():
+    allocation = tuple(f"gpu{i:04d}" for i in range(1, 4098))  # 4096 nodes and a spare
+    end = restart.StepEnd(1, allocation[:4096], down=("gpu2048",))
+    d = restart.decide_restart(0, 3, restart.cause_of(end), allocation[:4096], allocation, (), 4096)
+    assert d.restart and len(d.nodes) == 4096 and d.dropped == ("gpu2048",)
+    assert d.message == ("restart 1 of at most 3 on gpu[0001-2047,2049-4097] (dropped gpu2048) after: node(s) gpu2048 failed "
+                         "or went down (Slurm)")
+
+
 def test_a_spare_takes_a_lost_nodes_place_and_without_one_the_run_stops():
     lost = restart.Cause("node_failure", "node(s) node2 failed", ("node2",), ("node2",))
     d = restart.decide_restart(0, 3, lost, ("node1", "node2"), ("node1", "node2", "node3"), (), 2)

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+import hostlist
+
 from ..records.restarts import RestartRecord, job_restarts, no_progress_streak, read_restarts, record_restart  # noqa: F401  (the supervisor's door to its record)
 
 if TYPE_CHECKING:
@@ -80,12 +82,21 @@ class Cause:
     gone: tuple[str, ...] = ()  # nodes that cannot run anything again in this job (dropped with or without a spare)
 
 
+def listed(nodes: Iterable[str]) -> str:
+    """Node names as Slurm writes a list of them (``node[1-31,33-65]``): a restart's line at 4096 nodes stays a line."""
+    names = list(nodes)
+    try:
+        return hostlist.collect_hostlist(names)
+    except Exception:  # noqa: BLE001 -- a name python-hostlist cannot fold: plain, as given
+        return ", ".join(names)
+
+
 def cause_of(end: StepEnd) -> Cause:
     """Why the step ended (pure): a node Slurm lost, the watchdog's hang verdict, a hardware-looking error, a rank
     that was killed or that failed, first match wins."""
     lost = tuple(dict.fromkeys([*end.down, *(e.node for e in end.srun_errors if NODE_LOST.search(e.message) and e.node in end.nodes)]))
     if lost:
-        return Cause(NODE_FAILURE, f"node(s) {', '.join(lost)} failed or went down (Slurm)", lost, lost)
+        return Cause(NODE_FAILURE, f"node(s) {listed(lost)} failed or went down (Slurm)", lost, lost)
     if end.hang is not None:
         culprit = str(end.hang.get("node") or "")
         who = f"rank {end.hang.get('rank')} on {culprit}" if culprit else "no rank named"
@@ -142,13 +153,13 @@ def decide_restart(done: int, max_restarts: int, cause: Cause, current: Iterable
     nodes = tuple(keep + spare[: max(0, need - len(keep))])
     if len(nodes) < need and shrink and nodes:
         return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts} on {len(nodes)} of {need} node(s) "
-                               f"({', '.join(nodes)}; dropped {', '.join(drop)}; no spare left, slurm.shrink_on_failure): fewer "
+                               f"({listed(nodes)}; dropped {listed(drop)}; no spare left, slurm.shrink_on_failure): fewer "
                                f"data-parallel ranks from here on, after: {cause.detail}")
     if len(nodes) < need:
         return RestartDecision(False, (), drop, f"not restarted: {cause.detail}; {len(nodes)} usable node(s) left of the {need} "
                                f"training needs (no spare left). HINT: give the job spares (slurm.spare_nodes), or resubmit; "
                                f"the run continues from the newest verified checkpoint")
-    how = f" on {', '.join(nodes)}" + (f" (dropped {', '.join(drop)})" if drop else "")
+    how = f" on {listed(nodes)}" + (f" (dropped {listed(drop)})" if drop else "")
     return RestartDecision(True, nodes, drop, f"restart {done + 1} of at most {max_restarts}{how} after: {cause.detail}")
 
 

@@ -154,8 +154,8 @@ class Supervisor:
         down = tuple(n for n in nodes if steps.lost(states.get(n, "")) or (held is not None and n not in held))
         draining = [n for n in nodes if n not in down and steps.unusable(states.get(n, ""))]
         if draining:  # an admin's drain or maintenance: not this run's failure, and not the node's (never ledgered)
-            log.warning("node(s) %s %s by Slurm (%s): not counted as failed", ", ".join(draining),
-                        "is drained" if len(draining) == 1 else "are drained", ", ".join(states[n] for n in draining))
+            log.warning("node(s) %s %s by Slurm (%s): not counted as failed", restart.listed(draining),
+                        "is drained" if len(draining) == 1 else "are drained", ", ".join(sorted({states[n] for n in draining})))
         return restart.StepEnd(
             rc, nodes, tuple(self.srun_errors), tuple((f.rank, f.node, f.what) for f in records if f.kind != "preflight"),
             self._hang(since), down,
