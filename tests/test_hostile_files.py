@@ -609,3 +609,19 @@ def test_no_named_file_is_written_into_a_committed_checkpoint(tmp_path, monkeypa
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "manifest.json").write_text('{"name": "another tool\'s manifest"}')
     assert CliRunner().invoke(app, ["plot", "run", "-o", "elsewhere/metrics.png"]).exit_code == 0
+
+
+def test_doctor_numbers_the_lines_of_a_long_metrics_file_exactly_or_not_at_all(tmp_path, monkeypatch):
+    """Past the kept tail, the lines before it are counted to cite exact line numbers while that head is small enough
+    to read quickly; past LINE_COUNT_CAP they are not read (a 2 GiB file took 6-50 s) and rows cite no line (0)."""
+    from swiftslurm import fsutil
+    from swiftslurm.doctor import evidence
+
+    monkeypatch.setattr(fsutil, "METRICS_CAP", 1000)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {i}, "loss": 1.0}}\n' for i in range(1, 301)))  # 300 lines of 27-29 bytes
+    rows = evidence.read_metrics(path)
+    assert rows and all(number == row["step"] for number, row in rows) and rows[-1][0] == 300  # exact, past the skipped head
+    monkeypatch.setattr(evidence, "LINE_COUNT_CAP", 100)
+    rows = evidence.read_metrics(path)
+    assert rows[-1][1]["step"] == 300 and {number for number, _ in rows} == {0}
