@@ -126,6 +126,11 @@ def main(out_root: str, presets: list[str]) -> int:
     from swiftslurm.train.run import train
 
     print("AIO " + json.dumps(AsyncIOBuilder().is_compatible(verbose=False)), flush=True)
+    import accelerate
+
+    copies = []  # every whole-model state dict accelerate was asked for (a copy of every weight to host memory)
+    whole = accelerate.Accelerator.get_state_dict
+    accelerate.Accelerator.get_state_dict = lambda self, *a, **k: copies.append(1) or whole(self, *a, **k)
     port = free_port()
     os.environ["MASTER_PORT"] = str(port)
     dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1, nodes=("localhost",),
@@ -134,6 +139,7 @@ def main(out_root: str, presets: list[str]) -> int:
     for preset in presets or dsconfig.preset_names():
         out = Path(out_root, run_dir(preset))
         row: dict = {"preset": preset, "ok": False}
+        copies.clear()
         started = time.perf_counter()
         try:
             spec = parse_spec(spec_text(preset, out))
@@ -151,7 +157,7 @@ def main(out_root: str, presets: list[str]) -> int:
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
-                       gradient_checkpointing=result.gradient_checkpointing,
+                       gradient_checkpointing=result.gradient_checkpointing, state_dict_copies=len(copies),
                        learning_rate=[r.get("learning_rate") for r in stepped], grad_norm=[r.get("grad_norm") for r in stepped])
         except SwiftSlurmError as exc:
             row.update(refused=True, error=exc.message())

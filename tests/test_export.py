@@ -50,6 +50,7 @@ def runs(tmp_path_factory) -> Path:
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = [json.loads(ln[len("PRESET "):]) for ln in proc.stdout.splitlines() if ln.startswith("PRESET ")]
     assert proc.returncode == 0 and [r["ok"] for r in rows] == [True] * 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out / "rows.json").write_text(json.dumps({r["preset"]: r for r in rows}))
     return out
 
 
@@ -253,6 +254,19 @@ def test_adapter_only_keeps_the_adapter_and_missing_libraries_are_one_error(runs
     monkeypatch.setitem(sys.modules, "peft", None)  # as if the train extra were not installed
     with pytest.raises(LibraryMissing, match="swiftslurm\\[train\\]"):
         require_libraries(find_source(str(runs / LORA)), merge=True)
+
+
+@pytest.mark.slow
+def test_a_zero2_save_writes_the_model_from_rank_0s_module_without_a_host_copy_of_every_weight(runs):
+    """Under ZeRO-2 every weight is whole on every rank: the save writes the adapter (or the full weights) from the
+    module, tensor by tensor; the Trainer's path had accelerate copy the whole state dict to host memory on every rank
+    first (16 GB a rank for the 8B LoRA run). ZeRO-3 gathers through DeepSpeed, as before. The bytes are a
+    synchronous save's either way (the export tests load them)."""
+    rows = json.loads((runs / "rows.json").read_text())
+    assert rows[LORA]["state_dict_copies"] == rows[RM_LORA]["state_dict_copies"] == rows[RM_FULL]["state_dict_copies"] == 0
+    assert rows[ZERO3]["state_dict_copies"] == 1  # the consolidated 16-bit weights: DeepSpeed's gather, every rank
+    assert (runs / LORA / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert (runs / RM_FULL / "checkpoint-1" / "model.safetensors").is_file()
 
 
 def test_the_base_of_an_adapter_is_the_flag_else_the_runs_model_else_the_adapters_own_config(tmp_path):

@@ -168,6 +168,21 @@ class SwiftTrainer(Trainer):
             return loss
         return finite_or_mean(loss, summed, self.state.global_step - self._globalstep_last_logged)
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Under ZeRO-0/1/2 (no AutoTP) every rank holds every weight whole: rank 0 writes the model (a LoRA run: the
+        adapter alone) from its own module, tensor by tensor. The Trainer's own path first has accelerate copy the
+        whole state dict to host memory on every rank (``clone_tensors_for_torch_save``), then keeps the adapter of
+        it: for the 8B LoRA run that is 16 GB per rank, copied to save tens of MB. ZeRO-3 and AutoTP gather through
+        DeepSpeed as before (a collective: every rank takes part)."""
+        ds = self.deepspeed.config if self.is_deepspeed_enabled and self.deepspeed is not None else None
+        gathers = ds is not None and (ds.get("zero_optimization", {}).get("stage", 0) == 3
+                                      or ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1)
+        if ds is None or gathers or getattr(self, "is_distributed_loading_by_transformers", False):
+            return super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir)
+        return None
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Evaluation takes each batch's own mean loss, as one rank computes it. transformers 5 passes evaluation too the
         count of label tokens summed over the ranks and scales the loss by the ranks' number (training's rule, for the
