@@ -72,6 +72,9 @@ def _file_seconds() -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm")]
+    if unmarked:  # `-m "not slurm"` (the fast tier) must leave out every test that needs the cluster
+        raise pytest.UsageError("tests that use the slurm_cluster fixture without @pytest.mark.slurm: " + ", ".join(unmarked))
     seconds = _file_seconds()
     # a stable sort: the tests of a file stay together and in their order (module fixtures are made once)
     items.sort(key=lambda item: -seconds.get(item.path.stem, 0.0))

@@ -187,6 +187,7 @@ def test_galore_trains_on_plain_ddp_and_resumes_exactly(tmp_path):
         assert again[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), (step, again[step], full[step])
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_dpo_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
     """The DPO example as full fine-tuning under ZeRO-3 in bf16 (the reference model: TRL's sharded copy),

@@ -261,6 +261,7 @@ def boom(prompts, completions, trainer_state, **kw):
 '''
 
 
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_grpo_learns_on_two_slurm_nodes_with_a_user_reward_and_verified_checkpoints(tmp_path, slurm_cluster):
     from swiftslurm import checkpoint as ck

@@ -276,10 +276,10 @@ def test_a_model_dir_loads_without_hub_kernels(tmp_path):
     tok.save_pretrained(tmp_path / "m")
     spec = validate_spec({"train": {"model": str(tmp_path / "m"), "dataset": ["d.jsonl"]}})
     model, _ = load_model_and_tokenizer(spec, cuda=False)
-    base, _ = base_model(SimpleNamespace(base_model=str(tmp_path / "m"), checkpoint=tmp_path), log=lambda line: None)
+    base, _ = base_model(SimpleNamespace(base_model=str(tmp_path / "m"), checkpoint=tmp_path, score_head=False), log=lambda line: None)
     assert (type(model).__name__, model.use_kernels, base.use_kernels) == ("LlamaForCausalLM", False, False)
 
-@pytest.mark.slurm
+
 def submit_on_two_nodes(spec: str, out: Path, job_name: str, timeout_s: int = 400) -> list[str]:
     """`swiftslurm submit --wait` of ``spec`` as 2 nodes x 1 rank on the test cluster; the hosts it ran on."""
     import subprocess
@@ -298,6 +298,7 @@ def submit_on_two_nodes(spec: str, out: Path, job_name: str, timeout_s: int = 40
                           timeout=30).stdout.split()
 
 
+@pytest.mark.slurm
 def test_same_trainer_runs_under_slurm_across_two_nodes(tmp_path, slurm_cluster):
     """The quickstart trainer, 2 nodes x 1 rank (gloo over 127.0.0.N), through `swiftslurm submit`."""
     spec, out = quickstart_spec(tmp_path, "slurm2", max_steps=8, save_steps=4, logging_steps=1)

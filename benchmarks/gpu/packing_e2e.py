@@ -58,6 +58,9 @@ VARIANTS = {
     "swiftslurm_peftlora": lambda assets: {"gradient_checkpointing": None, "fused_lora": "false"},  # the defaults with peft's LoRA forward
     "swiftslurm_nodrop": lambda assets: {"gradient_checkpointing": None, "lora_dropout": "0.0"},  # the defaults without LoRA dropout
     "swiftslurm_rows8k": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1"},  # one 8192-token row
+    # saves every 10 steps: today's save (rank 0 writes from its module) and the Trainer's own (ARM_PATH), issue 54
+    "swiftslurm_save": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
+    "swiftslurm_save_trainerpath": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
     "swiftslurm_sdpa": lambda assets: {"attn_implementation": '"sdpa"'},  # packed-sequence mask through sdpa
@@ -92,7 +95,7 @@ DS_EXTRA = {
 ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
 # an arm run with a sitecustomize of its own on PYTHONPATH (no probe): dsnorm/ puts DeepSpeed's per-gradient norm back
 ARM_PATH = {"swiftslurm_dsnorm": HERE / "dsnorm", "swiftslurm_syncs": HERE / "syncs", "swiftslurm_torchnorm": HERE / "torchnorm",
-            "swiftslurm_torchnorm_nocontig": HERE / "torchnorm"}
+            "swiftslurm_torchnorm_nocontig": HERE / "torchnorm", "swiftslurm_save_trainerpath": HERE / "savepath"}
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
@@ -226,6 +229,12 @@ checks = []
             peaks = [r["gpu_mem_peak_mb"] for r in rows if "gpu_mem_peak_mb" in r]
             pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
             waits = [r["data_wait_ratio"] for r in rows if r.get("step", 0) > a.warmup and "data_wait_ratio" in r]
+            saves = [r for r in rows if "checkpoint_save_s" in r]  # each save's seconds and phases (checkpoint_<phase>_s)
+            if saves:
+                res["saves"] = [{k: round(v, 2) for k, v in r.items() if k.startswith("checkpoint_") and isinstance(v, (int, float))}
+                                for r in saves]
+                rss = [r["cpu_rss_mb"] for r in rows if "cpu_rss_mb" in r]
+                res["cpu_rss_mb_max"] = round(max(rss)) if rss else None
             res.update(rc=rc, peak_mb=round(max(peaks)) if peaks else None,
                        padding_ratio=round(statistics.median(pads), 4) if pads else None,
                        data_wait_ratio=round(statistics.median(waits), 4) if waits else None)
