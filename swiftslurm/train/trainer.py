@@ -174,10 +174,8 @@ class SwiftTrainer(Trainer):
         whole state dict to host memory on every rank (``clone_tensors_for_torch_save``), then keeps the adapter of
         it: for the 8B LoRA run that is 16 GB per rank, copied to save tens of MB. ZeRO-3 and AutoTP gather through
         DeepSpeed as before (a collective: every rank takes part)."""
-        ds = self.deepspeed.config if self.is_deepspeed_enabled and self.deepspeed is not None else None
-        gathers = ds is not None and (ds.get("zero_optimization", {}).get("stage", 0) == 3
-                                      or ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1)
-        if ds is None or gathers or getattr(self, "is_distributed_loading_by_transformers", False):
+        gathers = self.job.zero_stage == 3 or self.job.tensor_parallel > 1  # the run's own facts of its DeepSpeed config
+        if not self.is_deepspeed_enabled or gathers or getattr(self, "is_distributed_loading_by_transformers", False):
             return super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             self._save(output_dir or self.args.output_dir)
