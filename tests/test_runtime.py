@@ -694,13 +694,21 @@ def _held_rank(job_id: str) -> int | None:
 def test_cluster_walltime_signal_while_a_submitit_rank_imports_is_a_walltime_stop(tmp_path):
     """submitit's path (swiftslurm submit): a USR2 that reaches the rank while it still imports (no handler yet:
     the default action kills; then submitit's handler would fail rank 0 as not checkpointable) is held, then taken as
-    swiftslurm's walltime stop: the command never starts, the stop is recorded, max_requeues = 0 fails the job."""
+    swiftslurm's walltime stop: the command never starts, the stop is recorded, max_requeues = 0 fails the job.
+
+    The window lasts a few hundred milliseconds; the test keeps it open by holding back the job's pickle, which the
+    rank waits for (submitit polls for it each second) with USR2 held and no handler yet, and gives it back once the
+    signal is sent."""
     (tmp_path / "s.toml").write_text(command_spec(tmp_path, SIGNALLED, str(tmp_path),
                                                   slurm='partition = "debug"\nnodes = 1\ntasks_per_node = 1\ntime = "00:03:00"\nmax_requeues = 0'))
     proc = subprocess.run([PY, "-m", "swiftslurm", "submit", "s.toml", "--executor", "slurm", "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = json.loads(proc.stdout)["job_ids"][0]
+    pickles = list((tmp_path / "out").rglob(f"{job}_submitted.pkl"))
+    assert len(pickles) == 1, "submitit wrote no pickle where the test looks for it"
+    for pickle in pickles:
+        pickle.rename(pickle.with_name(pickle.name + ".held"))
     try:
         deadline, pid = time.monotonic() + 120, None
         while pid is None and time.monotonic() < deadline and not (tmp_path / "ready").exists():
@@ -708,6 +716,8 @@ def test_cluster_walltime_signal_while_a_submitit_rank_imports_is_a_walltime_sto
             time.sleep(0.005)
         assert pid is not None, "no rank of the job was seen holding USR2 while it started"
         os.kill(pid, signal.SIGUSR2)
+        for pickle in pickles:
+            pickle.with_name(pickle.name + ".held").rename(pickle)
         rec = wait_state(job, {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"}, 120)
     finally:
         from swiftslurm import slurm
