@@ -3,7 +3,7 @@
 Fast: the spec refusals and the preference-data checks of `swiftslurm validate` (file and line named).
 Slow (2 CPU ranks, the tiny model, real TRL/DeepSpeed/DDP; each run ~30-50 s):
   dpo      the shipped DPO LoRA example: reward accuracy > 0.8, the reward metrics in metrics.jsonl and
-           TensorBoard, the summary line; a walltime stop at step 9 and a resume that reproduces steps 10-16
+           TensorBoard, the summary line; a resume from its step-9 checkpoint that reproduces steps 10-16
   galore   full FT with galore_adamw and deepspeed = "none": loss falls; a resume from the mid checkpoint
            reproduces the uninterrupted losses (the projector state survives the checkpoint)
 """
@@ -115,12 +115,11 @@ def test_parquet_preference_rows_are_read_and_named_by_row(tmp_path):
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo")
-    spec, out = example_spec(tmp, "full", max_steps=16, save_steps=100, logging_steps=1)
+    spec, out = example_spec(tmp, "full", max_steps=16, save_steps=9, logging_steps=1)
     whole = run(spec, out)
-    stop_spec, stop_out = example_spec(tmp, "stop", max_steps=16, save_steps=100, logging_steps=1)
-    stopped = run(stop_spec, stop_out, stop_at_step=9)
-    resumed = run(stop_spec, stop_out, resume="newest")
-    return whole, out, stopped, resumed, stop_out
+    resume_spec, resume_out = example_spec(tmp, "resumed", max_steps=16, save_steps=100, logging_steps=1)
+    resumed = run(resume_spec, resume_out, resume=str(out / "checkpoint-9"))
+    return whole, out, resumed, resume_out
 
 
 
@@ -160,12 +159,14 @@ def test_dpo_with_peft_lora_forward_gives_the_fused_losses(tmp_path, dpo_runs):
 
 
 @pytest.mark.slow
-def test_dpo_walltime_stop_and_resume_reproduce_the_uninterrupted_run(dpo_runs):
-    _, out, stopped, resumed, stop_out = dpo_runs
-    assert stopped[0]["stopped_for_requeue"] and stopped[0]["global_step"] == 9
+def test_dpo_resumed_from_its_step_9_checkpoint_reproduces_the_uninterrupted_run(dpo_runs):
+    """DPO's own state (the policy adapter, its optimizer, the data order and dropout rng; the reference pass is the
+    adapter disabled) survives a checkpoint: steps 10-16 of a resumed run are those of the run that never stopped.
+    (The walltime stop that makes such a checkpoint is task-neutral: test_train, test_resume.)"""
+    _, out, resumed, resume_out = dpo_runs
     assert resumed[0]["global_step"] == 16 and not resumed[0]["stopped_for_requeue"]
-    full, again = losses(out), losses(stop_out)
-    assert set(range(10, 17)) <= set(again), sorted(again)
+    full, again = losses(out), losses(resume_out)
+    assert sorted(again) == list(range(10, 17)), sorted(again)
     for step in range(10, 17):
         assert again[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), (step, again[step], full[step])
 
