@@ -376,9 +376,10 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             continue
         decisions: dict[str, str] = {}
         if sizing is not None and sizing.checkpointing is not None:  # "auto": the estimate decided; the nodes get a bool
-            on, why = sizing.checkpointing
-            task_spec = task_spec.model_copy(update={"train": task_spec.train.model_copy(update={"gradient_checkpointing": on})})
-            decisions["train.gradient_checkpointing"] = why
+            decided = sizing.checkpointing
+            task_spec = task_spec.model_copy(update={"train": task_spec.train.model_copy(update={
+                "gradient_checkpointing": decided.on, "gradient_checkpointing_every": decided.every if decided.on else None})})
+            decisions["train.gradient_checkpointing"] = decided.why
         tasks.append(Task(index, overrides, task_out, task_spec, decisions))
         ds_configs.append(ds)
         sizings.append(sizing)

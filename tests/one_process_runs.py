@@ -31,9 +31,11 @@ def _inline(value) -> str:
 
 DATA = ROOT / "examples" / "data"
 VARIANTS = {
-    # APOLLO on plain DDP (GaLore/APOLLO cannot run under ZeRO) with a linear schedule warmed up over half the steps
+    # APOLLO on plain DDP (GaLore/APOLLO cannot run under ZeRO) with a linear schedule warmed up over half the steps;
+    # every 2nd of tiny-llama's 2 layers recomputes its activations (gradient_checkpointing_every)
     "apollo": {"train_type": "full", "deepspeed": "none", "optimizer": "apollo_adamw", "galore_rank": 8,
-               "galore_update_proj_gap": 2, "max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5},
+               "galore_update_proj_gap": 2, "max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5,
+               "gradient_checkpointing": True, "gradient_checkpointing_every": 2},
     # the 8-bit GaLore needs bitsandbytes on a GPU: the node refuses it before loading anything
     "galore8bit": {"train_type": "full", "deepspeed": "none", "optimizer": "galore_adamw_8bit", "max_steps": 1},
     # DPO + LoRA on two named modules only (not peft's default for Llama), the reference scored once before training;
@@ -158,6 +160,7 @@ def main(out_root: str, presets: list[str]) -> int:
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
                        gradient_checkpointing=result.gradient_checkpointing, state_dict_copies=len(copies),
+                       checkpointed_layers=list(result.checkpointed_layers),
                        learning_rate=[r.get("learning_rate") for r in stepped], grad_norm=[r.get("grad_norm") for r in stepped])
         except SwiftSlurmError as exc:
             row.update(refused=True, error=exc.message())

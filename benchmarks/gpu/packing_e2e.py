@@ -45,6 +45,9 @@ VARIANTS = {
     "swiftslurm": lambda assets: {},
     "swiftslurm_defaults": lambda assets: {"gradient_checkpointing": None},  # None: the key left out (its default, "auto")
     "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
+    "swiftslurm_every2": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "2"},  # half the layers recompute
+    "swiftslurm_every4": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "4"},  # a quarter
+    "swiftslurm_every8": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "8"},  # an eighth
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_dsnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, DeepSpeed's own grad norm (ARM_PATH)
@@ -227,6 +230,7 @@ checks = []
             rows = read_jsonl(run_dir / "metrics.jsonl")
             res = throughput(rows, "useful_tokens", a.warmup)
             peaks = [r["gpu_mem_peak_mb"] for r in rows if "gpu_mem_peak_mb" in r]
+            reserved = [r["gpu_mem_reserved_peak_mb"] for r in rows if "gpu_mem_reserved_peak_mb" in r]
             pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
             waits = [r["data_wait_ratio"] for r in rows if r.get("step", 0) > a.warmup and "data_wait_ratio" in r]
             saves = [r for r in rows if "checkpoint_save_s" in r]  # each save's seconds and phases (checkpoint_<phase>_s)
@@ -235,7 +239,7 @@ checks = []
                                 for r in saves]
                 rss = [r["cpu_rss_mb"] for r in rows if "cpu_rss_mb" in r]
                 res["cpu_rss_mb_max"] = round(max(rss)) if rss else None
-            res.update(rc=rc, peak_mb=round(max(peaks)) if peaks else None,
+            res.update(rc=rc, peak_mb=round(max(peaks)) if peaks else None, reserved_peak_mb=round(max(reserved)) if reserved else None,
                        padding_ratio=round(statistics.median(pads), 4) if pads else None,
                        data_wait_ratio=round(statistics.median(waits), 4) if waits else None)
             summary = run_dir / "train-summary.json"
@@ -246,6 +250,7 @@ checks = []
             m = (arm_plan.get("memory") or [{}])[0]
             res.update(estimate_allocated_gib=m.get("allocated_gib"), estimate_total_gib=m.get("total_gib"),
                        gradient_checkpointing=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing"),
+                       checkpointing_every=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing_every"),
                        checkpointing_why=(m.get("gradient_checkpointing") or {}).get("why"))
         elif arm == "trl_packed":  # TRL's SFTTrainer with its own packing (BFD, padding-free) on the same records
             bare_dir = work / "bare" / arm

@@ -72,7 +72,7 @@ def sizing_table(plan: Plan) -> Table | None:
                   f"= {lay.global_batch} {'rows' if plan.tasks[0].spec.train.packing else 'samples'} per step")
     m = sizing.memory
     if sizing.checkpointing is not None:
-        table.add_row("gradient checkpointing", Text(sizing.checkpointing[1]))
+        table.add_row("gradient checkpointing", Text(sizing.checkpointing.why))
     if sizing.shape is not None:
         sh = sizing.shape
         table.add_row("model shape", Text(f"{sh.total_params / 1e9:.3g}B params: hidden {sh.hidden_size}, {sh.num_layers} layers, "

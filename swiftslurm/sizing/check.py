@@ -13,7 +13,7 @@ from ..errors import Problem
 from ..fsutil import DIRECTORY, path_kind
 from . import layout as lay
 from . import liger
-from .memory import GIB, MemoryEstimate, Settings, advice, estimate
+from .memory import GIB, MemoryEstimate, Settings, advice, checkpointed_layers, estimate
 from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
 from .tasks import holds_reference_copy
 from .view import SpecView
@@ -32,7 +32,7 @@ class Sizing:
     notes: list[str] = field(default_factory=list)
     gpus: bool = True  # a CPU job (gpus_per_node = 0) gets the estimate but no GPU-memory warning
     cautions: list[str] = field(default_factory=list)  # what only the nodes can decide
-    checkpointing: tuple[bool, str] | None = None  # train.gradient_checkpointing = "auto": (on, why); None = set in the spec
+    checkpointing: Checkpointing | None = None  # train.gradient_checkpointing = "auto" decided; None = set in the spec
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout.to_json(), "shape": self.shape.to_json() if self.shape else None,
@@ -40,7 +40,7 @@ class Sizing:
         out.update(self.memory.to_json() if self.memory else {"fits": None})
         out["notes"] = self.notes  # the estimate's own notes and the sizing's (Liger's model type), over the estimate's
         if self.checkpointing is not None:
-            out["gradient_checkpointing"] = {"on": self.checkpointing[0], "why": self.checkpointing[1]}
+            out["gradient_checkpointing"] = self.checkpointing.to_json()
         return out
 
     def warnings(self) -> list[str]:
@@ -127,8 +127,8 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     auto = t.gradient_checkpointing == "auto"
     gpus = bool(spec.slurm.gpus_per_node)
     if shape is None:
-        decided = (True, "on (auto): " + ("the model's shape is unknown, so no estimate says it fits without"
-                                            if gpus else CPU_CHECKPOINTING)) if auto else None
+        decided = Checkpointing(True, "on (auto): " + ("the model's shape is unknown, so no estimate says it fits without"
+                                                     if gpus else CPU_CHECKPOINTING), t.gradient_checkpointing_every or 1) if auto else None
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions,
                       checkpointing=decided), problems
     problems += lay.shape_problems(layout, shape)
@@ -138,11 +138,12 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
                         reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
                         liger_layers=liger_layers(t, stage, gpus, read_disk, shape.model_type), lora_dropout=t.lora_dropout,
-                        fused_lora=t.fused_lora and not t.compile and stage < 3, **grpo_settings(t))
+                        fused_lora=t.fused_lora and not t.compile and stage < 3,
+                        checkpoint_every=t.gradient_checkpointing_every or 1, **grpo_settings(t))
     decided = None
     if auto:
-        decided = resolve_checkpointing(shape, settings, layout, gpus)
-        settings = replace(settings, gradient_checkpointing=decided[0])
+        decided = resolve_checkpointing(shape, settings, layout, gpus, t.gradient_checkpointing_every)
+        settings = replace(settings, gradient_checkpointing=decided.on, checkpoint_every=decided.every)
     memory = estimate(shape, settings, layout)
     advised = advice(shape, settings, layout)
     if gpus and packs and memory.fits and (merged := merge_accumulation(shape, settings, layout)):
@@ -207,27 +208,70 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-# train.gradient_checkpointing = "auto": off only when the estimate without it, grown by this margin, fits the GPU.
-# Measured on an H200 (docs/benchmarks.md, "The estimate against measured peaks"): without checkpointing the
-# estimate's allocator part is +1%..+11% over every measured peak (0.5B/1.5B/3B full, 8B LoRA), its total (which adds
-# fragmentation, the CUDA context and NCCL) more; 15% on the total keeps "off" to runs that really fit.
-AUTO_CHECKPOINTING_MARGIN = 0.15
+# train.gradient_checkpointing = "auto": off (or on for fewer layers) only when the estimate, grown by this margin, fits
+# the GPU. Measured (docs/benchmarks.md): the estimate's allocator part is over every measured max_memory_allocated, by
+# +1%..+11% on an H200 (0.5B/1.5B/3B full, 8B LoRA) and +3.6%..+7.8% on an H100 80GB (8B LoRA with 0, 4, 8, 16 and 32
+# layers recomputed); its total (x 1.1 fragmentation + the CUDA context) is +6%..+14% over the reserved pool plus the
+# context there. 15% on top of that kept the 8B LoRA recomputing layers at 80 GB that its 63.3 GiB pool did not need;
+# 5% keeps a margin for a shape nobody measured.
+AUTO_CHECKPOINTING_MARGIN = 0.05
 CPU_CHECKPOINTING = "a CPU job (slurm.gpus_per_node = 0) has no GPU memory to size against; on, as before"
 
 
-def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gpus: bool) -> tuple[bool, str]:
-    """``gradient_checkpointing = "auto"``: (on, why). Off when the estimate without checkpointing, plus
+@dataclass(frozen=True)
+class Checkpointing:
+    """``gradient_checkpointing = "auto"`` decided: on or off, every which layer recomputes, and why."""
+
+    on: bool
+    why: str
+    every: int = 1  # gradient_checkpointing_every: with it on, every n-th decoder layer recomputes its activations
+
+    def to_json(self) -> dict[str, Any]:
+        return {"on": self.on, "every_n_layers": self.every if self.on else None, "why": self.why}
+
+
+def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gpus: bool,
+                          every: int | None = None) -> Checkpointing:
+    """``gradient_checkpointing = "auto"``. Off when the estimate without checkpointing, plus
     ``AUTO_CHECKPOINTING_MARGIN``, fits ``slurm.gpu_memory_gb``: recomputing every layer in the backward costs about a
-    third of a step (8B LoRA on an H200: 10.1k tokens/s with it, 14.4k without), so it only pays where memory needs it."""
+    third of a step (8B LoRA on an H200: 10.1k tokens/s with it, 14.4k without), so it only pays where memory needs it.
+    Else on for as few layers as fit: the largest ``every`` (``gradient_checkpointing_every``, unless the spec set it)
+    whose estimate plus the margin fits, each layer left out of the recompute saving its share of that third; every
+    layer where none fits (the plan's advice then says what would)."""
     if not gpus:
-        return True, "on (auto): " + CPU_CHECKPOINTING
-    without = estimate(shape, replace(s, gradient_checkpointing=False), layout)
-    need = without.total_bytes * (1 + AUTO_CHECKPOINTING_MARGIN)
-    found = (f"estimated {without.total_bytes / GIB:.1f} GiB per GPU without it (+{AUTO_CHECKPOINTING_MARGIN:.0%} margin = "
-             f"{need / GIB:.1f}{LIGER_COUNTED if s.liger_layers else ''}), slurm.gpu_memory_gb = {s.gpu_memory_gb:g}")
-    if need <= s.gpu_memory_gb * GIB:
-        return False, f"off (auto): {found}; recomputing activations would only cost speed"
-    return True, f"on (auto): {found}; it does not fit without"
+        return Checkpointing(True, "on (auto): " + CPU_CHECKPOINTING, every or 1)
+
+    def need(on: bool, n: int = 1) -> int:
+        return int(estimate(shape, replace(s, gradient_checkpointing=on, checkpoint_every=n), layout).total_bytes
+                   * (1 + AUTO_CHECKPOINTING_MARGIN))
+
+    room = s.gpu_memory_gb * GIB
+    without = need(False)
+    found = (f"estimated {without / (1 + AUTO_CHECKPOINTING_MARGIN) / GIB:.1f} GiB per GPU without it "
+             f"(+{AUTO_CHECKPOINTING_MARGIN:.0%} margin = {without / GIB:.1f}{LIGER_COUNTED if s.liger_layers else ''}), "
+             f"slurm.gpu_memory_gb = {s.gpu_memory_gb:g}")
+    if without <= room:
+        return Checkpointing(False, f"off (auto): {found}; recomputing activations would only cost speed")
+    layers = shape.num_layers
+    # the distinct layer counts, fewest recomputed first: every = layers recomputes 1, every = 1 all of them
+    tried: set[int] = set()
+    for n in [every] if every else range(layers, 1, -1):  # the fewest layers recomputed first
+        k = checkpointed_layers(layers, n)
+        if k in tried:
+            continue
+        tried.add(k)
+        if n != 1 and need(True, n) <= room:
+            k = checkpointed_layers(layers, n)
+            with_k = need(True, n)
+            return Checkpointing(True, f"on for every {_nth(n)} layer (auto; {k} of {layers} recompute): {found}; with "
+                                 f"{k} recomputed {with_k / (1 + AUTO_CHECKPOINTING_MARGIN) / GIB:.1f} GiB "
+                                 f"(+{AUTO_CHECKPOINTING_MARGIN:.0%} = {with_k / GIB:.1f}) fits", n)
+    return Checkpointing(True, f"on (auto): {found}; it does not fit without"
+                         + ("" if every in (None, 1) else f", nor with every {_nth(every)} layer recomputed"), every or 1)
+
+
+def _nth(n: int) -> str:
+    return {1: "", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def grpo_settings(t: Any) -> dict[str, Any]:

@@ -34,7 +34,8 @@ class TrainResult:
     attn_implementation: str = ""
     liger: str = "off"  # kernels.liger_names: "off", "all", or the kernels on ("rope+rms_norm+swiglu")
     packing: bool = False
-    gradient_checkpointing: bool = False  # what the model on the node ran with (is_gradient_checkpointing), not only what was asked
+    gradient_checkpointing: bool = False  # what the model on the node ran with (is_activation_checkpointing), not only what was asked
+    checkpointed_layers: tuple[int, int] = (0, 0)  # (decoder layers that recompute, decoder layers) as the model ran
     task: str = "sft"
     reward_accuracy: float | None = None  # DPO: the last logged rewards/accuracies; rm: the last logged accuracy
     reward_margin: float | None = None  # rm: the last logged margin; KTO: the last logged rewards/margins
@@ -64,6 +65,14 @@ def read_summary(output_dir: str) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def _checkpointing(result: TrainResult) -> str:
+    """"off", "on", or "on for 16 of 32 layers" (gradient_checkpointing_every > 1)."""
+    recomputing, layers = result.checkpointed_layers
+    if not result.gradient_checkpointing:
+        return "off"
+    return f"on for {recomputing} of {layers} layers" if 0 < recomputing < layers else "on"
+
+
 def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> str:
     """The end-of-training lines printed on rank 0."""
     def fmt(x, spec=".4f"):
@@ -78,7 +87,7 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"{result.useful_tokens} of {result.total_tokens} positions, padding {fmt(result.padding_ratio, '.1%')}); "
         f"optimizer {result.optimizer or '?'}",
         f"  kernels: attention {result.attn_implementation or '?'}, Liger {result.liger}, "
-        f"packing {'on' if result.packing else 'off'}, gradient checkpointing {'on' if result.gradient_checkpointing else 'off'}",
+        f"packing {'on' if result.packing else 'off'}, gradient checkpointing {_checkpointing(result)}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]

@@ -122,7 +122,8 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     from .kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name,
-                    "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
+                    "gradient_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
+                    "checkpointed_layers": recomputing_layers(trainer.model)}
     kernels_used.update(stop_reason=evaluation.stop_reason(trainer), **evaluation.best_of(trainer, output_dir))
     result = _result(trainer, tools.schedule, output_dir, tools.metrics_path, time.perf_counter() - started, dist.rank, kernels_used)
     # The DeepSpeed engine holds the process groups, and its gradient hooks (held from C++) keep it alive past
@@ -262,6 +263,15 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, tok, (total_params, trainable)
+
+
+def recomputing_layers(model) -> tuple[int, int]:
+    """(decoder layers that recompute their activations in the backward, decoder layers): what the model on the node
+    runs with (transformers' per-layer flag, set by ``activation_checkpointing_enable(every_n_layers=...)``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers), len(layers)
 
 
 def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Callable[[], bool], stack: contextlib.ExitStack) -> _Instruments:

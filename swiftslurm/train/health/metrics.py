@@ -238,6 +238,7 @@ class StepMeter:
         if torch.cuda.is_available():
             out["gpu_mem_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
             out["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            out["gpu_mem_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20  # + the allocator's cache: what OOMs
             peak = peak_tflops(torch.cuda.get_device_name())
             if peak and flops_per_token and "tokens_per_s" in out:
                 out["mfu"] = flops_per_token * out["tokens_per_s"] / (peak * 1e12 * world_size)
