@@ -151,10 +151,14 @@ def _start(task, job_id: str, resumed: bool, steps: list[int]) -> dict[str, str]
         for step in steps:
             callback.on_log(None, _State(step), None, logs={"loss": 1.0 / step, "epoch": 0.1 * step, "note": "text"})
     # a paused start leaves a close that outlives its budget (PAUSE_CLOSE_S) running: the test reads the run files
-    # only once every close has finished (on a loaded machine W&B's took longer than the budget, and its file lacked the run)
+    # only once every close has finished. And W&B writes its offline run file from its own service process, which
+    # flushes and closes the file after run.finish() has returned (under load the test read a file that held no run
+    # record yet): wandb.teardown() waits for that process, as the atexit hook of a real rank does
     for thread in threading.enumerate():
         if thread.name.startswith("close-"):
             thread.join(120)
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
     return runfile.read_ids(Path(task.output_dir) / TRACKER_FILE) or {}
 
 
