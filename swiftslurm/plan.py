@@ -378,7 +378,7 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
         if sizing is not None and sizing.checkpointing is not None:  # "auto": the estimate decided; the nodes get a bool
             decided = sizing.checkpointing
             task_spec = task_spec.model_copy(update={"train": task_spec.train.model_copy(update={
-                "gradient_checkpointing": decided.on, "gradient_checkpointing_every": decided.every if decided.on else None})})
+                "gradient_checkpointing": decided.on, "gradient_checkpointing_layers": decided.layers if decided.on else None})})
             decisions["train.gradient_checkpointing"] = decided.why
         tasks.append(Task(index, overrides, task_out, task_spec, decisions))
         ds_configs.append(ds)

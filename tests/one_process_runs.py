@@ -32,10 +32,10 @@ def _inline(value) -> str:
 DATA = ROOT / "examples" / "data"
 VARIANTS = {
     # APOLLO on plain DDP (GaLore/APOLLO cannot run under ZeRO) with a linear schedule warmed up over half the steps;
-    # every 2nd of tiny-llama's 2 layers recomputes its activations (gradient_checkpointing_every)
+    # the first of tiny-llama's 2 layers recomputes its activations (gradient_checkpointing_layers)
     "apollo": {"train_type": "full", "deepspeed": "none", "optimizer": "apollo_adamw", "galore_rank": 8,
                "galore_update_proj_gap": 2, "max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5,
-               "gradient_checkpointing": True, "gradient_checkpointing_every": 2},
+               "gradient_checkpointing": True, "gradient_checkpointing_layers": 1},
     # the 8-bit GaLore needs bitsandbytes on a GPU: the node refuses it before loading anything
     "galore8bit": {"train_type": "full", "deepspeed": "none", "optimizer": "galore_adamw_8bit", "max_steps": 1},
     # DPO + LoRA on two named modules only (not peft's default for Llama), the reference scored once before training;

@@ -66,35 +66,33 @@ def test_the_margin_decides_at_the_edge(tmp_path):
 
 def test_where_all_activations_do_not_fit_only_the_fewest_layers_that_must_recompute(tmp_path):
     """Issue #53: the 8B LoRA at 80 GB recomputed all 32 layers (a third of the step) where a few were enough. Between
-    "none fits" and "all are needed" auto takes the largest every-n-th whose estimate plus the margin fits: the next
-    larger n (fewer layers) would not fit, and the nodes get n."""
-    plan = plan_json(tmp_path, 80)
+    "none fits" and "all are needed" auto takes the fewest first layers whose estimate plus the margin fits: one
+    layer fewer would not fit, and the nodes get the count."""
+    plan = plan_json(tmp_path, 60)
     [m], [task] = plan["memory"], plan["tasks"]
     decided = m["gradient_checkpointing"]
-    n = decided["every_n_layers"]
-    assert decided["on"] and 1 < n < 32, decided
-    k = -(-32 // n)
-    assert f"on for every {n}" in decided["why"] and f"{k} of 32 recompute" in decided["why"], decided
-    assert m["total_gib"] * (1 + AUTO_CHECKPOINTING_MARGIN) <= 80  # the estimate plan shows is the one with n
-    assert task["spec"]["train"]["gradient_checkpointing"] is True and task["spec"]["train"]["gradient_checkpointing_every"] == n
-    fewer = next(f for f in range(n + 1, 33) if -(-32 // f) < k)  # the next choice recomputing fewer layers
-    bigger = plan_json(tmp_path, 1000, f"gradient_checkpointing = true\ngradient_checkpointing_every = {fewer}")["memory"][0]
-    assert bigger["total_gib"] * (1 + AUTO_CHECKPOINTING_MARGIN) > 80
+    k = decided["layers"]
+    assert decided["on"] and 1 < k < 32, decided
+    assert f"on for the first {k} of 32 layers" in decided["why"], decided
+    assert m["total_gib"] * (1 + AUTO_CHECKPOINTING_MARGIN) <= 60  # the estimate plan shows is the one with k
+    assert task["spec"]["train"]["gradient_checkpointing"] is True and task["spec"]["train"]["gradient_checkpointing_layers"] == k
+    fewer = plan_json(tmp_path, 1000, f"gradient_checkpointing = true\ngradient_checkpointing_layers = {k - 1}")["memory"][0]
+    assert fewer["total_gib"] * (1 + AUTO_CHECKPOINTING_MARGIN) > 60
     # the more layers recompute, the smaller the estimate: all of them is the old "on"
-    totals = [plan_json(tmp_path, 1000, f"gradient_checkpointing = true\ngradient_checkpointing_every = {e}")["memory"][0]["total_gib"]
-              for e in (32, 8, 2, 1)]
+    totals = [plan_json(tmp_path, 1000, f"gradient_checkpointing = true\ngradient_checkpointing_layers = {n}")["memory"][0]["total_gib"]
+              for n in (1, 8, 16, 32)]
     assert totals == sorted(totals, reverse=True) and totals[-1] == plan_json(tmp_path, 24)["memory"][0]["total_gib"]
-    # a user's own n with "auto": kept when checkpointing is needed, named in the decision
-    mine = plan_json(tmp_path, 80, "gradient_checkpointing_every = 2")
-    assert mine["memory"][0]["gradient_checkpointing"]["every_n_layers"] == 2
-    assert mine["tasks"][0]["spec"]["train"]["gradient_checkpointing_every"] == 2
-    # ... and dropped when it is not: the nodes never read an n beside checkpointing off
-    roomy = plan_json(tmp_path, 141, "gradient_checkpointing_every = 2")["tasks"][0]["spec"]["train"]
-    assert roomy["gradient_checkpointing"] is False and roomy["gradient_checkpointing_every"] is None
+    # a user's own count with "auto": kept when checkpointing is needed ...
+    mine = plan_json(tmp_path, 60, "gradient_checkpointing_layers = 20")
+    assert mine["memory"][0]["gradient_checkpointing"]["layers"] == 20
+    assert mine["tasks"][0]["spec"]["train"]["gradient_checkpointing_layers"] == 20
+    # ... and dropped when it is not: the nodes never read a count beside checkpointing off
+    roomy = plan_json(tmp_path, 141, "gradient_checkpointing_layers = 20")["tasks"][0]["spec"]["train"]
+    assert roomy["gradient_checkpointing"] is False and roomy["gradient_checkpointing_layers"] is None
 
 
-def test_an_n_beside_checkpointing_off_is_refused_at_validate(tmp_path):
-    path = spec_file(tmp_path, LORA_8B.format(extra="gradient_checkpointing = false\ngradient_checkpointing_every = 2"))
+def test_a_layer_count_beside_checkpointing_off_is_refused_at_validate(tmp_path):
+    path = spec_file(tmp_path, LORA_8B.format(extra="gradient_checkpointing = false\ngradient_checkpointing_layers = 2"))
     run = cli(path, "validate")
     assert run.returncode == 2 and "none do" in run.stdout + run.stderr and "Traceback" not in run.stderr, run.stdout + run.stderr
 

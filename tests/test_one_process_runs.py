@@ -5,7 +5,7 @@ the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and
   run is refused by the node with its reason (NVMe offload without DeepSpeed's async_io op / libaio);
   examples/zero3_offload.toml runs with its own [deepspeed] table;
 - spec keys that only training shows: train.optimizer = "apollo_adamw" (trains) and "galore_adamw_8bit"
-  (refused on a CPU node, with the reason), warmup_ratio (the learning rate of each step), gradient_checkpointing_every
+  (refused on a CPU node, with the reason), warmup_ratio (the learning rate of each step), gradient_checkpointing_layers
   (the layers that recompute, as the model ran), DPO's
   precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter),
   checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it);
@@ -102,7 +102,7 @@ def test_apollo_trains_and_warmup_ratio_shapes_the_learning_rate(runs):
     row = rows["apollo"]
     assert row["ok"], f"{row.get('error')}\n{row.get('trace', '')}"
     assert row["optimizer"] == "apollo_torch.AdamW" and row["steps"] == 4
-    assert row["gradient_checkpointing"] and row["checkpointed_layers"] == [1, 2]  # gradient_checkpointing_every = 2
+    assert row["gradient_checkpointing"] and row["checkpointed_layers"] == [1, 2]  # gradient_checkpointing_layers = 1
     assert all(math.isfinite(x) for x in row["loss"]) and row["loss"][-1] < row["loss"][0]
     # linear schedule, lr 1e-3, 4 steps, warmup_ratio 0.5: 2 warm-up steps (without it: 1e-3, 7.5e-4, 5e-4, 2.5e-4)
     assert row["learning_rate"] == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])

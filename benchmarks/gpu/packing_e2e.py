@@ -45,9 +45,11 @@ VARIANTS = {
     "swiftslurm": lambda assets: {},
     "swiftslurm_defaults": lambda assets: {"gradient_checkpointing": None},  # None: the key left out (its default, "auto")
     "swiftslurm_ckpt": lambda assets: {"gradient_checkpointing": "true"},  # the default before issue #34
-    "swiftslurm_every2": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "2"},  # half the layers recompute
-    "swiftslurm_every4": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "4"},  # a quarter
-    "swiftslurm_every8": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_every": "8"},  # an eighth
+    # the first k decoder layers recompute (gradient_checkpointing_layers); of the 8B shape's 32: a half, a quarter, an eighth
+    "swiftslurm_layers16": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "16"},
+    "swiftslurm_layers8": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "8"},
+    "swiftslurm_layers4": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "4"},
+    "swiftslurm_layers24": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "24"},
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_dsnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, DeepSpeed's own grad norm (ARM_PATH)
@@ -245,12 +247,15 @@ checks = []
             summary = run_dir / "train-summary.json"
             if summary.exists():
                 res["attn"] = json.loads(summary.read_text()).get("attn_implementation")
+                res["summary"] = json.loads(summary.read_text()).get("text", "").splitlines()[3:4]  # the kernels line
+            for ckpt in run_dir.glob("checkpoint-*"):  # the run's last save: a 3B full fine-tune's is ~48 GB of a 64 GB disk
+                shutil.rmtree(ckpt, ignore_errors=True)
             # plan's estimate for this arm beside the measured peak, and what "auto" checkpointing resolved to
             arm_plan = json.loads(subprocess.run(["swiftslurm", "plan", str(spec), "--json"], capture_output=True, text=True).stdout or "{}")
             m = (arm_plan.get("memory") or [{}])[0]
             res.update(estimate_allocated_gib=m.get("allocated_gib"), estimate_total_gib=m.get("total_gib"),
                        gradient_checkpointing=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing"),
-                       checkpointing_every=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing_every"),
+                       checkpointing_layers=(arm_plan.get("tasks") or [{}])[0].get("spec", {}).get("train", {}).get("gradient_checkpointing_layers"),
                        checkpointing_why=(m.get("gradient_checkpointing") or {}).get("why"))
         elif arm == "trl_packed":  # TRL's SFTTrainer with its own packing (BFD, padding-free) on the same records
             bare_dir = work / "bare" / arm

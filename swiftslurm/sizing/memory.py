@@ -10,7 +10,7 @@ model states   DeepSpeed's own formulas (``estimate_zero2_model_states_mem_needs
 activations    tokens per rank = micro-batch x max_length / sequence_parallel. With gradient checkpointing a
                recomputed layer keeps its input (hidden x tokens) and one layer at a time holds its full
                activations again; a layer that is not recomputed (without checkpointing, or between the
-               recomputed ones with ``gradient_checkpointing_every`` > 1) holds them from forward to backward.
+               layers after the ``gradient_checkpointing_layers`` first) holds them from forward to backward.
                What a layer keeps depends on its kernels: Liger's RMSNorm and SwiGLU keep fewer tensors
                than transformers' eager ones (``liger_layers``), and peft's LoRA forward keeps a dropped-out
                copy of each adapted projection's input (``_lora_dropout_bytes``). Plus the logits and the
@@ -118,7 +118,7 @@ class Settings:
     liger_layers: bool = False  # Liger's RMSNorm/RoPE/SwiGLU replace the model's (use_liger_kernel true, or "auto" with it installed)
     lora_dropout: float = 0.0  # train.lora_dropout (LoRA): what its forward keeps depends on fused_lora
     fused_lora: bool = True  # train.fused_lora in effect (not under ZeRO-3 or compile): the mask drawn in the kernel
-    checkpoint_every: int = 1  # train.gradient_checkpointing_every: with checkpointing, every n-th layer recomputes
+    checkpoint_layers: int | None = None  # train.gradient_checkpointing_layers: with checkpointing, the first k recompute (None: all)
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
         (ACT_HIDDEN_TERMS, ACT_INTERMEDIATE_TERMS)
     per_token = (hidden_terms * h + 2 * kv_width) // tp + inter_terms * shape.intermediate_size // tp + RESIDUAL_TERMS * h
     one_layer = b * tokens * per_token + tokens * _lora_dropout_bytes(shape, s) // tp
-    recomputed = checkpointed_layers(shape.num_layers, s.checkpoint_every) if s.gradient_checkpointing else 0
+    recomputed = min(shape.num_layers, s.checkpoint_layers or shape.num_layers) if s.gradient_checkpointing else 0
     # a recomputed layer keeps its input (and one at a time holds its full activations again in the backward); the
     # others keep their full activations from the forward to their backward
     acts = b * tokens * h * recomputed + (one_layer if recomputed else 0) + one_layer * (shape.num_layers - recomputed)
@@ -201,12 +201,6 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     else:
         logits = tokens * logits_per_token(shape, s.task) * (b + LOGIT_BYTES_EXTRA)
     return acts, logits
-
-
-def checkpointed_layers(layers: int, every: int) -> int:
-    """How many of ``layers`` decoder layers recompute their activations when every ``every``-th does (transformers'
-    ``every_n_layers``: the layers whose index is a multiple of it)."""
-    return -(-layers // max(1, every))
 
 
 def _lora_dropout_bytes(shape: ModelShape, s: Settings) -> int:

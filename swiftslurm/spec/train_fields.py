@@ -137,12 +137,12 @@ class MemoryFields(Table):
     gradient_checkpointing: Union[bool, Literal["auto"]] = Field("auto", description=(
         'recompute activations in the backward pass: `true`, `false`, or `"auto"` = off where `plan`\'s memory'
         ' estimate without it (+5%) fits `slurm.gpu_memory_gb`, else on for the fewest layers that fit (see '
-        '`gradient_checkpointing_every`); on for CPU jobs and unknown model shapes'
+        '`gradient_checkpointing_layers`); on for CPU jobs and unknown model shapes'
     ))
-    gradient_checkpointing_every: Union[int, None] = Field(None, ge=1, le=4096, description=(
-        'with gradient checkpointing on, recompute only every n-th decoder layer (transformers\' `every_n_layers`; '
-        'the others keep their activations, which is faster): `1` = every layer. Unset: 1, or with '
-        '`gradient_checkpointing = "auto"` the largest n whose memory estimate (+5%) fits'
+    gradient_checkpointing_layers: Union[int, None] = Field(None, ge=1, le=100_000, description=(
+        'with gradient checkpointing on, how many decoder layers recompute their activations: the first ones; the '
+        'others keep theirs, which is faster. Unset: all, or with `gradient_checkpointing = "auto"` the fewest whose '
+        'memory estimate (+5%) fits'
     ))
 
 

@@ -39,10 +39,10 @@ def train_problems(t: Any) -> list[str]:
     if galore_keys and t.optimizer not in LOW_RANK:
         out.append(f"{', '.join(galore_keys)} set with optimizer = {t.optimizer!r}: they configure the low-rank "
                    "optimizers only. HINT: optimizer = \"galore_adamw\" (or galore_adamw_8bit, apollo_adamw), or drop them")
-    if t.gradient_checkpointing is False and t.gradient_checkpointing_every is not None:
+    if t.gradient_checkpointing is False and t.gradient_checkpointing_layers is not None:
         out.append(
-            f"gradient_checkpointing_every = {t.gradient_checkpointing_every} with gradient_checkpointing = false: it "
-            "chooses which layers recompute their activations, and none do. HINT: drop it, or set "
+            f"gradient_checkpointing_layers = {t.gradient_checkpointing_layers} with gradient_checkpointing = false: it "
+            "says how many layers recompute their activations, and none do. HINT: drop it, or set "
             "gradient_checkpointing = true (or \"auto\")")
     if t.attn_implementation == "varlen_attn":
         packs = TASKS[t.task].packs

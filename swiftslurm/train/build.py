@@ -175,9 +175,9 @@ def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobS
 
     sizing, _ = size_task(spec, ds_config or {}, read_disk=True)
     decided = sizing.checkpointing if sizing is not None else None
-    on, every = (decided.on, decided.every if decided.on else None) if decided is not None else (True, spec.train.gradient_checkpointing_every)
+    on, layers = (decided.on, decided.layers if decided.on else None) if decided is not None else (True, spec.train.gradient_checkpointing_layers)
     return spec.model_copy(update={"train": spec.train.model_copy(update={"gradient_checkpointing": on,
-                                                                          "gradient_checkpointing_every": every})})
+                                                                          "gradient_checkpointing_layers": layers})})
 
 
 def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None):
@@ -244,11 +244,10 @@ def training_kwargs(spec: JobSpec, output_dir: str, ds_config: dict[str, Any], c
         data_seed=t.seed,
         bf16=t.bf16,
         fp16=t.fp16,
-        # transformers' own names (gradient_checkpointing* are their deprecated aliases); every_n_layers: which
-        # decoder layers recompute (train.gradient_checkpointing_every, or what plan's estimate chose for "auto")
+        # transformers' own names (gradient_checkpointing* are their deprecated aliases); every layer is enabled here,
+        # and trainer.RecomputeFirstLayers keeps train.gradient_checkpointing_layers of them at the start of training
         activation_checkpointing=bool(t.gradient_checkpointing),
-        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": t.gradient_checkpointing_every or 1}
-        if t.gradient_checkpointing else None,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
         deepspeed=ds_config or None,
         use_cpu=not cuda,
         report_to=report or "none",

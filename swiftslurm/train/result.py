@@ -66,7 +66,7 @@ def read_summary(output_dir: str) -> str | None:
 
 
 def _checkpointing(result: TrainResult) -> str:
-    """"off", "on", or "on for 16 of 32 layers" (gradient_checkpointing_every > 1)."""
+    """"off", "on", or "on for 16 of 32 layers" (gradient_checkpointing_layers below the model's count)."""
     recomputing, layers = result.checkpointed_layers
     if not result.gradient_checkpointing:
         return "off"

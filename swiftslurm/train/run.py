@@ -267,10 +267,10 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
 
 def recomputing_layers(model) -> tuple[int, int]:
     """(decoder layers that recompute their activations in the backward, decoder layers): what the model on the node
-    runs with (transformers' per-layer flag, set by ``activation_checkpointing_enable(every_n_layers=...)``)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    runs with (transformers' per-layer flag: ``activation_checkpointing_enable``, then ``RecomputeFirstLayers``)."""
+    from .trainer import decoder_layers
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     return sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers), len(layers)
 
 
@@ -296,6 +296,10 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
     watch = deadline.watch_for(spec, dist, output_dir, lambda: meter.last_step_s)  # save before USR2 if it would not fit
     schedule = ScheduleCallback(should_stop, list(spec.checkpoint.forced_save_fractions), meter, watchdog, deadline=watch)
     callbacks: list[Any] = [schedule]
+    if spec.train.gradient_checkpointing is True and spec.train.gradient_checkpointing_layers:
+        from .trainer import RecomputeFirstLayers
+
+        callbacks.append(RecomputeFirstLayers(spec.train.gradient_checkpointing_layers))
     metrics_path = Path(output_dir) / METRICS_FILE
     if dist.rank == 0:
         callbacks.append(MetricsFileCallback(metrics_path))

@@ -303,6 +303,27 @@ class SwiftTrainer(Trainer):
             log.warning("%s", record["advice"])
 
 
+def decoder_layers(model) -> list[Any]:
+    """The model's repeated decoder layers, in order: the modules transformers' activation checkpointing flags."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class RecomputeFirstLayers(TrainerCallback):
+    """``train.gradient_checkpointing_layers = k``: of the layers the Trainer enabled for checkpointing (every one,
+    before ``on_train_begin``), only the first ``k`` recompute their activations in the backward; the others keep
+    them (the memory ``plan`` sized for k)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for index, layer in enumerate(decoder_layers(model) if model is not None else []):
+            if index >= self.layers:
+                layer.gradient_checkpointing = False
+
+
 class StoppedBeforeFirstStep(Exception):
     """The walltime signal came while the run was loading (model, engine, checkpoint): every rank raises it from
     ``on_train_begin``, before a step, and the trainer stops for requeue with no new checkpoint to save."""
