@@ -190,7 +190,9 @@ def merged_model(src: Source, log: Log) -> tuple[Any, Any]:
     lora_keys = {k for k in model.state_dict() if "lora_" in k}
     with _loading():
         loaded = _adapter_keys(src)
-        load_adapter(model, src.checkpoint)
+        load_adapter(model, src.checkpoint, "the checkpoint's adapter",
+                     "the checkpoint's spec (its LoRA rank and target modules) is not the one that wrote these weights: "
+                     "export a checkpoint written by swiftslurm's trainer, or fix the spec it carries")
     missing = sorted(k for k in lora_keys if _peft_key(k) not in loaded)
     if missing:
         raise ModelMisfit("the adapter does not cover the LoRA layers of its own config", f"{len(missing)} missing ({', '.join(missing[:3])})",

@@ -97,8 +97,10 @@ def load_full(model: Any, ckpt: Path, train_type: str) -> None:
             "start from a checkpoint of the same model (train.model as when it was trained)")
 
 
-def load_adapter(model: Any, ckpt: Path) -> None:
-    """An adapter's weights into the peft ``model`` (after LoRA wrapped it); a no-op without an adapter."""
+def load_adapter(model: Any, ckpt: Path, what: str = "the adapter of train.resume_from",
+                 hint: str = "use the lora_rank, lora_alpha and lora_target_modules it was trained with") -> None:
+    """An adapter's weights into the peft ``model`` (after LoRA wrapped it); a no-op without an adapter. ``what`` and
+    ``hint`` name the adapter and the way out for the caller (a resume, an export) in the refusal."""
     name = next((n for n in ADAPTER if (ckpt / n).is_file()), None)
     if name is None:
         return
@@ -107,10 +109,9 @@ def load_adapter(model: Any, ckpt: Path) -> None:
     try:
         result = set_peft_model_state_dict(model, _read(ckpt / name))
     except RuntimeError as exc:  # shapes: another lora_rank or target modules
-        raise RuntimeEnvError("the adapter of train.resume_from does not fit this LoRA setup", f"{ckpt / name}: {str(exc).splitlines()[0][:300]}",
-                              "use the lora_rank, lora_alpha and lora_target_modules it was trained with") from None
+        raise RuntimeEnvError(f"{what} does not fit this LoRA setup", f"{ckpt / name}: {str(exc).splitlines()[0][:300]}",
+                              hint) from None
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
-        raise RuntimeEnvError("the adapter of train.resume_from does not fit this LoRA setup",
-                              f"{ckpt / name}: {len(unexpected)} unexpected weights ({', '.join(unexpected[:3])})",
-                              "use the lora_target_modules it was trained with")
+        raise RuntimeEnvError(f"{what} does not fit this LoRA setup",
+                              f"{ckpt / name}: {len(unexpected)} unexpected weights ({', '.join(unexpected[:3])})", hint)
