@@ -136,13 +136,13 @@ class MemoryFields(Table):
     # plan resolves "auto" by its memory estimate
     gradient_checkpointing: Union[bool, Literal["auto"]] = Field("auto", description=(
         'recompute activations in the backward pass: `true`, `false`, or `"auto"` = off where `plan`\'s memory'
-        ' estimate without it (+5%) fits `slurm.gpu_memory_gb`, else on for the fewest layers that fit (see '
+        ' estimate without it (+10%) fits `slurm.gpu_memory_gb`, else on for the fewest layers that fit (see '
         '`gradient_checkpointing_layers`); on for CPU jobs and unknown model shapes'
     ))
     gradient_checkpointing_layers: Union[int, None] = Field(None, ge=1, le=100_000, description=(
         'with gradient checkpointing on, how many decoder layers recompute their activations: the first ones; the '
         'others keep theirs, which is faster. Unset: all, or with `gradient_checkpointing = "auto"` the fewest whose '
-        'memory estimate (+5%) fits'
+        'memory estimate (+10%) fits'
     ))
 
 
