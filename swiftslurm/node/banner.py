@@ -103,7 +103,7 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
     ckpt = spec.train.gradient_checkpointing
     why = (decisions or {}).get("train.gradient_checkpointing") or \
         ("on (auto)" if ckpt == "auto" else f"{'on' if ckpt else 'off'} (set in the spec)")
-    if ckpt is True and spec.train.gradient_checkpointing_layers and "first" not in why:
+    if ckpt is True and spec.train.gradient_checkpointing_layers and "train.gradient_checkpointing" not in (decisions or {}):
         why += f", the first {spec.train.gradient_checkpointing_layers} layers"
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"

@@ -256,8 +256,8 @@ def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gp
         return Checkpointing(False, f"off (auto): {found}; recomputing activations would only cost speed")
     total = shape.num_layers
     for k in [layers] if layers else range(1, total):  # the fewest layers recomputed first
-        if k < total and need(True, k) <= room:
-            with_k = need(True, k)
+        with_k = need(True, k) if k < total else room + 1
+        if with_k <= room:
             return Checkpointing(True, f"on for the first {k} of {total} layers (auto): {found}; with {k} recomputed "
                                  f"{with_k / (1 + AUTO_CHECKPOINTING_MARGIN) / GIB:.1f} GiB "
                                  f"(+{AUTO_CHECKPOINTING_MARGIN:.0%} = {with_k / GIB:.1f}) fits", k)
