@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import Problem, SpecError
-from .sizing.check import Sizing, size_task
+from .sizing.check import Sizing, resolve_async_save, size_task
 from .spec.load import NO_TRAIN_NOTE, JobSpec, _sweep_overrides, apply_overrides, check_files, validate_spec
 from .spec.model import SlurmTable, is_local_image
 from .taskdir import PLAN_FILE
@@ -371,6 +371,11 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
                              "set up sequence/tensor parallel itself (the degrees are in the plan file)"]
         task_out = str(PurePosixPath(output_dir) / str(index)) if spec.sweep else output_dir
         problems += _resume_from_problems(task_spec, output_dir, task_out, check_disk)
+        saving = None
+        if ds is not None and not task_spec.train.command:  # our Trainer's saves; a script of the user's saves its own way
+            saving = resolve_async_save(task_spec.checkpoint.async_save, bool(task_spec.slurm.gpus_per_node),
+                                        sizing.memory if sizing is not None else None, task_spec.slurm.mem)
+            problems += [saving.problem] if saving.problem is not None else []
         if problems:
             failing.append(_task_problems(index, overrides, problems))
             continue
@@ -380,6 +385,9 @@ def make_plan(spec: JobSpec, raw: dict[str, Any], base_dir: str, source: str = "
             task_spec = task_spec.model_copy(update={"train": task_spec.train.model_copy(update={
                 "gradient_checkpointing": decided.on, "gradient_checkpointing_layers": decided.layers if decided.on else None})})
             decisions["train.gradient_checkpointing"] = decided.why
+        if saving is not None and task_spec.checkpoint.async_save == "auto":  # the nodes get a bool
+            task_spec = task_spec.model_copy(update={"checkpoint": task_spec.checkpoint.model_copy(update={"async_save": saving.on})})
+            decisions["checkpoint.async_save"] = saving.why
         tasks.append(Task(index, overrides, task_out, task_spec, decisions))
         ds_configs.append(ds)
         sizings.append(sizing)

@@ -125,11 +125,11 @@ def test_sigkill_at_random_moments_never_loses_or_exposes_a_checkpoint(tmp_path)
 
 # ---------------------------------------------------------------- the real trainer, killed mid-save
 
-def train_spec(out: Path, data: Path, steps: int) -> str:
+def train_spec(out: Path, data: Path, steps: int, async_save: bool = False) -> str:
     return tiny_spec("fault", out, data=data, slurm={"tasks_per_node": 1},
                      train={"learning_rate": 1e-3, "max_steps": steps, "max_length": 128, "save_steps": 2,
                             "logging_steps": 1, "report_to": ["none"]},
-                     checkpoint={"keep": 2, "forced_save_fractions": []}, preflight={"checks": []},
+                     checkpoint={"keep": 2, "forced_save_fractions": [], "async_save": async_save}, preflight={"checks": []},
                      env={"OMP_NUM_THREADS": "1"})
 
 
@@ -177,12 +177,14 @@ def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_pat
 
     steps = 16
     root = Path(__file__).resolve().parents[1]
-    toml = train_spec(tmp_path / "out", root / "examples/data/alpaca_demo.jsonl", steps)
-    plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
     out = tmp_path / "out"
     rng = random.Random(7)
     resumed_at = 0
     for trial in range(2):
+        # trial 0 saves synchronously; trial 1 (and the last start) with checkpoint.async_save, where the kill lands
+        # while the background thread writes, hashes or commits (training goes on meanwhile)
+        toml = train_spec(out, root / "examples/data/alpaca_demo.jsonl", steps, async_save=trial == 1)
+        plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
         # each commit sleeps 3 x 0.4 s, two of them before the staging dir is renamed: a kill within 0.6 s of the
         # staging dir's appearing lands while the save writes or commits it, at a random point of that
         proc = _start_trainer(plan, delay_s="0.4")

@@ -180,6 +180,33 @@ def test_resume_reproduces_the_uninterrupted_losses(demo, stopped):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4), (step, resumed, reference)
 
 
+def test_an_async_save_writes_the_synchronous_bytes_and_a_walltime_stop_commits_it_first(demo):
+    """checkpoint.async_save: the save at step 25 is copied off the training's path and committed by a background
+    thread (slowed to >= 3 s) while training goes on; the walltime stop at step 26 waits for that commit, then saves
+    26. Checkpoint-25 holds the bytes the demo's synchronous save of step 25 wrote, file for file."""
+    _, demo_out, tmp = demo
+    spec, out = quickstart_spec(tmp, "async", logging_steps=1)
+    data = tomllib.loads(Path(spec).read_text())
+    data["checkpoint"]["async_save"] = True
+    Path(spec).write_text(to_toml(data))
+    results = run(spec, out, stop_at_step=26, extra_env={"SWIFTSLURM_CKPT_TEST_DELAY_S": "1"})
+    assert [r["global_step"] for r in results] == [26, 26] and all(r["stopped_for_requeue"] for r in results)
+    for name in ("checkpoint-25", "checkpoint-26"):
+        assert ck.verify(out / name).ok, ck.verify(out / name).problems
+    assert (out / "latest").read_text().strip().endswith("checkpoint-26") and not list(out.glob(".staging-*"))
+    ours, theirs = ck.read_manifest(out / "checkpoint-25").files, ck.read_manifest(demo_out / "checkpoint-25").files
+    # trainer_state.json carries the logged wall times, training_args.bin the output dir: every other file is the same
+    differ = sorted(rel for rel in set(ours) | set(theirs) if ours.get(rel) != theirs.get(rel))
+    assert differ == ["trainer_state.json", "training_args.bin"], differ
+    assert any(rel.endswith("optim_states.pt") for rel in ours)  # DeepSpeed's shards: the files the background wrote
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stall = next(r for r in rows if r["step"] == 25 and "checkpoint_stall_s" in r)
+    done = next(r for r in rows if r.get("checkpoint_step") == 25)  # logged when the background commit finished
+    assert done["checkpoint_save_s"] >= 3 > stall["checkpoint_stall_s"] and stall["checkpoint_staged_mb"] > 0, (stall, done)
+    last = next(r for r in rows if r["step"] == 26 and "checkpoint_stall_s" in r)
+    assert last["checkpoint_wait_s"] > 0.5 and "checkpoint_step" not in last  # the stop's save waited, then saved at once
+
+
 def test_zero3_full_saves_consolidated_weights_that_load_with_same_logits(tmp_path):
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -13,6 +13,7 @@ it leaves a complete, verifiable checkpoint. ``latest`` is a convenience: resume
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -48,6 +49,39 @@ def hash_own_files(staging: Path | str, rank: int, algo: str, workers: int = 4) 
     staging = Path(staging)
     own = [rel for rel in walk_files(staging) if owner_rank(rel) == rank]
     return hash_files(staging, own, algo, workers=workers) if own else {}
+
+
+# A background save's ranks hand rank 0 their shards' hashes as files in the staging dir (no collective: the training's
+# process groups belong to the training thread); rank 0 reads them all, removes the folder, then commits.
+RANK_HASHES_DIR = ".rank-hashes"
+
+
+def publish_rank_hashes(staging: Path | str, rank: int, hashes: dict[str, dict]) -> None:
+    """This rank's part of a background save is written and hashed: ``{rel: {size, checksum}}`` for rank 0."""
+    folder = Path(staging) / RANK_HASHES_DIR
+    folder.mkdir(exist_ok=True)
+    atomic_write_text(folder / f"rank-{int(rank)}.json", json.dumps(hashes))
+
+
+def collect_rank_hashes(staging: Path | str, world_size: int, timeout_s: float, poll_s: float = 0.05) -> dict[str, dict]:
+    """Rank 0: wait until every other rank of ``world_size`` published its hashes (``TimeoutError`` after ``timeout_s``,
+    naming the ranks missing), merge them, and remove the folder so the manifest does not list it. Rank 0's own files
+    are hashed by ``commit``."""
+    folder = Path(staging) / RANK_HASHES_DIR
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(1, world_size) if not (folder / f"rank-{r}.json").is_file()]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {missing} did not finish writing their part of {Path(staging).name} within "
+                               f"{timeout_s:g} s")
+        time.sleep(poll_s)
+    merged: dict[str, dict] = {}
+    for r in range(1, world_size):
+        merged.update(json.loads((folder / f"rank-{r}.json").read_text()))
+    shutil.rmtree(folder, ignore_errors=True)
+    return merged
 
 
 def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, hashes: dict | None = None,

@@ -105,6 +105,9 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
         ("on (auto)" if ckpt == "auto" else f"{'on' if ckpt else 'off'} (set in the spec)")
     if ckpt is True and spec.train.gradient_checkpointing_layers and "train.gradient_checkpointing" not in (decisions or {}):
         why += f", the first {spec.train.gradient_checkpointing_layers} layers"
+    saving = spec.checkpoint.async_save
+    saves = (decisions or {}).get("checkpoint.async_save") or \
+        ("on for GPU jobs, off on CPU (auto)" if saving == "auto" else f"{'on' if saving else 'off'} (set in the spec)")
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
     if not spec.has_training:
@@ -118,7 +121,7 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
         ("mode", mode),
         ("runs", what),
         ("deepspeed", spec.train.deepspeed if trains else "-"),
-        *([("gradient checkpointing", why)] if trains else []),
+        *([("gradient checkpointing", why), ("background saves", saves)] if trains else []),
         ("resume from", resume),
         ("output", output_dir),
         *([("container", container_row(spec.container, env or {}))] if getattr(spec, "container", None) is not None else []),

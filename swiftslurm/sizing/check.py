@@ -265,6 +265,52 @@ def resolve_checkpointing(shape: ModelShape, s: Settings, layout: lay.Layout, gp
                          + ("" if not layers or layers >= total else f", nor with the first {layers} layers recomputed"), layers)
 
 
+@dataclass(frozen=True)
+class AsyncSave:
+    """``checkpoint.async_save`` decided for a task: on or off, and why; ``problem`` when the spec's ``true`` cannot fit."""
+
+    on: bool
+    why: str
+    problem: Problem | None = None
+
+
+ASYNC_SAVE_CPU = "a CPU job (slurm.gpus_per_node = 0): its state is in host memory already, and the copy would double it"
+
+
+def mem_bytes(mem: str | None) -> int | None:
+    """``slurm.mem`` (sbatch syntax, megabytes without a suffix) in bytes; None when unset or 0 (all of the node's)."""
+    if not mem:
+        return None
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = int(mem[:-1]) * scale[mem[-1]] if mem[-1] in scale else int(mem) << 20
+    return value or None
+
+
+def resolve_async_save(setting: bool | str, gpus: bool, memory: MemoryEstimate | None, mem: str | None) -> AsyncSave:
+    """``checkpoint.async_save`` (pure). "auto": on for GPU jobs unless the host copy of a save (the estimate's
+    ``checkpoint_bytes_per_node``) does not fit ``slurm.mem``; off on CPU jobs. ``true`` where it does not fit: the
+    problem validate reports (the nodes would run out of host memory at the first save)."""
+    node = mem_bytes(mem)
+    staged = memory.checkpoint_bytes_per_node if memory is not None else None
+    too_big = node is not None and staged is not None and staged > node
+    found = (f"a save stages {staged / GIB:.1f} GiB of host memory per node, slurm.mem = {mem}" if staged is not None and node
+             else None)
+    if setting is False:
+        return AsyncSave(False, "off (checkpoint.async_save = false)")
+    if setting is True:
+        if too_big:
+            return AsyncSave(False, "", Problem("checkpoint.async_save", "the host copy of an asynchronous save does not fit "
+                                                "the node's memory", str(found), "raise slurm.mem, or set "
+                                                "checkpoint.async_save = false (a synchronous save stages nothing)"))
+        return AsyncSave(True, "on (checkpoint.async_save = true)")
+    if not gpus:
+        return AsyncSave(False, "off (auto): " + ASYNC_SAVE_CPU)
+    if too_big:
+        return AsyncSave(False, f"off (auto): {found}; saves are synchronous")
+    return AsyncSave(True, "on (auto): the step's state is copied to pinned host memory and written in the background"
+                     + (f" ({found})" if found else ""))
+
+
 def grpo_settings(t: Any) -> dict[str, Any]:
     """What GRPO adds to a step's memory (``task = "grpo"``): the reference model, a frozen copy of the weights,
     when the KL term is on and the adapter cannot stand in for it (full fine-tuning); and the KV cache of the

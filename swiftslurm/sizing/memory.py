@@ -131,6 +131,7 @@ class MemoryEstimate:
     trainable_params: int
     total_params: int
     notes: tuple[str, ...] = ()
+    checkpoint_bytes_per_node: int = 0  # what a save writes from one node: the host copy an asynchronous save stages
 
     @property
     def fits(self) -> bool:
@@ -141,7 +142,8 @@ class MemoryEstimate:
         return {"per_rank_gib": {k: gb(v) for k, v in self.parts.items()}, "allocated_gib": gb(self.allocated_bytes),
                 "total_gib": gb(self.total_bytes), "gpu_memory_gib": gb(self.gpu_memory_bytes), "fits": self.fits,
                 "cpu_per_node_gib": gb(self.cpu_bytes_per_node), "total_params": self.total_params,
-                "trainable_params": self.trainable_params, "notes": list(self.notes)}
+                "trainable_params": self.trainable_params, "checkpoint_per_node_gib": gb(self.checkpoint_bytes_per_node),
+                "notes": list(self.notes)}
 
 
 def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int) -> tuple[int, int, int, int]:
@@ -269,7 +271,18 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
     parts = {"weights": weights, **({"reference": ref} if ref else {}), "gradients_optimizer": states, "activations": acts,
              "logits_loss": logits, **rl, **({"step_reuses_activations": -reuse} if reuse else {}), "overhead": overhead}
-    return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes))
+    return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes),
+                          checkpoint_bytes_per_node(s, layout, trainable, total))
+
+
+def checkpoint_bytes_per_node(s: Settings, layout: Layout, trainable: int, total: int) -> int:
+    """The bytes one node's ranks write in a save (pure): each rank its shard of the optimizer's states (mixed precision:
+    the fp32 master weights and two moments, 12 bytes per trainable parameter; fp32: the two moments), sharded over the
+    ZeRO partitions, and rank 0 the model's weights (a LoRA run: the adapter's)."""
+    per_param = 12 if s.half_precision else 8
+    states = per_param * trainable // (layout.zero_partitions if s.zero_stage else 1)
+    weights = (2 if s.half_precision else 4) * (trainable if s.train_type == "lora" else total)
+    return max(1, s.ranks_per_node) * states + weights
 
 
 # ZeRO settings from the fastest to the most frugal: (label, stage, offload optimizer, offload params)

@@ -395,6 +395,7 @@ class CheckpointTable(_Table):
     allow_spec_change: bool = False
     convert_timeout_s: int = Field(1800, ge=10, le=86400)
     deadline_save: bool = True
+    async_save: Literal["auto"] | bool = "auto"
 
     @field_validator("forced_save_fractions")
     @classmethod

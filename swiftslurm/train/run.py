@@ -101,12 +101,14 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
 
         job = RunFacts(spec.job.name, spec.train.train_type, spec.checkpoint.checksum, spec.checkpoint.keep,
                        spec.slurm.signal_grace_s, parallel.global_batch(spec), fingerprint, kern.packs,
-                       _zero_stage(ds_config), fuses_lora(spec), **parallel.degrees_json(spec))
+                       _zero_stage(ds_config), fuses_lora(spec), **parallel.degrees_json(spec),
+                       async_save=background_saves(spec, cuda))
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
                                  eval_dataset)
         try:
             startup.mark("starting DeepSpeed (deepspeed.initialize) and loading the checkpoint")
             trainer.train(resume_from_checkpoint=resume_from)
+            trainer.finish_saves()  # the run's last save is waited for already; a save in flight is committed now
         except StoppedBeforeFirstStep:  # the walltime signal came while loading: tools.schedule says so
             pass
         except SwiftSlurmError as exc:
@@ -132,6 +134,13 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     del trainer, model
     shut_down_distributed()  # no rank may abort at exit: train/shutdown.py says why
     return result
+
+
+def background_saves(spec: JobSpec, cuda: bool) -> bool:
+    """``checkpoint.async_save`` on this node: plan turned "auto" into a bool for submitted jobs; a run without a
+    plan (a local run of the spec) takes "auto" as on where the ranks train on GPUs."""
+    setting = spec.checkpoint.async_save
+    return cuda if setting == "auto" else bool(setting)
 
 
 # ---------------------------------------------------------------- the phases of train()

@@ -27,6 +27,7 @@ from .collective import all_reduce_values, stop_flag_group
 from .health import startup
 from .health.gpuutil import gpu_fields, rank_slots
 from .health.metrics import MetricsFile, StepMeter
+from .save.background import BackgroundSave
 
 log = logging.getLogger("swiftslurm.train")
 
@@ -70,6 +71,7 @@ class RunFacts:
     fused_lora: bool
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    async_save: bool = False  # checkpoint.async_save, resolved: DeepSpeed's shards written in the background
 
 
 class SwiftTrainer(Trainer):
@@ -86,6 +88,7 @@ class SwiftTrainer(Trainer):
         self.save_seconds: list[float] = []
         self.committed: list[str] = []
         self.deadline = None  # a train.deadline.DeadlineWatch: told each save's time, reports deadline_margin_s
+        self.saves = BackgroundSave()  # checkpoint.async_save: the save in flight
 
     def create_optimizer(self, model=None):
         """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
@@ -225,6 +228,8 @@ class SwiftTrainer(Trainer):
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
             logs.update(gpu_fields(utils))
         super().log(logs, start_time)
+        if "loss" in logs:  # a background save that finished since: its figures on a line of their own
+            self._log_finished_saves()
 
     # ---- verified checkpoints
     def _output_dir(self) -> str:
@@ -237,7 +242,13 @@ class SwiftTrainer(Trainer):
         return os.path.join(self._output_dir(), SAVE_LINK_DIR)
 
     def _save_checkpoint(self, model, trial) -> None:
+        """One verified save (docs/checkpoints.md). With ``checkpoint.async_save`` the DeepSpeed shards are copied to
+        host memory here and written, hashed and committed by a background thread (``save.background``), while
+        training goes on; a save that ends the run (walltime, deadline, early stop, the last step) is waited for, so
+        the stop report follows its commit. Either way one save at a time: this one first waits for the last."""
         start = time.perf_counter()
+        waited = self.saves.wait()  # the previous background save, committed
+        self._log_finished_saves()
         out, step = self._output_dir(), self.state.global_step
         link = Path(out) / SAVE_LINK_DIR / f"checkpoint-{step}"
         staging = ck.staging_dir(out, step)
@@ -248,42 +259,115 @@ class SwiftTrainer(Trainer):
                 link.unlink()
             os.symlink(os.path.relpath(staging, link.parent), link)
         _barrier()
-        super()._save_checkpoint(model, trial)
+        staged = self._stage_writes() if self.job.async_save and not self._run_ends_here() else None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            if staged is not None:
+                engine: Any = self.model_wrapped
+                engine.checkpoint_engine = staged.wrapped
         _barrier()
-        phases: dict[str, float] = {"write": time.perf_counter() - start}
-        # every rank hashes the files it wrote, in parallel; rank 0 hashes the shared ones in commit and merges
-        t_hash = time.perf_counter()
-        rank = self.args.process_index
-        own = ck.hash_own_files(staging, rank, self.job.checksum) if rank != 0 else {}
-        phases["hash"] = time.perf_counter() - t_hash
-        hashes = _gather_hashes(own)
         if self.args.process_index == 0:
             link.unlink()
             try:
                 link.parent.rmdir()
             except OSError:
                 pass
-            meta = {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
-                    "data_position": {"epoch": self.state.epoch,
-                                      ("packed_rows" if self.job.packing else "samples"): step * self.job.global_batch},
-                    "job_name": self.job.name, "train_type": self.job.train_type,
-                    "spec_fingerprint": self.job.spec_fingerprint,
-                    "parallel": {"sequence_parallel": self.job.sequence_parallel,
-                                 "tensor_parallel": self.job.tensor_parallel},
-                    "dp_world_size": self.args.world_size, "zero_stage": self.job.zero_stage}  # universal.writer_layout
-            final = ck.final_dir(out, step)
-            meta["hashed_on_ranks"] = len(hashes)  # files whose hash a rank other than 0 computed
-            ck.commit(staging, final, algo=self.job.checksum, meta=meta, hashes=hashes, timings=phases)
-            self.committed.append(str(final))
+        meta, best = self._save_meta(step), self._best_step()
+        if staged is not None:
+            stall = time.perf_counter() - start
+            self.saves.submit(lambda: self._finish_in_background(staged, staging, step, meta, best, start))
+            self.log({"checkpoint_stall_s": stall, "checkpoint_copy_s": staged.copy_s, "checkpoint_wait_s": waited,
+                      "checkpoint_staged_mb": staged.nbytes / 2**20})
+            return
+        phases: dict[str, float] = {"write": time.perf_counter() - start - waited, **({"wait": waited} if waited else {})}
+        # every rank hashes the files it wrote, in parallel; rank 0 hashes the shared ones in commit and merges
+        t_hash = time.perf_counter()
+        rank = self.args.process_index
+        own = ck.hash_own_files(staging, rank, self.job.checksum) if rank != 0 else {}
+        phases["hash"] = time.perf_counter() - t_hash
+        hashes = _gather_hashes(own)
+        if rank == 0:
+            self._commit(staging, step, meta, hashes, phases)
         _barrier()
-        if self.args.process_index == 0:
-            if self.args.metric_for_best_model:  # the best evaluation's checkpoint, before retention sees the dir
-                ck.point_best(out, self.state.best_global_step)
-            t_prune = time.perf_counter()
-            for path in ck.prune(out, self.job.keep):
-                log.info("pruned old checkpoint %s", path)
-            phases["prune"] = time.perf_counter() - t_prune
+        if rank == 0:
+            self._prune(best, phases)
         seconds = time.perf_counter() - start
+        self.log({"checkpoint_save_s": seconds, "checkpoint_stall_s": seconds, **self._account(step, seconds, phases)})
+
+    def _run_ends_here(self) -> bool:
+        """This save is the run's last (a walltime or deadline stop, early stopping, the last step): it is waited for."""
+        return bool(self.control.should_training_stop) or self.state.global_step >= self.state.max_steps
+
+    def _stage_writes(self):
+        """Swap the DeepSpeed engine's checkpoint engine for one that snapshots each file (``save.snapshot``); None
+        (a synchronous save) where the engine is not DeepSpeed's plain ``torch.save`` one."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from .save.snapshot import StagedWrites
+
+        wrapped: Any = self.model_wrapped
+        engine = getattr(wrapped, "checkpoint_engine", None)
+        if type(engine) is not TorchCheckpointEngine:
+            return None
+        staged = StagedWrites(engine)
+        wrapped.checkpoint_engine = staged
+        return staged
+
+    def _finish_in_background(self, staged, staging: Path, step: int, meta: dict, best: int | None, start: float) -> dict:
+        """The background half: write the snapshots, hash this rank's files and hand them to rank 0, which waits for
+        every rank's, commits and prunes. Returns the figures to log (the training thread logs them)."""
+        t0 = time.perf_counter()
+        try:
+            staged.write_all()
+        finally:
+            staged.drop()
+        phases: dict[str, float] = {"write": time.perf_counter() - t0}
+        t_hash = time.perf_counter()
+        rank = self.args.process_index
+        if rank != 0:
+            ck.publish_rank_hashes(staging, rank, ck.hash_own_files(staging, rank, self.job.checksum))
+        phases["hash"] = time.perf_counter() - t_hash
+        if rank == 0:
+            hashes = ck.collect_rank_hashes(staging, self.args.world_size, timeout_s=float(self.args.ddp_timeout))
+            self._commit(staging, step, meta, hashes, phases)
+            self._prune(best, phases)
+        seconds = time.perf_counter() - start
+        return {"checkpoint_save_s": seconds, "checkpoint_step": step, **self._account(step, seconds, phases)}
+
+    def _save_meta(self, step: int) -> dict[str, Any]:
+        return {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
+                "data_position": {"epoch": self.state.epoch,
+                                  ("packed_rows" if self.job.packing else "samples"): step * self.job.global_batch},
+                "job_name": self.job.name, "train_type": self.job.train_type,
+                "spec_fingerprint": self.job.spec_fingerprint,
+                "parallel": {"sequence_parallel": self.job.sequence_parallel,
+                             "tensor_parallel": self.job.tensor_parallel},
+                "dp_world_size": self.args.world_size, "zero_stage": self.job.zero_stage}  # universal.writer_layout
+
+    def _best_step(self) -> int | None:
+        """The best evaluation's step, as of this save (its pointer is set once this save is committed)."""
+        return self.state.best_global_step if self.args.metric_for_best_model else None
+
+    def _commit(self, staging: Path, step: int, meta: dict, hashes: dict, phases: dict[str, float]) -> None:
+        """Rank 0: seal the staging dir as ``checkpoint-<step>``."""
+        final = ck.final_dir(self._output_dir(), step)
+        meta = {**meta, "hashed_on_ranks": len(hashes)}  # files whose hash a rank other than 0 computed
+        ck.commit(staging, final, algo=self.job.checksum, meta=meta, hashes=hashes, timings=phases)
+        self.committed.append(str(final))
+
+    def _prune(self, best: int | None, phases: dict[str, float]) -> None:
+        """Rank 0, after a commit: the best checkpoint's pointer, then retention."""
+        out = self._output_dir()
+        if best is not None:  # the best evaluation's checkpoint, before retention sees the dir
+            ck.point_best(out, best)
+        t_prune = time.perf_counter()
+        for path in ck.prune(out, self.job.keep):
+            log.info("pruned old checkpoint %s", path)
+        phases["prune"] = time.perf_counter() - t_prune
+
+    def _account(self, step: int, seconds: float, phases: dict[str, float]) -> dict[str, float]:
+        """A committed save's figures: kept for the summary and the deadline, recorded (rank 0), returned to log."""
         self.save_seconds.append(seconds)
         margin: dict[str, float] = {}
         if self.deadline is not None:
@@ -291,9 +375,18 @@ class SwiftTrainer(Trainer):
             left = self.deadline.margin_s()
             if left is not None:  # rank 0 of a Slurm job: seconds left after this save
                 margin["deadline_margin_s"] = left
-        self.log({"checkpoint_save_s": seconds, **{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin})
         if self.args.process_index == 0:
             self._check_grace(step, seconds, phases)
+        return {**{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin}
+
+    def _log_finished_saves(self) -> None:
+        for figures in self.saves.take_done():
+            self.log(figures)
+
+    def finish_saves(self) -> None:
+        """After training: the save in flight (none where the run's last save was waited for) is committed."""
+        self.saves.wait()
+        self._log_finished_saves()
 
     def _check_grace(self, step: int, save_s: float, phases: dict[str, float]) -> None:
         """Record this save's phases (checkpoint-save.json) and warn when a walltime save would not fit
