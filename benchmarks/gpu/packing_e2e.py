@@ -66,6 +66,9 @@ VARIANTS = {
     # saves every 10 steps: today's save (rank 0 writes from its module) and the Trainer's own (ARM_PATH), issue 54
     "swiftslurm_save": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
     "swiftslurm_save_trainerpath": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
+    # issue 54: a save every 10 steps, synchronous vs in the background (CKPT_EXTRA); --logging-steps 1 for the stalls
+    "swiftslurm_save_sync": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
+    "swiftslurm_save_async": lambda assets: {"gradient_checkpointing": None, "save_steps": "10"},
     "swiftslurm_rows8k_sdpa": lambda assets: {"max_length": "8192", "per_device_train_batch_size": "1", "attn_implementation": '"sdpa"'},
     "swiftslurm_flex": lambda assets: {"attn_implementation": '"flex_attention"'},
     "swiftslurm_sdpa": lambda assets: {"attn_implementation": '"sdpa"'},  # packed-sequence mask through sdpa
@@ -95,6 +98,8 @@ DS_EXTRA = {
     # the one-rank default before the eighth run (dsconfig.one_rank turns it off on one rank)
     "swiftslurm_contig": "[deepspeed.zero_optimization]\ncontiguous_gradients = true\n",
 }
+# [checkpoint] keys of an arm (keep = 2, the least: a 1.5B full fine-tune's save is ~24 GB of a 64 GB disk)
+CKPT_EXTRA = {"swiftslurm_save_sync": "async_save = false\nkeep = 2\n", "swiftslurm_save_async": "async_save = true\nkeep = 2\n"}
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
 ARM_ENV = {"swiftslurm_stepsync": {"PHASE_PROBE_STEP_SYNC": "1"}}
@@ -131,6 +136,30 @@ def throughput(rows: list[dict], useful_key: str, warmup: int) -> dict:
     return {"steps": len(span), "useful_tokens": int(useful), "wall_s": round(wall, 2),
             "useful_tokens_s": round(useful / wall) if wall > 0 else None,
             "interval_tokens_s": [round(rates[0]), round(statistics.median(rates)), round(rates[-1])] if rates else None}
+
+
+def save_stalls(rows: list[dict]) -> dict:
+    """What each save cost the training (the run logs every step): the gap between the loss rows of steps s and s+1
+    around a save after step s, minus the median gap of steps 3 or more away from any save (the normal step); and,
+    for a background save, the steps that ran while it was written (s+2 up to the step whose log carries its
+    ``checkpoint_step``) with their median gap over the normal one. The run's last save (nothing after it) is left out."""
+    times = {r["step"]: r["time"] for r in rows if "loss" in r}
+    gaps = {s: times[s] - times[s - 1] for s in times if s - 1 in times}
+    saved = sorted({r["step"] for r in rows if "checkpoint_stall_s" in r})
+    far = [g for s, g in gaps.items() if all(not 0 <= s - v - 1 < 3 for v in saved)]
+    normal = statistics.median(far) if far else None
+    out = []
+    for v in saved:
+        if v + 1 not in gaps or normal is None:
+            continue
+        logged = next(r for r in rows if r["step"] == v and "checkpoint_stall_s" in r)
+        done = next((r["step"] for r in rows if r.get("checkpoint_step") == v), None)
+        during = [gaps[s] for s in range(v + 2, (done or v + 1) + 1) if s in gaps]
+        out.append({"step": v, "stall_s": round(gaps[v + 1] - normal, 3), "logged_stall_s": round(logged["checkpoint_stall_s"], 3),
+                    "save_s": round(next((r["checkpoint_save_s"] for r in rows if r.get("checkpoint_step") == v), logged.get("checkpoint_save_s", 0)), 3),
+                    "steps_during_write": len(during),
+                    "step_ratio_during_write": round(statistics.median(during) / normal, 3) if during else None})
+    return {"normal_step_s": round(normal, 4) if normal else None, "saves": out}
 
 
 def phases(path: Path, warmup: int) -> dict:
@@ -206,7 +235,7 @@ output_dir = "{run_dir}"
 """ + "".join(f"{k} = {v}\n" for k, v in train.items()) + """
 [checkpoint]
 forced_save_fractions = []
-[preflight]
+""" + CKPT_EXTRA.get(arm, "") + """[preflight]
 checks = []
 """ + DS_EXTRA.get(arm, ""))
         return spec, run_dir
@@ -236,6 +265,8 @@ checks = []
             pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
             waits = [r["data_wait_ratio"] for r in rows if r.get("step", 0) > a.warmup and "data_wait_ratio" in r]
             saves = [r for r in rows if "checkpoint_save_s" in r]  # each save's seconds and phases (checkpoint_<phase>_s)
+            if any("checkpoint_stall_s" in r for r in rows):
+                res["stalls"] = save_stalls(rows)
             if saves:
                 res["saves"] = [{k: round(v, 2) for k, v in r.items() if k.startswith("checkpoint_") and isinstance(v, (int, float))}
                                 for r in saves]
@@ -300,6 +331,9 @@ checks = []
         theirs = results.get(base, {}).get("useful_tokens_s")
         if ours and theirs:
             ratios[f"swiftslurm_vs_{base}"] = round(ours / theirs, 3)
+    sync, background = (results.get(arm, {}).get("stalls", {}).get("saves") for arm in ("swiftslurm_save_sync", "swiftslurm_save_async"))
+    if sync and background:  # the same save points: the background save's stall over the synchronous one's, each save
+        ratios["async_vs_sync_stall"] = [round(b["stall_s"] / s["stall_s"], 3) for s, b in zip(sync, background) if s["stall_s"] > 0]
     record(out, {"what": "packing_e2e_ratios", **ratios})
 
 
