@@ -142,24 +142,28 @@ class _State:
 
 def _start(task, job_id: str, resumed: bool, steps: list[int]) -> dict[str, str]:
     """One start of a task's training without the training: open its trackers, log ``steps``, close (paused)."""
-    import threading
-
     from swiftslurm.train.tracking.session import open_trackers
 
     with contextlib.ExitStack() as stack:
         (callback,) = open_trackers(task.spec, dist_env(job_id), task.output_dir, resumed, stack)
         for step in steps:
             callback.on_log(None, _State(step), None, logs={"loss": 1.0 / step, "epoch": 0.1 * step, "note": "text"})
-    # a paused start leaves a close that outlives its budget (PAUSE_CLOSE_S) running: the test reads the run files
-    # only once every close has finished. And W&B writes its offline run file from its own service process, which
-    # flushes and closes the file after run.finish() has returned (under load the test read a file that held no run
-    # record yet): wandb.teardown() waits for that process, as the atexit hook of a real rank does
+    settle_trackers()
+    return runfile.read_ids(Path(task.output_dir) / TRACKER_FILE) or {}
+
+
+def settle_trackers() -> None:
+    """Before a test reads the trackers' files: a paused start leaves a close that outlives its budget (PAUSE_CLOSE_S)
+    running, so every close is joined. And W&B writes its offline run file from its own service process, which flushes
+    and closes the file after run.finish() has returned (under load tests read a file that held no run record yet, or
+    a run without its history rows): wandb.teardown() waits for that process, as the atexit hook of a real rank does."""
+    import threading
+
     for thread in threading.enumerate():
         if thread.name.startswith("close-"):
             thread.join(120)
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()
-    return runfile.read_ids(Path(task.output_dir) / TRACKER_FILE) or {}
 
 
 def mlflow_metric(store: Path, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -181,6 +185,8 @@ def mlflow_runs(store: Path) -> dict[str, dict[str, str]]:
 
 
 def wandb_runs(task_dir: Path) -> list[dict]:
+    """Every offline run file of a task dir, read once this process's W&B service has written it (``settle_trackers``)."""
+    settle_trackers()
     return [run_facts(f) for f in sorted((task_dir / WANDB_RUNS_DIR).glob("offline-run-*/run-*.wandb"))]
 
 
