@@ -444,6 +444,12 @@ def child_env(
         defaults["TORCH_FR_DUMP_TEMP_FILE"] = f"{log_dir}/{FR_DUMP_NAME}"
     if pg_timeout_s:
         defaults["DEEPSPEED_TIMEOUT"] = str(-(-pg_timeout_s // 60))
+    cpus = base_env.get("SLURM_CPUS_PER_TASK", "")
+    if "OMP_NUM_THREADS" not in base_env and cpus.isdigit() and int(cpus) > 0:
+        # torch's intra-op threads, as torchrun sets them: the CPUs Slurm gave this task. Unset, every rank starts one
+        # thread per core of the node, and without Slurm's CPU binding (TaskPlugin=task/none) the ranks of a node
+        # oversubscribe its cores, their OpenMP threads spinning at each other's barriers
+        defaults["OMP_NUM_THREADS"] = cpus
     out.update(defaults)
     out.update(dist_vars(dist))
     out.update(spec_env)

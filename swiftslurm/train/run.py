@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,11 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
 
     fingerprint = training_fingerprint(spec, ds_config)  # before anything may fill in the ds config
     cuda = prepare_device_env()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # the export step set it (distenv.child_env): torch may have started its pool
+        import torch
+
+        torch.set_num_threads(int(threads))
     check_optimizer(spec.train.optimizer, cuda)
     check_offload(ds_config)
     import transformers
