@@ -18,6 +18,7 @@ from ..fsutil import RECORD_CAP, atomic_write_text, read_json
 from ..taskdir import SAVE_FILE
 
 PHASES = ("write", "fsync", "hash", "commit", "prune")  # keys ``<phase>_s`` in the record
+# also in the record: ``stall_s``, the part of the save the training stood still for (all of it unless async_save)
 HEADROOM = 1.25  # the suggested grace period covers one step + one save with 25% to spare
 
 

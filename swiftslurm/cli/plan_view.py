@@ -89,6 +89,8 @@ def sizing_table(plan: Plan) -> Table | None:
         table.add_row("total", Text.from_markup(f"{gib(m.total_bytes)} of {gib(m.gpu_memory_bytes)} (slurm.gpu_memory_gb): {verdict}"))
         if m.cpu_bytes_per_node:
             table.add_row("host memory (offload)", f"{gib(m.cpu_bytes_per_node)} per node")
+        if m.checkpoint_bytes_per_node:
+            table.add_row("a checkpoint", f"{gib(m.checkpoint_bytes_per_node)} per node (an async save stages it in host memory)")
     for line in sizing.advice:
         table.add_row("fits too" if m is not None and m.fits else "would fit", Text(line))
     for note in sizing.notes:

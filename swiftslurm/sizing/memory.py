@@ -278,10 +278,13 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
 def checkpoint_bytes_per_node(s: Settings, layout: Layout, trainable: int, total: int) -> int:
     """The bytes one node's ranks write in a save (pure): each rank its shard of the optimizer's states (mixed precision:
     the fp32 master weights and two moments, 12 bytes per trainable parameter; fp32: the two moments), sharded over the
-    ZeRO partitions, and rank 0 the model's weights (a LoRA run: the adapter's)."""
+    ZeRO partitions, and rank 0 the model's weights (a LoRA run: the adapter's); under ZeRO-3 each rank its partition
+    of them."""
     per_param = 12 if s.half_precision else 8
     states = per_param * trainable // (layout.zero_partitions if s.zero_stage else 1)
     weights = (2 if s.half_precision else 4) * (trainable if s.train_type == "lora" else total)
+    if s.zero_stage == 3:  # each rank its partition of the weights (the gathered 16-bit copy is the Trainer's own write)
+        return max(1, s.ranks_per_node) * (states + weights // layout.zero_partitions)
     return max(1, s.ranks_per_node) * states + weights
 
 

@@ -276,7 +276,7 @@ class SwiftTrainer(Trainer):
         meta, best = self._save_meta(step), self._best_step()
         if staged is not None:
             stall = time.perf_counter() - start
-            self.saves.submit(lambda: self._finish_in_background(staged, staging, step, meta, best, start))
+            self.saves.submit(lambda: self._finish_in_background(staged, staging, step, meta, best, start, stall))
             self.log({"checkpoint_stall_s": stall, "checkpoint_copy_s": staged.copy_s, "checkpoint_wait_s": waited,
                       "checkpoint_staged_mb": staged.nbytes / 2**20})
             return
@@ -293,7 +293,7 @@ class SwiftTrainer(Trainer):
         if rank == 0:
             self._prune(best, phases)
         seconds = time.perf_counter() - start
-        self.log({"checkpoint_save_s": seconds, "checkpoint_stall_s": seconds, **self._account(step, seconds, phases)})
+        self.log({"checkpoint_save_s": seconds, "checkpoint_stall_s": seconds, **self._account(step, seconds, phases, seconds)})
 
     def _run_ends_here(self) -> bool:
         """This save is the run's last (a walltime or deadline stop, early stopping, the last step): it is waited for."""
@@ -314,7 +314,8 @@ class SwiftTrainer(Trainer):
         wrapped.checkpoint_engine = staged
         return staged
 
-    def _finish_in_background(self, staged, staging: Path, step: int, meta: dict, best: int | None, start: float) -> dict:
+    def _finish_in_background(self, staged, staging: Path, step: int, meta: dict, best: int | None, start: float,
+                              stall: float) -> dict:
         """The background half: write the snapshots, hash this rank's files and hand them to rank 0, which waits for
         every rank's, commits and prunes. Returns the figures to log (the training thread logs them)."""
         t0 = time.perf_counter()
@@ -333,7 +334,7 @@ class SwiftTrainer(Trainer):
             self._commit(staging, step, meta, hashes, phases)
             self._prune(best, phases)
         seconds = time.perf_counter() - start
-        return {"checkpoint_save_s": seconds, "checkpoint_step": step, **self._account(step, seconds, phases)}
+        return {"checkpoint_save_s": seconds, "checkpoint_step": step, **self._account(step, seconds, phases, stall)}
 
     def _save_meta(self, step: int) -> dict[str, Any]:
         return {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
@@ -366,8 +367,9 @@ class SwiftTrainer(Trainer):
             log.info("pruned old checkpoint %s", path)
         phases["prune"] = time.perf_counter() - t_prune
 
-    def _account(self, step: int, seconds: float, phases: dict[str, float]) -> dict[str, float]:
-        """A committed save's figures: kept for the summary and the deadline, recorded (rank 0), returned to log."""
+    def _account(self, step: int, seconds: float, phases: dict[str, float], stall: float) -> dict[str, float]:
+        """A committed save's figures: kept for the summary and the deadline, recorded with the training's stall
+        (rank 0: checkpoint-save.json, which doctor reads), returned to log."""
         self.save_seconds.append(seconds)
         margin: dict[str, float] = {}
         if self.deadline is not None:
@@ -376,7 +378,7 @@ class SwiftTrainer(Trainer):
             if left is not None:  # rank 0 of a Slurm job: seconds left after this save
                 margin["deadline_margin_s"] = left
         if self.args.process_index == 0:
-            self._check_grace(step, seconds, phases)
+            self._check_grace(step, seconds, {**phases, "stall": stall})
         return {**{f"checkpoint_{k}_s": v for k, v in phases.items()}, **margin}
 
     def _log_finished_saves(self) -> None:

@@ -85,7 +85,10 @@ def walltime_loop(run: TaskRun) -> list[Finding]:
                for r in tail[-3:])
     if save:
         ev += (Evidence("checkpoint-save.json", None, 0, "", save.get("step") if isinstance(save.get("step"), int) else None,
-                        f"last save took {save.get('save_s')} s, signal_grace_s {save.get('signal_grace_s')}"),)
+                        f"last save took {save.get('save_s')} s"
+                        + (f" (training stalled {save.get('stall_s')} s of it, the rest in the background)"
+                           if isinstance(save.get("stall_s"), (int, float)) and save["stall_s"] < (save.get("save_s") or 0) else "")
+                        + f", signal_grace_s {save.get('signal_grace_s')}"),)
     return [Finding(
         "walltime_loop", f"stopped at walltime {len(tail)} times in a row "
         + (f"without getting past step {step}" if isinstance(step, int) else "without recording a step (no checkpoint to resume from)"),

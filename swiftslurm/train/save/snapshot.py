@@ -15,6 +15,7 @@ synchronous ``torch.save`` of the same step (tests/test_async_save.py compares t
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.serialization
 
+log = logging.getLogger("swiftslurm.train")
 # host copy's storage (its C pointer) -> the original's device tag, for the tagger below; an entry lives from the
 # snapshot to the end of its write
 _LOCATIONS: dict[int, str] = {}
@@ -163,7 +165,10 @@ class StagedWrites:
         real = os.path.realpath(path)
         try:
             snap = snapshot(state_dict)
-        except Unsupported:
+        except (Unsupported, MemoryError, torch.OutOfMemoryError) as exc:  # written now, as without async_save
+            if not self.direct:
+                log.warning("checkpoint: %s written synchronously: %s", os.path.basename(real),
+                            exc if isinstance(exc, Unsupported) else f"no host memory for its copy ({exc})")
             self.wrapped.save(state_dict, real)
             self.direct.append(real)
         else:
