@@ -333,7 +333,7 @@ checks = []
             ratios[f"swiftslurm_vs_{base}"] = round(ours / theirs, 3)
     sync, background = (results.get(arm, {}).get("stalls", {}).get("saves") for arm in ("swiftslurm_save_sync", "swiftslurm_save_async"))
     if sync and background:  # the same save points: the background save's stall over the synchronous one's, each save
-        ratios["async_vs_sync_stall"] = [round(b["stall_s"] / s["stall_s"], 3) for s, b in zip(sync, background) if s["stall_s"] > 0]
+        ratios["async_vs_sync_stall"] = [round(b["stall_s"] / s["stall_s"], 3) for s, b in zip(sync, background, strict=False) if s["stall_s"] > 0]
     record(out, {"what": "packing_e2e_ratios", **ratios})
 
 
