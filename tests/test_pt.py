@@ -137,7 +137,9 @@ def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_o
     steps, pt = 60, {"task": "pt"}
     ref_job, ref_out = submit(tmp_path, "pt-reference", "00:10:00", steps=steps, data=DEMO, train=pt)
     # every step at least 0.2 s (the watchdog's test hook; the losses do not change): the signal lands mid-run
-    req_job, req_out = submit(tmp_path, "pt-requeued", "00:10:00", steps=steps, min_step_s=0.2, data=DEMO, train=pt)
+    # and it saves in the background (checkpoint.async_save): rank 1 on the other node hands rank 0 its shards' hashes
+    req_job, req_out = submit(tmp_path, "pt-requeued", "00:10:00", steps=steps, min_step_s=0.2, data=DEMO, train=pt,
+                              checkpoint={"async_save": True})
     try:
         _signal_at_step(req_job, req_out, 10, timeout_s=600)
         ref_state = wait_for_job(ref_job, timeout_s=600)
@@ -165,3 +167,12 @@ def test_pt_on_two_nodes_stopped_by_the_walltime_signal_requeues_to_the_losses_o
         assert newest is not None and ck.read_manifest(newest).step == steps and ck.read_manifest(newest).meta["world_size"] == 2
         kept = [p for p in out.glob("checkpoint-*") if p.is_dir()]
         assert len(kept) == 2 and all(ck.verify(p).ok for p in kept), kept  # checkpoint.keep = 2, each re-hashed
+    # the forced save at step 30 of the requeued run was written and committed in the background, across the two nodes,
+    # and holds the bytes of the reference's synchronous one: DeepSpeed's shards and every rank's rng state
+    rows = [json.loads(line) for line in (req_out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("checkpoint_step") == steps // 2 for r in rows), "no background commit of the forced save was logged"
+    ours, theirs = (ck.read_manifest(out / f"checkpoint-{steps // 2}") for out in (req_out, ref_out))
+    assert ours.meta["hashed_on_ranks"] == theirs.meta["hashed_on_ranks"] >= 2  # rank 1's rng state and optimizer shard
+    shards = sorted(rel for rel in theirs.files if rel.endswith(".pt") or rel.endswith(".pth"))
+    assert shards and all(ours.files[rel] == theirs.files[rel] for rel in shards), \
+        [rel for rel in shards if ours.files.get(rel) != theirs.files[rel]]

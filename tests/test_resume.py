@@ -42,16 +42,17 @@ MAX_STEPS = int(os.environ.get("SWIFTSLURM_RESUME_TEST_STEPS", "600"))
 MIN_STEP_S = 108 / MAX_STEPS  # 108 s of training at least: more than two 1-minute slots hold
 
 def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = MAX_STEPS, min_step_s: float = 0.0,
-           data: Path = DATA, train: dict | None = None) -> tuple[str, Path]:
+           data: Path = DATA, train: dict | None = None, checkpoint: dict | None = None) -> tuple[str, Path]:
     """Submit the spec of job ``resume-<name>`` (2 nodes x 1 rank, ZeRO-2, full fine-tuning) into ``tmp/<name>``;
-    ``train``: keys added to its [train] table."""
+    ``train``, ``checkpoint``: keys added to its [train] and [checkpoint] tables."""
     out = tmp / name
     spec = tmp / f"{name}.toml"
-    spec.write_text(resume_spec(f"resume-{name}", out, time_limit, nodes, steps, min_step_s, data, train or {}))
+    spec.write_text(resume_spec(f"resume-{name}", out, time_limit, nodes, steps, min_step_s, data, train or {}, checkpoint or {}))
     return submit_spec(spec, out), out
 
 
-def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, min_step_s: float, data: Path, train: dict) -> str:
+def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, min_step_s: float, data: Path, train: dict,
+                checkpoint: dict | None = None) -> str:
     # min_step_s: every step takes at least this long (the watchdog's test hook): the number of walltime stops no longer
     # depends on how fast this machine is. nodes != 2: a later leg on another world size, and longer (max_steps is part
     # of the spec fingerprint), so the spec may change. no_progress_attempts: a start that meets its signal before step 1
@@ -61,7 +62,8 @@ def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, m
                             "no_progress_attempts": 5},
                      train={"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "max_steps": steps, "max_length": 128,
                             "save_steps": 1000, "logging_steps": 1, "report_to": ["none"], **train},
-                     checkpoint={"keep": 2, "forced_save_fractions": [0.5], **({"allow_spec_change": True} if nodes != 2 else {})},
+                     checkpoint={"keep": 2, "forced_save_fractions": [0.5], **({"allow_spec_change": True} if nodes != 2 else {}),
+                                 **(checkpoint or {})},
                      preflight={"checks": []},
                      env={"OMP_NUM_THREADS": "1", **({"SWIFTSLURM_TEST_MIN_STEP_S": str(min_step_s)} if min_step_s else {})})
 
