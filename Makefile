@@ -40,7 +40,10 @@ cluster-down:
 ds-ops: $(VENV)/.installed
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TORCH_EXTENSIONS_DIR="$(CURDIR)/$(VENV)/torch_extensions" DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" >/dev/null
 
+# the package's and the tests' bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (CI's machines), every one
+# of the suite's ~2,700 Python processes compiled them again (0.6 s of CPU per rank start, 0.1 s per CLI call)
 test: setup ds-ops
+	$(PY) -m compileall -q swiftslurm tests >/dev/null
 	bash tests/cluster/up.sh
 	$(PY) -m pytest -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests; rc=$$?; bash tests/cluster/down.sh; exit $$rc
 
