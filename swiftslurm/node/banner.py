@@ -107,7 +107,7 @@ def banner_rows(dist: DistEnv, spec: JobSpec, output_dir: str, mode: str, resume
         why += f", the first {spec.train.gradient_checkpointing_layers} layers"
     saving = spec.checkpoint.async_save
     saves = (decisions or {}).get("checkpoint.async_save") or \
-        ("on for GPU jobs, off on CPU (auto)" if saving == "auto" else f"{'on' if saving else 'off'} (set in the spec)")
+        ("off (auto)" if saving == "auto" else f"{'on' if saving else 'off'} (set in the spec)")
     job = dist.requeue_id + (f" (restart {dist.restart_count})" if dist.restart_count else "")
     what = " ".join(spec.train.command) if spec.train.command else f"{spec.train.model} ({spec.train.train_type})"
     if not spec.has_training:

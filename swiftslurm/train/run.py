@@ -144,9 +144,8 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
 
 def background_saves(spec: JobSpec, cuda: bool) -> bool:
     """``checkpoint.async_save`` on this node: plan turned "auto" into a bool for submitted jobs; a run without a
-    plan (a local run of the spec) takes "auto" as on where the ranks train on GPUs."""
-    setting = spec.checkpoint.async_save
-    return cuda if setting == "auto" else bool(setting)
+    plan takes "auto" as plan does (off for now: ``sizing.check.resolve_async_save``)."""
+    return spec.checkpoint.async_save is True
 
 
 # ---------------------------------------------------------------- the phases of train()
