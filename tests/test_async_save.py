@@ -127,3 +127,18 @@ def test_rank_0_waits_for_every_rank_s_hashes_and_names_the_missing(tmp_path):
     ck.publish_rank_hashes(staging, 2, {"rng_state_2.pth": {"size": 3, "checksum": "y"}})
     assert set(ck.collect_rank_hashes(staging, 3, timeout_s=1)) == {"rng_state_1.pth", "rng_state_2.pth"}
     assert list(staging.iterdir()) == []  # the hand-over is not part of the checkpoint
+
+
+def test_a_hand_over_file_that_is_not_a_hash_record_is_refused_not_trusted(tmp_path):
+    from swiftslurm.fsutil import Unreadable
+
+    staging = ck.prepare_staging(tmp_path, 5)
+    folder = staging / ".rank-hashes"
+    folder.mkdir()
+    (folder / "rank-1.json").write_text("[1, 2, 3]")  # a JSON list where rank 1's {file: hash} belongs
+    with pytest.raises(Unreadable):
+        ck.collect_rank_hashes(staging, 2, timeout_s=1)
+    (folder / "rank-1.json").unlink()
+    (folder / "rank-1.json").symlink_to("/etc/passwd")  # a link out of the staging dir is never followed
+    with pytest.raises(Unreadable):
+        ck.collect_rank_hashes(staging, 2, timeout_s=1)

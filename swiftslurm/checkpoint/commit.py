@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..fsutil import atomic_write_text, fsync_path
+from ..fsutil import atomic_write_text, fsync_path, read_json
 from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
 from .names import DELETING_PREFIX, LATEST_NAME, owner_rank, staging_dir, step_of
@@ -79,7 +79,7 @@ def collect_rank_hashes(staging: Path | str, world_size: int, timeout_s: float, 
         time.sleep(poll_s)
     merged: dict[str, dict] = {}
     for r in range(1, world_size):
-        merged.update(json.loads((folder / f"rank-{r}.json").read_text()))
+        merged.update(read_json(folder / f"rank-{r}.json", follow_symlinks=False))  # capped, a dict, no link followed
     shutil.rmtree(folder, ignore_errors=True)
     return merged
 
