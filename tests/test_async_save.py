@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,10 @@ def planned(tmp_path: Path, slurm: str, tables: str = ""):
     return make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source=str(path))
 
 
-def test_auto_is_off_with_its_reason_and_true_is_on_where_the_host_copy_fits(tmp_path):
+def test_auto_is_on_for_gpu_jobs_whose_copy_fits_and_off_for_cpu_jobs_with_the_reason(tmp_path):
     gpu = planned(tmp_path, "nodes = 1\ngpus_per_node = 8")
-    [task] = gpu.tasks  # off until a GPU check shows the bytes of a synchronous save (docs/benchmarks.md)
-    assert task.spec.checkpoint.async_save is False and task.decisions["checkpoint.async_save"].startswith("off (auto)")
-    assert "checkpoint.async_save = true turns it on" in task.decisions["checkpoint.async_save"]
+    [task] = gpu.tasks  # on: a GPU job whose copy fits (slurm.mem unset: the node's memory)
+    assert task.spec.checkpoint.async_save is True and task.decisions["checkpoint.async_save"].startswith("on (auto): a GPU job")
     chosen = planned(tmp_path, 'nodes = 1\ngpus_per_node = 8\nmem = "512G"', "[checkpoint]\nasync_save = true\n")
     assert chosen.tasks[0].spec.checkpoint.async_save is True and "checkpoint.async_save" not in chosen.tasks[0].decisions
     cpu = planned(tmp_path, "nodes = 1\ntasks_per_node = 2")
@@ -84,6 +84,69 @@ def test_a_snapshot_writes_the_bytes_torch_save_wrote_at_that_moment(tmp_path):
     snap.save(str(tmp_path / "async" / "shard.pt"))
     assert _digest(tmp_path / "async" / "shard.pt") == _digest(tmp_path / "sync" / "shard.pt")
     assert snap.nbytes == (40 + 3 + 3 + 1) * 4 + 7 * 2 + 2 * 4  # each storage copied once
+
+
+def test_strings_the_pickle_shares_with_torch_stay_shared(tmp_path):
+    # torch.save's pickle memo goes by identity: a dict key "cpu" (an interned literal) is the very string torch's
+    # device tag returns, so a direct save writes the tag as a reference to the key. A copy of the structure must keep
+    # that identity (an H100 run found a structure rebuilt from its own pickle lose it)
+    state = {"cpu": torch.arange(8), "storage": torch.arange(4.0), "0": [torch.zeros(2)]}
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "async").mkdir()
+    torch.save(state, tmp_path / "sync" / "shard.pt")
+    snapshot(state).save(str(tmp_path / "async" / "shard.pt"))
+    assert _digest(tmp_path / "async" / "shard.pt") == _digest(tmp_path / "sync" / "shard.pt")
+
+
+def test_a_gpu_storage_gets_its_device_tag_anew_at_each_use_as_a_direct_save_gives_it(tmp_path, monkeypatch):
+    # On a GPU, torch tags a storage "cuda:0" with a new string at every tensor that uses it, and the pickle writes it
+    # out each time; one shared tag string would be written once and referenced after (the H100's byte difference).
+    # Here the CPU originals are tagged as if on cuda:0 on both sides, by torch's own tagger for that device.
+    from swiftslurm.train.save import snapshot as snapmod
+
+    base = torch.randn(6, 6)
+    state = {"w": base, "w_t": base.t(), "rows": base[:2], "step": torch.tensor(3.0)}
+    originals = {t.untyped_storage()._cdata for t in state.values()}
+    cuda0 = torch.device("cuda", 0)
+
+    def as_if_on_gpu(storage):
+        untyped = storage._untyped_storage if isinstance(storage, torch.storage.TypedStorage) else storage
+        if getattr(untyped, "_cdata", None) in originals:
+            return torch.serialization.location_tag(snapmod._OnDevice(cuda0))
+        return None
+
+    torch.serialization.register_package(-1, as_if_on_gpu, lambda obj, location: None)
+    try:
+        (tmp_path / "sync").mkdir()
+        (tmp_path / "async").mkdir()
+        torch.save(state, tmp_path / "sync" / "shard.pt")
+        monkeypatch.setattr(snapmod, "_device_of", lambda storage: cuda0 if storage._cdata in originals else storage.device)
+        snap = snapmod.snapshot(state)
+        monkeypatch.undo()
+        snap.save(str(tmp_path / "async" / "shard.pt"))
+    finally:
+        torch.serialization._package_registry[:] = [p for p in torch.serialization._package_registry if p[1] is not as_if_on_gpu]
+    sync_pickle = zipfile.ZipFile(tmp_path / "sync" / "shard.pt").read("shard/data.pkl")
+    assert sync_pickle.count(b"cuda:0") == 4  # once a tensor, though three of them share one storage
+    assert _digest(tmp_path / "async" / "shard.pt") == _digest(tmp_path / "sync" / "shard.pt")
+
+
+def test_the_size_probe_learns_the_buffers_the_next_snapshot_wants_and_writes_nothing(tmp_path, monkeypatch):
+    # a run's first save would copy into pageable memory (pinning runs at ~1.2 GB/s): after the first step the trainer
+    # saves through SizeProbe, which writes nothing, and pins buffers of exactly the sizes the save's snapshots want
+    from swiftslurm.train.save import snapshot as snapmod
+
+    monkeypatch.setattr(snapmod, "_device_of", lambda storage: torch.device("cuda", 0))  # the "GPU" storages
+    flat = torch.randn(64)
+    files = {"model_states.pt": {"module": {"w": flat[:32].view(4, 8), "b": flat[32:]}, "step": 3},
+             "optim_states.pt": {"fp32": [torch.randn(100)], "state": {0: {"exp_avg": torch.zeros(100),
+                                                                           "exp_avg_sq": torch.zeros(100)}}}}
+    probe = snapmod.SizeProbe(object())
+    for name, state in files.items():
+        probe.save(state, str(tmp_path / name))
+    assert not list(tmp_path.iterdir())
+    wanted = [n for state in files.values() for n in snapshot(state).wanted]
+    assert sorted(probe.sizes) == sorted(wanted) == sorted([64 * 4, 100 * 4, 100 * 4, 100 * 4])
 
 
 def test_a_tensor_a_copy_cannot_reproduce_is_written_at_once(tmp_path):

@@ -99,6 +99,7 @@ DS_EXTRA = {
     "swiftslurm_contig": "[deepspeed.zero_optimization]\ncontiguous_gradients = true\n",
 }
 # [checkpoint] keys of an arm (keep = 2, the least: a 1.5B full fine-tune's save is ~24 GB of a 64 GB disk)
+# keep = 2 (the least): a 1.5B full fine-tune's save is 24 GB of the GPU machine's 64 GB disk, so --steps 20 (saves at 10 and 20)
 CKPT_EXTRA = {"swiftslurm_save_sync": "async_save = false\nkeep = 2\n", "swiftslurm_save_async": "async_save = true\nkeep = 2\n"}
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
 # reads swiftslurm took out of the step (grad norm, stop flag, token counts, blocking batch copy) each did
@@ -264,11 +265,14 @@ checks = []
             reserved = [r["gpu_mem_reserved_peak_mb"] for r in rows if "gpu_mem_reserved_peak_mb" in r]
             pads = [r["padding_ratio"] for r in rows if "padding_ratio" in r]
             waits = [r["data_wait_ratio"] for r in rows if r.get("step", 0) > a.warmup and "data_wait_ratio" in r]
-            saves = [r for r in rows if "checkpoint_save_s" in r]  # each save's seconds and phases (checkpoint_<phase>_s)
+            # each save's seconds and phases (checkpoint_<phase>_s); a background save's rows at the save (stall, copy,
+            # wait) and at its commit, and the pinning of its buffers after the first step (checkpoint_pin_s)
+            saves = [r for r in rows if any(k.startswith("checkpoint_") for k in r)]
             if any("checkpoint_stall_s" in r for r in rows):
                 res["stalls"] = save_stalls(rows)
             if saves:
-                res["saves"] = [{k: round(v, 2) for k, v in r.items() if k.startswith("checkpoint_") and isinstance(v, (int, float))}
+                res["saves"] = [{"step": r.get("step"), **{k: round(v, 2) for k, v in r.items()
+                                                            if k.startswith("checkpoint_") and isinstance(v, (int, float))}}
                                 for r in saves]
                 rss = [r["cpu_rss_mb"] for r in rows if "cpu_rss_mb" in r]
                 res["cpu_rss_mb_max"] = round(max(rss)) if rss else None

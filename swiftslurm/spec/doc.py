@@ -65,7 +65,7 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.async_save": "save in the background: training stops only while the step's state is copied to host memory (pinned), "
                              "then a writer thread writes, hashes and commits it; the same bytes and manifest as a synchronous save, "
                              "and nothing is published before it verifies. A walltime, deadline or last save waits for its commit. "
-                             "`\"auto\"`: off for now (on a GPU its bytes are not yet shown equal to a synchronous save's; docs/checkpoints.md)",
+                             "`\"auto\"`: on for GPU jobs whose copy fits `slurm.mem`, off for CPU jobs (docs/checkpoints.md)",
     "checkpoint.allow_spec_change": "resume a checkpoint although the training spec changed since it was saved (`train.*` but logging/saving, "
                                     "`[deepspeed]`, the resolved DeepSpeed essentials, the dataset files); off: such a resume is refused, naming "
                                     "the changed keys. The allocation never counts",

@@ -144,8 +144,9 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
 
 def background_saves(spec: JobSpec, cuda: bool) -> bool:
     """``checkpoint.async_save`` on this node: plan turned "auto" into a bool for submitted jobs; a run without a
-    plan takes "auto" as plan does (off for now: ``sizing.check.resolve_async_save``)."""
-    return spec.checkpoint.async_save is True
+    plan takes "auto" as plan does where ``slurm.mem`` is unset (``sizing.check.resolve_async_save``): on with a GPU."""
+    setting = spec.checkpoint.async_save
+    return setting is True or (setting == "auto" and cuda)
 
 
 # ---------------------------------------------------------------- the phases of train()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,9 @@ class SwiftTrainer(Trainer):
         self.committed: list[str] = []
         self.deadline = None  # a train.deadline.DeadlineWatch: told each save's time, reports deadline_margin_s
         self.saves = BackgroundSave()  # checkpoint.async_save: the save in flight
+        self._staged: Any = None  # the save being staged (save_model's weights join it)
+        if job.async_save:
+            self.add_callback(PinAhead(self))
 
     def create_optimizer(self, model=None):
         """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
@@ -177,12 +182,22 @@ class SwiftTrainer(Trainer):
         whole state dict to host memory on every rank (``clone_tensors_for_torch_save``), then keeps the adapter of
         it: for the 8B LoRA run that is 16 GB per rank, copied to save tens of MB. ZeRO-3 and AutoTP gather through
         DeepSpeed as before (a collective: every rank takes part)."""
-        gathers = self.job.zero_stage == 3 or self.job.tensor_parallel > 1  # the run's own facts of its DeepSpeed config
-        if not self.is_deepspeed_enabled or gathers or getattr(self, "is_distributed_loading_by_transformers", False):
+        if not self._writes_own_model():
             return super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            self._save(output_dir or self.args.output_dir)
+            out, staged = output_dir or self.args.output_dir or ".", self._staged
+            model: Any = self.model
+            if staged is not None and not hasattr(model, "peft_config"):  # an adapter is small: written now
+                real = os.path.realpath(out)  # the save goes through a link that is gone when the background writes
+                staged.defer(model.state_dict(), lambda state: self._save(real, state_dict=state), "model weights")
+            else:
+                self._save(out)
         return None
+
+    def _writes_own_model(self) -> bool:
+        """save_model's own path: DeepSpeed without ZeRO-3 or AutoTP (the run's own facts of its DeepSpeed config)."""
+        gathers = self.job.zero_stage == 3 or self.job.tensor_parallel > 1
+        return self.is_deepspeed_enabled and not gathers and not getattr(self, "is_distributed_loading_by_transformers", False)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Evaluation takes each batch's own mean loss, as one rank computes it. transformers 5 passes evaluation too the
@@ -260,9 +275,11 @@ class SwiftTrainer(Trainer):
             os.symlink(os.path.relpath(staging, link.parent), link)
         _barrier()
         staged = self._stage_writes() if self.job.async_save and not self._run_ends_here() else None
+        self._staged = staged  # save_model defers the model's weights to it
         try:
             super()._save_checkpoint(model, trial)
         finally:
+            self._staged = None
             if staged is not None:
                 engine: Any = self.model_wrapped
                 engine.checkpoint_engine = staged.wrapped
@@ -314,6 +331,33 @@ class SwiftTrainer(Trainer):
         wrapped.checkpoint_engine = staged
         return staged
 
+    def pin_ahead(self) -> None:
+        """``checkpoint.async_save`` on a GPU, after this run's first optimizer step: learn the sizes of the storages a
+        save copies (DeepSpeed's own save through ``save.snapshot.SizeProbe``, which writes no checkpoint file) and pin
+        host buffers of those sizes in the background (about 1.2 GB/s; the first save waits for what is left), so the
+        first save's copy runs at the bus's speed too."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from .save.snapshot import SizeProbe, gpu_storage_sizes, prepare
+
+        engine: Any = self.model_wrapped
+        if not torch.cuda.is_available() or type(getattr(engine, "checkpoint_engine", None)) is not TorchCheckpointEngine:
+            return
+        probe = SizeProbe(engine.checkpoint_engine)
+        scratch = tempfile.mkdtemp(prefix=".size-probe-", dir=self._output_dir())
+        engine.checkpoint_engine = probe
+        try:  # the Trainer's own call (exclude_frozen_parameters for a PEFT model), into a scratch dir of ours
+            engine.save_checkpoint(scratch, tag="size-probe", save_latest=False,
+                                   **({"exclude_frozen_parameters": True} if hasattr(self.model, "peft_config") else {}))
+        finally:
+            engine.checkpoint_engine = probe.wrapped
+            shutil.rmtree(scratch, ignore_errors=True)
+        sizes = probe.sizes
+        if self.args.should_save and not hasattr(self.model, "peft_config") and self._writes_own_model():
+            sizes += gpu_storage_sizes(engine.module.state_dict())  # the weights save_model defers (model.safetensors)
+        self.saves.submit(lambda: {"checkpoint_pin_s": prepare(sizes), "checkpoint_pinned_mb": sum(sizes) / 2**20},
+                          name="swiftslurm-pin")
+
     def _finish_in_background(self, staged, staging: Path, step: int, meta: dict, best: int | None, start: float,
                               stall: float) -> dict:
         """The background half: write the snapshots, hash this rank's files and hand them to rank 0, which waits for
@@ -334,7 +378,8 @@ class SwiftTrainer(Trainer):
             self._commit(staging, step, meta, hashes, phases)
             self._prune(best, phases)
         seconds = time.perf_counter() - start
-        return {"checkpoint_save_s": seconds, "checkpoint_step": step, **self._account(step, seconds, phases, stall)}
+        pinned = {"checkpoint_pin_s": pin} if (pin := staged.prepare_next()) else {}  # the next save's buffers
+        return {"checkpoint_save_s": seconds, "checkpoint_step": step, **self._account(step, seconds, phases, stall), **pinned}
 
     def _save_meta(self, step: int) -> dict[str, Any]:
         return {"step": step, "world_size": self.args.world_size, "seed": self.args.seed,
@@ -403,6 +448,18 @@ def decoder_layers(model) -> list[Any]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class PinAhead(TrainerCallback):
+    """Once, after the run's first optimizer step: ``SwiftTrainer.pin_ahead``."""
+
+    def __init__(self, trainer: SwiftTrainer) -> None:
+        self.trainer, self.done = trainer, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.done:
+            self.done = True
+            self.trainer.pin_ahead()
 
 
 class RecomputeFirstLayers(TrainerCallback):
