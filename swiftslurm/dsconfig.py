@@ -48,6 +48,8 @@ class ParallelView(Protocol):
     def sequence_parallel(self) -> int: ...
     @property
     def tensor_parallel(self) -> int: ...
+    @property
+    def expert(self) -> int: ...
 
 
 class SpecView(Protocol):
@@ -242,7 +244,8 @@ HOUSE_DEFAULTS: dict[str, Any] = {"timers": {"throughput": {"synchronized": Fals
 
 
 def build(base: dict[str, Any], overrides: dict[str, Any], spec_train: TrainView, world_size: int,
-          source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
+          source: str = "deepspeed", sequence_parallel: int = 1, tensor_parallel: int = 1,
+          expert_parallel: int = 1) -> tuple[dict[str, Any], list[str]]:
     """The pure core: preset/user dict + [deepspeed] overrides + train settings -> (ds dict, warnings).
 
     ``train_batch_size`` is micro x accumulation x world size, the value HF Trainer requires of the config
@@ -268,6 +271,10 @@ def build(base: dict[str, Any], overrides: dict[str, Any], spec_train: TrainView
         merged.setdefault("zero_optimization", {})["gather_16bit_weights_on_model_save"] = True  # a whole HF model on save
     if sequence_parallel > 1:
         merged["sequence_parallel_size"] = sequence_parallel
+    if expert_parallel > 1:  # AutoEP: DeepSpeed swaps each MoE layer for one holding 1/N of its experts (the preset from
+        # the model's model_type; a [deepspeed] expert_parallel table may add preset_model or custom patterns)
+        ep = merged.get("expert_parallel")
+        merged["expert_parallel"] = deep_merge(ep if isinstance(ep, dict) else {}, {"enabled": True, "autoep_size": expert_parallel})
     merged.update({
         "train_batch_size": micro * world_size * accum,
         "train_micro_batch_size_per_gpu": micro,
@@ -317,4 +324,5 @@ def build_for_spec(spec: SpecView) -> tuple[dict[str, Any], list[str]]:
         base = one_rank(load_preset(name), spec.world_size)
         source = f"deepspeed preset {name}"
     parallel = spec.parallel
-    return build(base, dict(spec.deepspeed), spec.train, spec.world_size, source, parallel.sequence_parallel, parallel.tensor_parallel)
+    return build(base, dict(spec.deepspeed), spec.train, spec.world_size, source, parallel.sequence_parallel, parallel.tensor_parallel,
+                 parallel.expert)

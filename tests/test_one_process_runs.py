@@ -9,7 +9,9 @@ the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and
   (the layers that recompute, as the model ran), DPO's
   precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter),
   checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it);
-- task = "rm": a reward model learns the separable demo pairs (accuracy above 0.8) under ZeRO-3 in bf16.
+- task = "rm": a reward model learns the separable demo pairs (accuracy above 0.8) under ZeRO-3 in bf16;
+- model = "tiny-moe" (issue 55): LoRA adapts attention, the fused expert weights and the routers, the loss carries the
+  router's load-balancing term, and every logged step its tokens per expert.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
     out = tmp_path_factory.mktemp("presets")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out),
-                           "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo", "rm"],  # plain DDP before any DeepSpeed engine
+                           "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo", "rm",  # plain DDP before any DeepSpeed engine
+                           "moe_lora"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
@@ -49,7 +52,7 @@ def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
 
 def test_every_shipped_preset_takes_one_step_on_a_real_engine(runs):
     aio, rows, out, _log = runs
-    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "convert", "dpo", "rm"}
+    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora"}
     for name, row in rows.items():
         if name not in SHIPPED | {EXAMPLE}:
             continue
@@ -150,3 +153,16 @@ def test_reward_model_learns_the_separable_pairs_under_zero3(runs):
 
     with safe_open(str(out / "rm" / "checkpoint-12" / "model.safetensors"), "pt") as f:
         assert list(f.get_slice("score.weight").get_shape()) == [1, 64] and "lm_head.weight" not in f.keys()
+
+
+def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spreads_tokens(runs):
+    _aio, rows, out, log = runs
+    row = rows["moe_lora"]
+    assert row["ok"], f"{row.get('error')}\n{row.get('trace', '')}"
+    assert row["steps"] == 6 and row["loss"][-1] < row["loss"][0], row["loss"]
+    # 4 experts, top-2: max/mean tokens per expert between even (1) and collapsed (4 / 2)
+    assert all(1.0 <= v <= 2.0 for v in row["router_load_max"]) and set(row["router_load_limit"]) == {2.0}, row
+    adapter = json.loads((out / "moe_lora" / "checkpoint-6" / "adapter_config.json").read_text())
+    assert set(adapter["target_parameters"]) >= {"gate_up_proj", "down_proj"}, adapter  # the experts, adapted
+    assert "mixture of experts: 4 experts, top-2, 2 routed layers; router auxiliary loss x 0.001" in log
+    assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log

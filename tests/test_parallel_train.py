@@ -90,7 +90,7 @@ def test_sp2_and_tp2_train_like_one_rank_and_resume_only_at_their_degree(tmp_pat
         assert ("parallel.tiled_mlp: 2 MLPs compute in slices" in procs[0].stdout) == (name == "tp2")
         newest = ck.newest_verified(out)
         assert ck.read_manifest(newest).meta["parallel"] == {"sequence_parallel": 2 if name == "sp2" else 1,
-                                                            "tensor_parallel": 2 if name == "tp2" else 1}
+                                                            "tensor_parallel": 2 if name == "tp2" else 1, "expert": 1}
     # AutoTP really split the layers: each TP rank holds half of q_proj's rows
     shard = torch.load(newest / "global_step10" / "mp_rank_01_model_states.pt", map_location="cpu", weights_only=False)
     assert tuple(shard["module"]["model.layers.0.self_attn.q_proj.weight"].shape) == (32, 64)

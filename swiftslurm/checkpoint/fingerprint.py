@@ -161,7 +161,7 @@ def check_spec_drift(checkpoint: Path | str, spec: JobSpec, ds_config: dict[str,
 
 
 PARALLEL_KEY = "parallel"
-NO_PARALLEL = {"sequence_parallel": 1, "tensor_parallel": 1}  # what a checkpoint without the record was trained with
+NO_PARALLEL = {"sequence_parallel": 1, "tensor_parallel": 1, "expert": 1}  # what a checkpoint without the record was trained with
 
 
 def check_parallel_degrees(checkpoint: Path | str, degrees: dict[str, int]) -> None:

@@ -67,7 +67,8 @@ def sizing_table(plan: Plan) -> Table | None:
     table.add_column(style="bold cyan")
     table.add_column(overflow="fold")
     table.add_row("ranks", f"{lay.data_parallel} data x {lay.sequence_parallel} sequence x {lay.tensor_parallel} tensor parallel "
-                  f"= world size {lay.world_size}")
+                  f"= world size {lay.world_size}" + (f"; experts split over groups of {lay.expert_parallel} data-parallel ranks "
+                                                      "(AutoEP)" if lay.expert_parallel > 1 else ""))
     table.add_row("global batch", f"{lay.micro_batch} per rank x {lay.grad_accum} accumulation x {lay.data_parallel} data-parallel "
                   f"= {lay.global_batch} {'rows' if plan.tasks[0].spec.train.packing else 'samples'} per step")
     m = sizing.memory
@@ -77,12 +78,18 @@ def sizing_table(plan: Plan) -> Table | None:
         sh = sizing.shape
         table.add_row("model shape", Text(f"{sh.total_params / 1e9:.3g}B params: hidden {sh.hidden_size}, {sh.num_layers} layers, "
                                           f"{sh.num_heads} heads / {sh.num_kv_heads} KV, vocab {sh.vocab_size} ({sh.source})"))
+        if sh.is_moe:
+            table.add_row("experts", Text(f"{sh.total_params / 1e9:.3g}B total, {sh.active_params / 1e9:.3g}B active per token: "
+                                          f"{sh.num_experts} experts of width {sh.expert_width}, top-{sh.experts_per_token}, in "
+                                          f"{sh.moe_layers} of {sh.num_layers} layers ({sh.routed_expert_params / 1e9:.3g}B in routed "
+                                          "experts); weights and optimizer states count the total, activations the active"))
     if m is not None:
         gib = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
         labels = {"weights": "weights", "gradients_optimizer": "gradients + optimizer", "activations": "activations",
                   "logits_loss": "logits + loss", "overhead": "CUDA, NCCL, fragmentation",
                   "reference_model": "reference model (GRPO KL)", "generation_kv_cache": "generation KV cache (GRPO)",
-                  "step_reuses_activations": "fp32 grads reuse freed memory"}
+                  "step_reuses_activations": "fp32 grads reuse freed memory",
+                  "moe_dispatch": "MoE routing / all-to-all buffers"}
         for name, value in m.parts.items():
             table.add_row(labels.get(name, name), gib(value))
         verdict = "[green]fits[/]" if m.fits else "[bold red]does not fit[/]"

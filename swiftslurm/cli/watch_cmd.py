@@ -87,6 +87,8 @@ def plain_line(p: Progress) -> str:
         parts.append(f"{'useful tokens/s' if p.tokens_kind == 'useful_tokens_per_s' else 'tokens/s'} {p.tokens_per_s:.0f}")
     if p.eval_loss is not None:
         parts.append(f"eval_loss {num(p.eval_loss)}")
+    if p.router_load is not None:
+        parts.append(f"router max/mean {p.router_load:.2f}")
     if p.sort_metric:
         parts.append(f"best {p.sort_metric} {num(p.best_values.get(p.sort_metric))}")
     parts += [f"eta {eta_text(p)}", f"elapsed {hms(p.elapsed_s)}", f"restarts {p.restarts}", f"checkpoint {ckpt_name(p.checkpoint)}"]
@@ -113,7 +115,7 @@ def _progress_cell(step: int | None, max_steps: int | None, state: str) -> Table
     return cell
 
 
-RIGHT = ("task", "restarts", "loss", "final loss", "best loss", "eval_loss", "sorted by", "tokens/s")
+RIGHT = ("task", "restarts", "loss", "final loss", "best loss", "eval_loss", "router", "sorted by", "tokens/s")
 
 
 def ranked(rows: list[Progress], sort: str | None) -> list[Progress]:
@@ -129,11 +131,11 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
     value, in its own column), plus a total under an array. ``narrow``: without the job and node columns."""
     sweep = is_sweep(rows)
     rows = ranked(rows, sort)
-    cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "eval_loss", "sorted by", "tokens/s",
+    cols = ["task", "overrides", "job", "state", "node(s)", "step", "loss", "final loss", "best loss", "eval_loss", "router", "sorted by", "tokens/s",
             "eta", "elapsed", "restarts", "checkpoint"]
     drop = {*(() if sweep else ("overrides", "final loss", "best loss")), *(("job", "node(s)") if narrow else ()),
             *(() if with_checkpoint else ("checkpoint",)), *(() if any(r.eval_loss is not None for r in rows) else ("eval_loss",)),
-            *(() if sort else ("sorted by",))}
+            *(() if any(r.router_load is not None for r in rows) else ("router",)), *(() if sort else ("sorted by",))}
     cols = [c for c in cols if c not in drop]
     table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     for col in cols:
@@ -148,6 +150,7 @@ def progress_table(rows: list[Progress], title: str = "", with_checkpoint: bool 
             "state": f"[{style}]{r.state}[/]" if style else r.state, "node(s)": r.nodes or "-",
             "step": _progress_cell(r.step, r.max_steps, r.state), "loss": num(r.loss), "final loss": num(r.final_loss),
             "best loss": num(r.best_loss), "eval_loss": num(r.eval_loss), "sorted by": num(r.best_values.get(sort or "")),
+            "router": f"{r.router_load:.2f}" if r.router_load is not None else "-",
             "tokens/s": speed(r, r.tokens_kind), "eta": eta_text(r), "elapsed": hms(r.elapsed_s),
             "restarts": str(r.restarts), "checkpoint": ckpt_name(r.checkpoint).removeprefix("checkpoint-" if narrow else ""),
         }

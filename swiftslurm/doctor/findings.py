@@ -18,6 +18,7 @@ CODES = (
     "nccl_timeout",  # NCCL / gloo / process-group / rendezvous timeouts, watchdog aborts
     "nan_grad_norm",  # grad_norm or loss NaN/inf for NAN_STEPS consecutive logged steps
     "diverged",  # loss (or grad norm) ended far above its first logged values, all finite
+    "router_collapse",  # an MoE router sent nearly every token to the same experts for ROUTER_ROWS logs in a row
     "walltime_loop",  # requeued at walltime again and again without progress
     "straggler",  # a rank slower than the others' median for several windows in a row (train/health/straggler.py)
     "low_gpu_util",  # speed, step 1: GPUs idle more than 15% of the time

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointDamaged, SwiftSlurmError
 from ..fsutil import CONFIG_CAP, Unreadable, read_json
+from ..spec import TINY_MODELS
 from .source import ADAPTER_CONFIG, Source
 
 Log = Callable[[str], None]
@@ -142,15 +143,15 @@ def base_model(src: Source, log: Log) -> tuple[Any, Any]:
                               "no train.model in its manifest, no base_model_name_or_path in its adapter_config.json",
                               "pass --base-model (a hub id or a local model dir), or --adapter-only")
     log(f"export: loading the base model {name}")
-    if name == "tiny-llama":
+    if name in TINY_MODELS:
         from ..train.tinymodel import build_model, build_tokenizer
 
         tok = build_tokenizer()
         max_length, seed = src.fingerprint.get("train.max_length"), src.fingerprint.get("train.seed")
         if not isinstance(max_length, int) or not isinstance(seed, int):
-            raise ExportNeedsBase("the tiny-llama base is rebuilt from train.max_length and train.seed", "not in the manifest",
+            raise ExportNeedsBase(f"the {name} base is rebuilt from train.max_length and train.seed", "not in the manifest",
                                   "export a checkpoint written by swiftslurm's trainer")
-        return build_model(len(tok), max_length, seed, reward_head=src.score_head), tok
+        return build_model(len(tok), max_length, seed, reward_head=src.score_head, name=name), tok
     import transformers
 
     auto, _kind = model_kind(src)

@@ -14,7 +14,7 @@ from ..fsutil import DIRECTORY, path_kind
 from . import layout as lay
 from . import liger
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
-from .shape import TINY_LLAMA, ModelShape, ShapeError, read_config_json
+from .shape import BUILT_IN_SHAPES, ModelShape, ShapeError, read_config_json
 from .tasks import holds_reference_copy
 from .view import SpecView
 
@@ -57,14 +57,14 @@ class Sizing:
 def layout_of(spec: SpecView) -> lay.Layout:
     t = spec.train
     return lay.Layout(spec.world_size, spec.parallel.sequence_parallel, spec.parallel.tensor_parallel,
-                      t.per_device_train_batch_size, t.gradient_accumulation_steps)
+                      t.per_device_train_batch_size, t.gradient_accumulation_steps, spec.parallel.expert)
 
 
 def shape_of(spec: SpecView, read_disk: bool) -> tuple[ModelShape | None, list[Problem]]:
-    """The shape: a local model's config.json (when ``read_disk``), the built-in tiny model, or train.model_shape."""
+    """The shape: a local model's config.json (when ``read_disk``), a built-in tiny model, or train.model_shape."""
     model = spec.train.model
-    if model == "tiny-llama":
-        return TINY_LLAMA, []
+    if model in BUILT_IN_SHAPES:
+        return BUILT_IN_SHAPES[model], []
     if read_disk and model and path_kind(model) == DIRECTORY:  # a name too long is a hub id's problem, for check_files
         try:
             shape = read_config_json(model)
@@ -108,6 +108,11 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                                 "trainer, whose batches the Ulysses adapter and AutoTP do not see",
                                 f"sequence_parallel {layout.sequence_parallel}, tensor_parallel {layout.tensor_parallel}",
                                 "drop [parallel] for this run (ZeRO-3 with offload shards the DPO model and its reference)"))
+    problems += lay.expert_problems(layout, stage, bool(spec.slurm.gpus_per_node))
+    if layout.expert_parallel > 1 and t.deepspeed == "none":
+        problems.append(Problem("parallel.expert", "AutoEP replaces the MoE layers inside the DeepSpeed engine; plain DDP "
+                                "has no expert parallel", f'train.deepspeed = "none" with expert = {layout.expert_parallel}',
+                                'use a ZeRO preset (deepspeed = "zero1" or "zero2"), or set expert = 1'))
     if spec.parallel.tiled_mlp and t.deepspeed == "none":
         problems.append(Problem("parallel.tiled_mlp", "TiledMLP runs one backward per slice of the sequence; DeepSpeed's ZeRO "
                                 "waits for the last slice before reducing a gradient, plain DDP would reduce it at the first",
@@ -126,12 +131,23 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
     problems += shape_problems
     auto = t.gradient_checkpointing == "auto"
     gpus = bool(spec.slurm.gpus_per_node)
+    if shape is None and layout.expert_parallel > 1 and not shape_problems:
+        cautions.append(f"parallel.expert = {layout.expert_parallel}: the model's shape is unknown, so whether it has experts, "
+                        "how many, and an AutoEP preset is left to DeepSpeed on the nodes; set train.model_shape (experts, "
+                        "experts_per_token, model_type) to have them checked at validate")
     if shape is None:
         decided = Checkpointing(True, "on (auto): " + ("the model's shape is unknown, so no estimate says it fits without"
                                                      if gpus else CPU_CHECKPOINTING), t.gradient_checkpointing_layers) if auto else None
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions,
                       checkpointing=decided), problems
-    problems += lay.shape_problems(layout, shape)
+    problems += lay.shape_problems(layout, shape) + lay.expert_shape_problems(layout, shape)
+    if shape.num_experts and t.train_type == "lora" and t.lora_dropout > 0 and t.lora_target_modules in ("all-linear", "all"):
+        problems.append(Problem("train.lora_dropout", "on a mixture-of-experts model peft's \"all-linear\" adapts the fused "
+                                "expert weights and the routers too (target_parameters, its ParamWrapper), and refuses "
+                                "dropout there: the nodes would stop at the model's wrapping",
+                                f"lora_dropout = {t.lora_dropout:g} with {shape.num_experts} experts and lora_target_modules = "
+                                f"{t.lora_target_modules!r}", "set train.lora_dropout = 0.0, or name the modules to adapt in "
+                                "lora_target_modules (attention only: [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"])"))
     sft = getattr(t, "task", "sft") in OWN_TRAINER  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,

@@ -35,6 +35,7 @@ class Layout:
     tensor_parallel: int
     micro_batch: int
     grad_accum: int
+    expert_parallel: int = 1  # AutoEP: each MoE layer's routed experts split over this many data-parallel ranks
 
     @property
     def model_parallel(self) -> int:
@@ -58,7 +59,7 @@ class Layout:
     def to_json(self) -> dict[str, int]:
         return {"world_size": self.world_size, "data_parallel": self.data_parallel,
                 "sequence_parallel": self.sequence_parallel, "tensor_parallel": self.tensor_parallel,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, **({"expert_parallel": self.expert_parallel} if self.expert_parallel > 1 else {})}
 
 
 def degree_problems(layout: Layout, where: str = "parallel") -> list[Problem]:
@@ -142,3 +143,64 @@ def shape_problems(layout: Layout, shape: ModelShape, where: str = "parallel") -
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+
+
+# config.json's model_type -> DeepSpeed 0.19.8's AutoEP preset for it (module_inject/auto_ep_presets/*.py,
+# ``hf_model_types``; DeepSpeed picks the preset from the loaded model's type). OLMoE has none.
+AUTOEP_PRESETS: dict[str, str] = {
+    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
+}
+EP_CPU = "AutoEP is not run on CPU ranks here"
+
+
+def expert_problems(layout: Layout, zero_stage: int, gpus: bool, where: str = "parallel.expert") -> list[Problem]:
+    """What ``[parallel] expert`` refuses before the model's shape is known (sources: DeepSpeed 0.19.8's
+    ``module_inject/auto_ep_config.py`` and ``auto_ep_folding.py``)."""
+    ep, sp, tp = layout.expert_parallel, layout.sequence_parallel, layout.tensor_parallel
+    if ep == 1:
+        return []
+    found = f"expert = {ep}"
+    out: list[Problem] = []
+    if not gpus:
+        out.append(Problem(where, f"{EP_CPU}: DeepSpeed's AutoEP exchanges tokens between the expert ranks with all-to-all "
+                           "over NCCL, and this project has not run it on gloo", f"{found}, slurm.gpus_per_node = 0",
+                           "ask for GPUs (slurm.gpus_per_node), or set expert = 1 for a CPU run"))
+    if zero_stage == 3:
+        out.append(Problem(where, "AutoEP with ZeRO-3 partitions the experts under limits DeepSpeed lists separately; "
+                           "only ZeRO stages 0, 1 and 2 are allowed with expert parallel here", f"{found}, ZeRO stage 3",
+                           'use train.deepspeed = "zero1" or "zero2" (expert parallel already splits the experts\' weights)'))
+    if sp > 1 or tp > 1:
+        out.append(Problem(where, "expert parallel beside sequence or tensor parallel is refused: DeepSpeed 0.19.8 folds AutoEP "
+                           "with AutoTP (no offload, no Ulysses) but this trainer has not run either combination",
+                           f"{found}, sequence_parallel {sp}, tensor_parallel {tp}", "set sequence_parallel and tensor_parallel to 1"))
+    elif layout.data_parallel % ep:
+        out.append(Problem(where, "AutoEP splits the experts over groups of data-parallel ranks: the data-parallel size must "
+                           "divide by expert", f"{found}, data-parallel size {layout.data_parallel}",
+                           f"use an expert degree that divides {layout.data_parallel}: {_divisors(layout.data_parallel)}"))
+    return out
+
+
+def expert_shape_problems(layout: Layout, shape: ModelShape, where: str = "parallel.expert") -> list[Problem]:
+    """What ``[parallel] expert`` needs of the model: experts (an MoE model), a type AutoEP has a preset for, and an
+    expert count each expert rank takes an equal share of."""
+    ep = layout.expert_parallel
+    if ep == 1:
+        return []
+    name = shape.source or "the model"
+    if not shape.moe_layers:
+        return [Problem(where, "expert parallel splits a mixture-of-experts model's experts; this model has none",
+                        f"expert = {ep}, a dense model ({name})", "set expert = 1, or train an MoE model (set "
+                        "train.model_shape.experts and experts_per_token for a hub model not on disk)")]
+    out: list[Problem] = []
+    if shape.model_type not in AUTOEP_PRESETS:
+        out.append(Problem(where, "DeepSpeed's AutoEP has no preset for this model type (it knows "
+                           f"{', '.join(sorted(set(AUTOEP_PRESETS.values())))})",
+                           f"model_type {shape.model_type!r} ({name})",
+                           "set expert = 1 (ZeRO still shards the experts' optimizer states)" if shape.model_type else
+                           "set train.model_shape.model_type to the model's config.json model_type (e.g. \"qwen3_moe\")"))
+    if shape.num_experts % ep:
+        out.append(Problem(where, "each expert rank holds an equal share of every MoE layer's experts: the expert count "
+                           "must divide by expert", f"{shape.num_experts} experts ({name}), expert = {ep}",
+                           f"use an expert degree that divides {shape.num_experts}: {_divisors(shape.num_experts)}"))
+    return out

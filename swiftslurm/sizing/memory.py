@@ -20,6 +20,12 @@ peak           the forward and backward hold the activations beside the weights,
                has freed the activations, so the peak counts the larger of the two, not their sum.
 overhead       the CUDA context and kernels (outside torch's allocator), NCCL's buffers when there are
                several ranks, and the caching allocator's fragmentation (a fraction of what is allocated).
+experts        a mixture-of-experts model's weights, gradients and optimizer states count every expert (total
+               parameters; with ``[parallel] expert`` a rank holds 1/expert of them, and ZeRO shards their states over
+               the ranks that hold the same experts, so the sharded states come to the whole model's over the
+               partitions either way); its activations count what a token runs through (the top-k experts, the
+               router's logits and probabilities, the routed copies of its hidden state), and ``moe_dispatch`` one
+               layer's routing buffers (the permuted tokens; with expert parallel, the all-to-all's send and receive).
 
 ``allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` measures; ``total_bytes`` adds the overhead
 (what ``nvidia-smi`` shows). The coefficients are named below; benchmarks/gpu/memory_estimate.py compares
@@ -60,6 +66,10 @@ LOGIT_BYTES_EXTRA = 10
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces: not in max_memory_allocated
 NCCL_BYTES = int(0.5 * GIB)  # NCCL's communicator buffers when world > 1
 FRAGMENTATION = 0.10  # the caching allocator's reserved-but-unused share
+# an MoE layer, per routed copy of a token (experts_per_token of them): the expert's input row and its output row,
+# kept for the backward beside the expert's gate/up/act/product (ACT_INTERMEDIATE_TERMS x the expert's width)
+ROUTED_HIDDEN_TERMS = 2
+ROUTER_BYTES_PER_EXPERT = 8  # per token and expert: the router's logits and its softmax, both fp32 in transformers
 
 
 def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
@@ -151,9 +161,12 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
     node) on one rank. The step's part: mixed precision's fp32 gradients (4 bytes per trainable parameter, sharded as
     the optimizer is), made from the 16-bit ones once the backward is over."""
     tp, n = layout.tensor_parallel, layout.zero_partitions
-    total = shape.num_layers * shape.layer_params // tp + shape.embedding_params + shape.hidden_size + head_params_delta(shape, s.task)
+    # expert parallel: the routed experts the other ranks of this rank's expert group hold (0 without it)
+    elsewhere = shape.routed_expert_params - shape.routed_expert_params // layout.expert_parallel
+    total = (shape.decoder_params - elsewhere) // tp + shape.embedding_params + shape.hidden_size + head_params_delta(shape, s.task)
     if s.train_type == "full":
         trainable = total
+    whole = trainable + (elsewhere if s.train_type == "full" else 0)  # what ZeRO's n partitions divide between them
     frozen = total - trainable
     w_bytes = 2 if s.half_precision else 4
     # per trainable parameter, beyond its weights: mixed precision 18 (DeepSpeed's multiplier), fp32 12 (grads, moments)
@@ -166,7 +179,7 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
         weights = 2 * w_bytes * shape.largest_layer_params + (0 if s.offload_param else w_bytes * frozen // n)
         sharded = 18 if s.half_precision else 16
         if not s.offload_optimizer:
-            states, step = sharded * trainable // n, step_bytes * trainable // n
+            states, step = sharded * whole // n, step_bytes * whole // n
         else:
             states, step = (0 if s.offload_param else w_bytes * trainable // n), 0
         cpu = zero3_model_states(trainable, shape.largest_layer_params, s.ranks_per_node, nodes, True, s.offload_param)[0] \
@@ -176,12 +189,12 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
     if s.offload_optimizer:  # ZeRO-Offload: grads and optimizer states live on the CPU
         return weights, 0, 0, zero2_model_states(trainable, s.ranks_per_node, nodes, True)[0]
     if s.zero_stage == 2:
-        states = state_bytes * trainable // n
+        states = state_bytes * whole // n
     elif s.zero_stage == 1:  # model-dtype gradients whole on every rank, the rest sharded
-        states = w_bytes * trainable + (state_bytes - w_bytes) * trainable // n
+        states = w_bytes * trainable + (state_bytes - w_bytes) * whole // n
     else:
         states = state_bytes * trainable
-    return weights, states, step_bytes * trainable // (n if s.zero_stage else 1), 0
+    return weights, states, step_bytes * whole // n if s.zero_stage else step_bytes * trainable, 0
 
 
 def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
@@ -192,17 +205,40 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     kv_width = shape.num_kv_heads * shape.dim_per_head
     hidden_terms, inter_terms = (ACT_HIDDEN_TERMS_LIGER, ACT_INTERMEDIATE_TERMS_LIGER) if s.liger_layers else \
         (ACT_HIDDEN_TERMS, ACT_INTERMEDIATE_TERMS)
-    per_token = (hidden_terms * h + 2 * kv_width) // tp + inter_terms * shape.intermediate_size // tp + RESIDUAL_TERMS * h
-    one_layer = b * tokens * per_token + tokens * _lora_dropout_bytes(shape, s) // tp
-    recomputed = min(shape.num_layers, s.checkpoint_layers or shape.num_layers) if s.gradient_checkpointing else 0
+    attention = (hidden_terms * h + 2 * kv_width) // tp + RESIDUAL_TERMS * h
+    dropout = tokens * _lora_dropout_bytes(shape, s) // tp
+    dense_layer = b * tokens * (attention + inter_terms * shape.intermediate_size // tp) + dropout
+    # an MoE layer: the top-k experts and the shared one a token runs through, its routed copies, the router's scores
+    k = shape.experts_per_token
+    moe_layer = b * tokens * (attention + inter_terms * (k * shape.expert_width + shape.shared_expert_intermediate_size) // tp
+                              + ROUTED_HIDDEN_TERMS * k * h) + tokens * ROUTER_BYTES_PER_EXPERT * shape.num_experts + dropout
+    layers, moe = shape.num_layers, shape.moe_layers
+    all_layers = (layers - moe) * dense_layer + moe * moe_layer
+    one_layer = moe_layer if moe else dense_layer  # the largest, held again one at a time in the backward
+    recomputed = min(layers, s.checkpoint_layers or layers) if s.gradient_checkpointing else 0
     # a recomputed layer keeps its input (and one at a time holds its full activations again in the backward); the
-    # others keep their full activations from the forward to their backward
-    acts = b * tokens * h * recomputed + (one_layer if recomputed else 0) + one_layer * (shape.num_layers - recomputed)
+    # others keep their full activations from the forward to their backward (an MoE model's dense layers: their share)
+    acts = b * tokens * h * recomputed + (one_layer if recomputed else 0) + all_layers * (layers - recomputed) // layers
     if s.fused_loss:
         logits = _fused_loss_bytes(shape, s, tokens, b)
     else:
         logits = tokens * logits_per_token(shape, s.task) * (b + LOGIT_BYTES_EXTRA)
     return acts, logits
+
+
+MOE_LORA_NOTE = ("mixture-of-experts model: LoRA counted on the attention projections and the dense layers' and shared "
+                 "experts' MLP projections; the routers and the fused expert weights (peft's target_parameters) are not "
+                 "counted, and frozen experts keep only their weights")
+
+
+def _moe_dispatch(shape: ModelShape, s: Settings, layout: Layout) -> int:
+    """One MoE layer's routing buffers at a time (0 for a dense model): the tokens permuted into expert order, one row
+    per routed copy; with expert parallel the all-to-all's send and receive buffers (two)."""
+    if not shape.moe_layers:
+        return 0
+    tokens = layout.micro_batch * sequences_per_sample(s.task) * s.max_length // layout.sequence_parallel
+    copies = 2 if layout.expert_parallel > 1 else 1
+    return copies * (2 if s.half_precision else 4) * tokens * shape.experts_per_token * shape.hidden_size
 
 
 def _lora_dropout_bytes(shape: ModelShape, s: Settings) -> int:
@@ -238,7 +274,7 @@ def _rl_parts(shape: ModelShape, s: Settings, layout: Layout) -> dict[str, int]:
     b = 2 if s.half_precision else 4
     out: dict[str, int] = {}
     if s.reference_weights:
-        total = shape.num_layers * shape.layer_params // layout.tensor_parallel + shape.embedding_params
+        total = shape.decoder_params // layout.tensor_parallel + shape.embedding_params
         out["reference_model"] = b * total // (layout.zero_partitions if s.zero_stage == 3 else 1)
     if s.generation_sequences:
         kv_width = shape.num_kv_heads * shape.dim_per_head
@@ -254,23 +290,27 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     else:
         trainable, exact = shape.lora_params(s.lora_rank, s.lora_targets)
         trainable += extra_trainable(shape, s.task, s.train_type)
-        if not exact:
+        if shape.is_moe:
+            notes.append(MOE_LORA_NOTE)
+        elif not exact:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
     if s.liger_layers:
         notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU (use_liger_kernel = true, or \"auto\" where "
                      "liger-kernel is installed), which keep fewer tensors than the model's own")
     weights, states, step, cpu = _model_states(shape, s, layout, trainable)
     acts, logits = _activations(shape, s, layout)
+    dispatch = _moe_dispatch(shape, s, layout)
     # a frozen reference copy (KTO full fine-tuning): the model's dtype, sharded like the policy under ZeRO-3
     ref = (2 if s.half_precision else 4) * total // (layout.zero_partitions if s.zero_stage == 3 else 1) if s.reference_copy else 0
     rl = _rl_parts(shape, s, layout)
     # the step's fp32 gradients take memory the backward has freed (activations, logits): the peak is the larger
     reuse = min(step, acts + logits)
-    allocated = weights + ref + states + acts + logits + sum(rl.values()) - reuse
+    allocated = weights + ref + states + acts + logits + dispatch + sum(rl.values()) - reuse
     frag = int(FRAGMENTATION * allocated)
     overhead = frag + CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world_size > 1 else 0)
     parts = {"weights": weights, **({"reference": ref} if ref else {}), "gradients_optimizer": states, "activations": acts,
-             "logits_loss": logits, **rl, **({"step_reuses_activations": -reuse} if reuse else {}), "overhead": overhead}
+             "logits_loss": logits, **({"moe_dispatch": dispatch} if dispatch else {}), **rl,
+             **({"step_reuses_activations": -reuse} if reuse else {}), "overhead": overhead}
     return MemoryEstimate(parts, allocated, allocated + overhead, cpu, int(s.gpu_memory_gb * GIB), trainable, total, tuple(notes),
                           checkpoint_bytes_per_node(s, layout, trainable, total))
 
@@ -305,7 +345,8 @@ def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
         options.insert(0, ("train.use_liger_kernel = true", replace(s, fused_loss=True)))
     if not s.gradient_checkpointing:
         options.insert(0, ("train.gradient_checkpointing = true", replace(s, gradient_checkpointing=True)))
-    options = [(label, replace(o, fused_loss=False) if o.zero_stage >= 3 else o) for label, o in options]
+    options = [(label, replace(o, fused_loss=False) if o.zero_stage >= 3 else o) for label, o in options
+               if o.zero_stage < 3 or layout.expert_parallel == 1]  # expert parallel refuses ZeRO-3 (sizing.layout)
     out: list[str] = []
     for label, option in options:
         if option == s or (now.fits and rung(option) >= rung(s)):
@@ -315,7 +356,7 @@ def advice(shape: ModelShape, s: Settings, layout: Layout) -> list[str]:
             out.append(f"{label} ({e.total_bytes / GIB:.1f} GiB per GPU)")
             if now.fits:
                 break
-    if not now.fits and layout.tensor_parallel == 1:  # long sequences: split them (the smallest SP degree that fits)
+    if not now.fits and layout.tensor_parallel == 1 and layout.expert_parallel == 1:  # long sequences: split them (the smallest SP degree that fits)
         from dataclasses import replace as dc_replace
 
         from .layout import shape_problems

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from ..errors import did_you_mean
+from .train_fields import TINY_MODELS
 
 # the reward functions swiftslurm ships (train/tasks/rewards.py) and the key each one needs
 BUILTIN_REWARDS = {"length": "reward_length_target", "format": "reward_format_regex", "accuracy": None}
@@ -131,8 +132,8 @@ def grpo_problems(t: Any) -> list[str]:
         out.append("use_liger_kernel = true with task = \"grpo\": TRL's GRPOTrainer scores completions with its own "
                    "log-probability pass; Liger's fused loss was measured for SFT only. HINT: drop use_liger_kernel "
                    "(\"auto\" leaves it off for GRPO)")
-    if t.model == "tiny-llama" and t.train_type == "full" and t.grpo_beta > 0:
-        out.append("grpo_beta > 0 with train_type = \"full\" and model = \"tiny-llama\": TRL loads the reference model "
+    if t.model in TINY_MODELS and t.train_type == "full" and t.grpo_beta > 0:
+        out.append(f"grpo_beta > 0 with train_type = \"full\" and model = \"{t.model}\": TRL loads the reference model "
                    "from the model's path, and the built-in test model has none. HINT: train_type = \"lora\" (the "
                    "reference is the adapter switched off), or grpo_beta = 0")
     if t.resume_weights_only and t.train_type == "lora":

@@ -18,6 +18,7 @@ from .sbatch_options import MEM_CONFLICTS, parse_extra
 from .sbatch_options import OWNED_SBATCH_OPTIONS as OWNED_SBATCH_OPTIONS  # re-exported
 from .train_fields import (  # noqa: F401 -- AttnImplementation, ReportTarget re-exported
     MAX_COUNT,
+    TINY_MODELS,
     AttnImplementation,
     DataFields,
     EvalFields,
@@ -35,7 +36,6 @@ from .train_fields import (  # noqa: F401 -- AttnImplementation, ReportTarget re
 )
 
 MAX_SPEC_BYTES = 1_000_000
-TINY_MODELS = ("tiny-llama",)
 # transformers' attention implementations the trainer accepts; "auto" = the fastest correct one on the node
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 # TRL 1.x DPOTrainer's loss types; exo_pair is left out: it needs label_smoothing > 0, which the spec does not expose
@@ -522,10 +522,11 @@ class JobSpec(_Table):
     @model_validator(mode="after")
     def _shrink(self) -> "JobSpec":
         p = self.parallel
-        if self.slurm.shrink_on_failure and (p.tensor_parallel > 1 or p.sequence_parallel > 1):
+        if self.slurm.shrink_on_failure and (p.tensor_parallel > 1 or p.sequence_parallel > 1 or p.expert > 1):
             raise ValueError(
                 "slurm.shrink_on_failure needs a world whose only split is data parallel: fewer nodes would break the "
-                f"tensor_parallel = {p.tensor_parallel} x sequence_parallel = {p.sequence_parallel} groups. "
+                f"tensor_parallel = {p.tensor_parallel} x sequence_parallel = {p.sequence_parallel} groups "
+                f"(or the expert = {p.expert} groups of the experts' shards). "
                 "HINT: give the job spares (slurm.spare_nodes) instead")
         return self
 

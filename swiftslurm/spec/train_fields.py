@@ -17,6 +17,7 @@ from .parallel import ModelShapeTable, Table
 
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3"]
 ReportTarget = Literal["tensorboard", "wandb", "mlflow", "none"]
+TINY_MODELS = ("tiny-llama", "tiny-moe")  # built in code (train/tinymodel.py)
 MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
 
 
@@ -24,7 +25,8 @@ class ModelFields(Table):
     """What is trained, and how: the model, full or LoRA fine-tuning, the task, your own script instead."""
 
     model: str | None = Field(None, description=(
-        'a hub id, a local directory, or `tiny-llama` (a 2-layer test model built from a config, no download)'
+        'a hub id, a local directory, or `tiny-llama` / `tiny-moe` (2-layer test models built from a config, no '
+        'download; `tiny-moe`: a Qwen3-MoE of 4 experts, top-2)'
     ))
     train_type: Literal["lora", "full"] = Field("lora", description=(
         '`lora` or `full`'
@@ -35,7 +37,14 @@ class ModelFields(Table):
         'a hub model not on disk: `{ hidden_size, num_layers, heads, kv_heads, intermediate_size, vocab_size,'
         " tie_word_embeddings, head_dim, model_type }` for `plan`'s memory estimate and the head checks at "
         "`validate` (a local model's config.json and `tiny-llama` need none); `model_type` (config.json's, "
-        'e.g. `"qwen2"`) lets the estimate count Liger\'s layers where Liger patches that type'
+        'e.g. `"qwen2"`) lets the estimate count Liger\'s layers where Liger patches that type; a mixture-of-experts '
+        'model adds `experts, experts_per_token, moe_intermediate_size, shared_expert_intermediate_size, dense_layers` '
+        '(each documented on its field in spec/parallel.py): `plan` then shows total and active parameters'
+    ))
+    router_aux_loss_coef: float | None = Field(None, ge=0, le=10, description=(
+        "mixture-of-experts models: the weight of the router's load-balancing loss added to the loss (transformers'"
+        " `output_router_logits`, off by default there); unset: the model config's own `router_aux_loss_coef`, "
+        "0.001 where it has none; `0` turns it off. Dense models ignore it"
     ))
     command: list[str] = Field(default_factory=list, description=(
         'run your own script instead of the built-in trainer, e.g. `["python", "train.py"]`, with the same '

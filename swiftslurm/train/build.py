@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SwiftSlurmError
+from ..spec import TINY_MODELS
 from ..tasks import TASKS
 from .evaluation import eval_arguments
 from .kernels.varlen import NAME as VARLEN
@@ -114,7 +115,7 @@ def _import_compiling_on_first_call(module: str) -> None:
 
 
 def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
-    """``tiny-llama`` is built in code; anything else goes through ``from_pretrained`` (local files first), with
+    """``tiny-llama`` and ``tiny-moe`` are built in code; anything else goes through ``from_pretrained`` (local files first), with
     ``use_kernels=False``: transformers >= 5.25 otherwise replaces layers by kernels it downloads from the Hub at load
     time (``kernels-community/rotary`` on a GPU): code nobody here wrote, and on a node without internet the load
     fails ("not available in the local cache and Hugging Face Hub is in offline mode"). Our kernels are chosen by
@@ -127,11 +128,11 @@ def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str
     reward = TASKS[train.task].score_head
     if attn_implementation == VARLEN:
         register_varlen()
-    if train.model == "tiny-llama":
+    if train.model in TINY_MODELS:
         from .tinymodel import build_model, build_tokenizer
 
         tok = build_tokenizer()
-        model = build_model(len(tok), train.max_length, train.seed, reward_head=reward)
+        model = build_model(len(tok), train.max_length, train.seed, reward_head=reward, name=train.model)
         model.set_attn_implementation(attn_implementation)
         return _fitted(model, attn_implementation), tok
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer

@@ -41,7 +41,7 @@ def degrees(spec: JobSpec) -> tuple[int, int]:
 def degrees_json(spec: JobSpec) -> dict[str, int]:
     """The degrees as checkpoints record them (manifest meta ``parallel``)."""
     sp, tp = degrees(spec)
-    return {"sequence_parallel": sp, "tensor_parallel": tp}
+    return {"sequence_parallel": sp, "tensor_parallel": tp, "expert": spec.parallel.expert}
 
 
 def global_batch(spec: JobSpec) -> int:

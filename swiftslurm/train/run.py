@@ -240,7 +240,7 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel, or its
     type Liger's."""
-    from . import parallel
+    from . import moe, parallel
     from .kernels import choose as kernels
     from .resume import source as resume_from_mod
 
@@ -254,6 +254,9 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         kern.attn, kern.attn_why = fitted
     kern.liger, kern.liger_why = kernels.fit_liger_to_model(spec.train.use_liger_kernel, kern.liger, kern.liger_why,
                                                             getattr(model.config, "model_type", None))
+    routed = moe.configure(model, spec.train.router_aux_loss_coef)  # an MoE: the router's auxiliary loss on
+    if routed is not None and dist.rank == 0:
+        log.warning("mixture of experts: %s", routed.banner())
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
     if tok.pad_token is None:
@@ -261,6 +264,8 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
     total_params = sum(p.numel() for p in model.parameters())
     model = task.prepare_model(model, spec)
+    if routed is not None and dist.rank == 0 and spec.train.train_type == "lora":
+        log.warning("mixture of experts, LoRA: %s", moe.adapted(model))
     tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
     if tiled and dist.rank == 0:
         log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)
@@ -331,12 +336,13 @@ def _instruments(spec: JobSpec, dist: DistEnv, output_dir: str, should_stop: Cal
 
 def _build_trainer(spec: JobSpec, task, cuda: bool, attn: str, model, tok, args, dataset, collator, tools: _Instruments,
                    job: RunFacts, params: tuple[int, int], ds_config: dict[str, Any], eval_dataset=None):
+    from . import moe
     from .health.metrics import flops_per_token
 
     trainer = task.trainer(
         spec, cuda, attn, model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
         processing_class=tok, callbacks=tools.callbacks, meter=tools.meter, job=job,
-        flops_per_token=flops_per_token(*params), cpu_adam=cuda and _offloads_optimizer(ds_config),
+        flops_per_token=flops_per_token(moe.active_params(model, params[0]), params[1]), cpu_adam=cuda and _offloads_optimizer(ds_config),
     )
     trainer.deadline = tools.deadline
     if spec.train.optimizer != "adamw":

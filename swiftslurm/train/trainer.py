@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback
 from .. import checkpoint as ck
 from ..checkpoint import savetime
 from ..taskdir import SAVE_LINK_DIR
+from . import moe
 from .collective import all_reduce_values, stop_flag_group
 from .health import startup
 from .health.gpuutil import gpu_fields, rank_slots
@@ -73,6 +74,7 @@ class RunFacts:
     fused_lora: bool
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    expert: int = 1  # [parallel] expert: AutoEP's degree
     async_save: bool = False  # checkpoint.async_save, resolved: DeepSpeed's shards written in the background
 
 
@@ -94,6 +96,8 @@ class SwiftTrainer(Trainer):
         self._staged: Any = None  # the save being staged (save_model's weights join it)
         if job.async_save:
             self.add_callback(PinAhead(self))
+        experts = moe.expert_counts(self.model.config) if self.model is not None else None
+        self.router = moe.RouterLoad(self.model, *experts) if experts else None  # an MoE model's tokens per expert
 
     def create_optimizer(self, model=None):
         """With ZeRO optimizer offload on GPUs: DeepSpeed's CPU Adam (AdamW mode), the optimizer ZeRO-Offload is
@@ -145,7 +149,7 @@ class SwiftTrainer(Trainer):
         assert self.model is not None  # the Trainer's __init__ set it
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.flops_per_token = flops_per_token(total, trainable)
+        self.flops_per_token = flops_per_token(moe.active_params(self.model, total), trainable)
 
     # ---- no host sync per step: the grad norm stays a tensor until a logging step reads it
     def _deepspeed_norm(self):
@@ -235,13 +239,17 @@ class SwiftTrainer(Trainer):
             self.meter.settle()
             own = self.meter.gpu.take() if self.meter.gpu is not None else None
             slots = rank_slots(own, self.args.process_index, self.args.world_size)  # every rank's value, each in its slot
-            tokens, samples, total, *utils = all_reduce_values([self.meter.tokens, self.meter.samples, self.meter.total_tokens, *slots],
-                                                         tdist.ReduceOp.SUM, self.args.device)
+            routed = self.router.counts() if self.router is not None else []
+            tokens, samples, total, *rest = all_reduce_values([self.meter.tokens, self.meter.samples, self.meter.total_tokens,
+                                                               *slots, *routed], tdist.ReduceOp.SUM, self.args.device)
+            utils, routed = rest[:len(slots)], rest[len(slots):]
             # the ranks of a TP group train on copies of one batch; SP ranks on shards of the same samples
             tp, sp = self.job.tensor_parallel, self.job.sequence_parallel
             tokens, total, samples = tokens / tp, total / tp, samples / (tp * sp)
             logs.update(self.meter.summary(int(tokens), int(samples), self.flops_per_token, self.args.world_size, int(total)))
             logs.update(gpu_fields(utils))
+            if self.router is not None:
+                logs.update(self.router.summary(routed))
         super().log(logs, start_time)
         if "loss" in logs:  # a background save that finished since: its figures on a line of their own
             self._log_finished_saves()
@@ -388,7 +396,7 @@ class SwiftTrainer(Trainer):
                 "job_name": self.job.name, "train_type": self.job.train_type,
                 "spec_fingerprint": self.job.spec_fingerprint,
                 "parallel": {"sequence_parallel": self.job.sequence_parallel,
-                             "tensor_parallel": self.job.tensor_parallel},
+                             "tensor_parallel": self.job.tensor_parallel, "expert": self.job.expert},
                 "dp_world_size": self.args.world_size, "zero_stage": self.job.zero_stage}  # universal.writer_layout
 
     def _best_step(self) -> int | None:

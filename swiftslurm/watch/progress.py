@@ -58,6 +58,7 @@ class Progress:
     restart_note: str | None = None  # in-job restarts: how many and the last cause, or why the last failure was not restarted
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: the last save's phases, grace advice
     eval_loss: float | None = None  # the last logged eval_loss (train.eval_*)
+    router_load: float | None = None  # an MoE model's last router_load_max: tokens per expert, max/mean, the worst layer
     best_values: dict[str, float] = field(default_factory=dict)  # every logged metric's best value (`status --sort`)
     sort_metric: str = ""  # the metric `status --sort` ranked by ("" = the sweep's final loss)
 
@@ -174,6 +175,8 @@ def progress_of(task: int, state: str, rows: list[dict[str, Any]], *, max_steps:
         p.best_loss = float(min(finite)) if finite else None
     evals = [v for r in rows if (v := _finite(r.get("eval_loss"))) is not None]
     p.eval_loss = evals[-1] if evals else None
+    routed = [v for r in rows if (v := _finite(r.get("router_load_max"))) is not None]
+    p.router_load = routed[-1] if routed else None
     p.best_values = best_values(rows)
     if not p.stop_reason and isinstance(summary.get("stop_reason"), str) and summary["stop_reason"]:
         p.stop_reason = summary["stop_reason"]  # an early stop (train.early_stopping_patience), in the trainer's words

@@ -82,6 +82,36 @@ def nan_grad_norm(run: TaskRun) -> list[Finding]:
         (_evidence(best[0], key), _evidence(best[-1], key)), run.task, (0,))]
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+ROUTER_ROWS = 3  # consecutive logged rows
+ROUTER_COLLAPSED = 0.8  # of the ceiling (experts / top_k: every token to the same top_k experts)
+
+
+def router_collapse(run: TaskRun) -> list[Finding]:
+    """An MoE model's router collapsed: in each of the last ROUTER_ROWS logged rows, the worst layer's tokens per
+    expert (max/mean, ``router_load_max``) at ROUTER_COLLAPSED or more of its ceiling (``router_load_limit``)."""
+    rows = [(n, r) for n, r in run.metrics if _finite(r.get("router_load_max")) and _finite(r.get("router_load_limit"))]
+    last = rows[-ROUTER_ROWS:]
+    if len(last) < ROUTER_ROWS or not all(r["router_load_max"] >= ROUTER_COLLAPSED * r["router_load_limit"] > 1
+                                          for _, r in last):
+        return []
+    coef = run.train("router_aux_loss_coef")
+    now = f" (now {coef:g})" if isinstance(coef, (int, float)) else " (unset: the model's own, else 0.001)"
+    limit = last[-1][1]["router_load_limit"]
+    return [Finding(
+        "router_collapse", f"an MoE router sent nearly every token to the same experts: tokens per expert max/mean "
+        f"{last[-1][1]['router_load_max']:.2f} of at most {limit:g}, in the last {ROUTER_ROWS} logged steps",
+        "a collapsed router: its load-balancing loss is off or too weak for this learning rate, so the experts it "
+        "stopped choosing no longer train",
+        f"raise train.router_aux_loss_coef{now}: Qwen3-MoE and Mixtral use 0.001, OLMoE 0.01; lower "
+        "train.learning_rate; resume from a checkpoint before the collapse",
+        ("train.router_aux_loss_coef", "train.learning_rate"),
+        (_evidence(last[0], "router_load_max"), _evidence(last[-1], "router_load_max")), run.task, (0,))]
+
+
 def _finite_series(run: TaskRun, key: str) -> list[tuple[float, tuple[int, dict[str, Any]]]]:
     """(value, row) of every logged row whose ``key`` is a finite number, in file order."""
     out = []

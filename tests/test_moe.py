@@ -1,0 +1,83 @@
+"""Mixture-of-experts models (issue 55), beyond sizing (tests/test_moe_sizing.py) and the one-process LoRA run
+(tests/test_one_process_runs.py): the tiny MoE stopped at walltime on two nodes resumes to the losses of an
+uninterrupted run, with its router's balance in metrics.jsonl and `status`; `doctor` names a collapsed router."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_doctor import write_metrics
+
+from swiftslurm.doctor import diagnose_task
+from swiftslurm.doctor.evidence import read_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def router_rows(loads: list[float], limit: float = 2.0) -> list[dict]:
+    return [{"step": i + 1, "time": 1000.0 + i, "loss": 2.0, "grad_norm": 1.0, "router_load_max": v, "router_load_limit": limit}
+            for i, v in enumerate(loads)]
+
+
+@pytest.mark.parametrize("loads,found", [([1.2, 1.9, 1.95, 2.0], True), ([1.9, 1.95, 2.0, 1.3], False),
+                                         ([1.2, 1.3, 1.5, 1.55], False)])
+def test_doctor_names_a_router_that_sent_nearly_every_token_to_the_same_experts(tmp_path, loads, found):
+    write_metrics(tmp_path, router_rows(loads))  # 4 experts, top-2: the ceiling is 2.0, collapsed at 0.8 of it
+    findings = [f for f in diagnose_task(read_task(0, str(tmp_path))) if f.code == "router_collapse"]
+    assert bool(findings) is found, findings
+    if found:
+        (f,) = findings
+        assert "train.router_aux_loss_coef" in f.keys and "max/mean 2.00 of at most 2" in f.what, f
+        assert [e.step for e in f.evidence] == [2, 4]
+
+
+@pytest.mark.parametrize("lora", ['lora_dropout = 0.05', 'lora_dropout = 0.0', 'lora_target_modules = ["q_proj", "v_proj"]'])
+def test_validate_refuses_lora_dropout_where_peft_adapts_the_experts(tmp_path, lora):
+    out = tmp_path / "out"
+    spec = tmp_path / "moe.toml"
+    spec.write_text(f'[job]\nname = "moe"\noutput_dir = "{out}"\n[slurm]\ntasks_per_node = 2\n[train]\nmodel = "tiny-moe"\n'
+                    f'dataset = ["{ROOT / "examples/data/alpaca_demo.jsonl"}"]\ntrain_type = "lora"\n{lora}\n')
+    run = subprocess.run(["swiftslurm", "validate", str(spec)], capture_output=True, text=True, timeout=120)
+    refused = lora == "lora_dropout = 0.05"  # "all-linear" (the default) takes the fused experts: no dropout there
+    assert run.returncode == (2 if refused else 0), run.stdout + run.stderr
+    assert ("train.lora_dropout" in run.stderr and "HINT" in run.stderr and "Traceback" not in run.stderr) is refused
+    assert not out.exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_tiny_moe_on_two_nodes_stopped_at_walltime_resumes_to_the_uninterrupted_losses(tmp_path, slurm_cluster):
+    """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning) with model = "tiny-moe", side by side with an
+    uninterrupted run; the walltime signal at step 8 or later: it saves, requeues, resumes on both nodes and logs every
+    step's loss bitwise as the reference did. Its router's tokens per expert are logged and shown by `status`."""
+    from conftest import wait_for_job
+    from test_pt import _signal_at_step
+    from test_resume import explain, losses, submit
+
+    steps, moe = 30, {"model": "tiny-moe"}
+    ref_job, ref_out = submit(tmp_path, "moe-reference", "00:10:00", steps=steps, train=moe)
+    req_job, req_out = submit(tmp_path, "moe-requeued", "00:10:00", steps=steps, min_step_s=0.2, train=moe)
+    try:
+        _signal_at_step(req_job, req_out, 8, timeout_s=600)
+        for job, out in ((ref_job, ref_out), (req_job, req_out)):
+            state = wait_for_job(job, timeout_s=600)
+            assert state[job] == "COMPLETED", f"{state}\n{explain(out)}"
+    finally:
+        for job, name in ((ref_job, "resume-moe-reference"), (req_job, "resume-moe-requeued")):
+            subprocess.run(["scancel", f"--name={name}", job], capture_output=True, timeout=30)
+
+    (stop,) = json.loads((req_out / "requeues.json").read_text())
+    assert stop["requeued"] and 8 <= stop["global_step"] < steps, stop
+    ref, req = losses(ref_out), losses(req_out)
+    assert sorted(ref) == sorted(req) == list(range(1, steps + 1))
+    mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}
+    assert not mismatched, f"{len(mismatched)} steps differ from the uninterrupted run, first: {sorted(mismatched.items())[:3]}"
+
+    rows = [json.loads(line) for line in (req_out / "metrics.jsonl").read_text().splitlines()]
+    routed = [r for r in rows if "router_load_max" in r]
+    assert len(routed) >= steps and all(1.0 <= r["router_load_max"] <= r["router_load_limit"] == 2.0 for r in routed)
+    status = subprocess.run(["swiftslurm", "status", str(req_out)], capture_output=True, text=True, timeout=60)
+    assert f"router max/mean {routed[-1]['router_load_max']:.2f}" in status.stdout, status.stdout + status.stderr
