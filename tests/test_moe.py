@@ -34,14 +34,16 @@ def test_doctor_names_a_router_that_sent_nearly_every_token_to_the_same_experts(
         assert [e.step for e in f.evidence] == [2, 4]
 
 
-@pytest.mark.parametrize("lora", ['lora_dropout = 0.05', 'lora_dropout = 0.0', 'lora_target_modules = ["q_proj", "v_proj"]'])
+@pytest.mark.parametrize("lora", ['lora_dropout = 0.05', 'lora_target_modules = ["q_proj", "down_proj"]', 'lora_dropout = 0.0',
+                                  'lora_target_modules = ["q_proj", "v_proj"]'])
 def test_validate_refuses_lora_dropout_where_peft_adapts_the_experts(tmp_path, lora):
     out = tmp_path / "out"
     spec = tmp_path / "moe.toml"
     spec.write_text(f'[job]\nname = "moe"\noutput_dir = "{out}"\n[slurm]\ntasks_per_node = 2\n[train]\nmodel = "tiny-moe"\n'
                     f'dataset = ["{ROOT / "examples/data/alpaca_demo.jsonl"}"]\ntrain_type = "lora"\n{lora}\n')
     run = subprocess.run(["swiftslurm", "validate", str(spec)], capture_output=True, text=True, timeout=120)
-    refused = lora == "lora_dropout = 0.05"  # "all-linear" (the default) takes the fused experts: no dropout there
+    # "all-linear" (the default), or a name that is a fused expert weight's, takes the experts: no dropout there
+    refused = "0.05" in lora or "down_proj" in lora
     assert run.returncode == (2 if refused else 0), run.stdout + run.stderr
     assert ("train.lora_dropout" in run.stderr and "HINT" in run.stderr and "Traceback" not in run.stderr) is refused
     assert not out.exists()

@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated module names")
     ap.add_argument("--logging-steps", type=int, default=1, help="log (and sync for it) every this many steps")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hf-collator", action="store_true")
@@ -69,7 +70,7 @@ def main():
     if a.lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM"))
     data = load_dataset([a.data], tok, a.seq)
     args = TrainingArguments(
         output_dir=a.out, per_device_train_batch_size=a.micro, gradient_accumulation_steps=1, learning_rate=a.lr,

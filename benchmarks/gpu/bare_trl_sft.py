@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated module names")
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--logging-steps", type=int, default=10)
     ap.add_argument("--out", required=True)
@@ -59,7 +60,7 @@ def main():
     if a.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM")
     args = SFTConfig(
         output_dir=a.out, per_device_train_batch_size=a.micro, gradient_accumulation_steps=1, learning_rate=a.lr,
         lr_scheduler_type="constant", max_steps=a.steps, logging_steps=a.logging_steps, save_strategy="no", seed=42,

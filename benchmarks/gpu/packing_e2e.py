@@ -99,6 +99,9 @@ DS_EXTRA = {
     "swiftslurm_contig": "[deepspeed.zero_optimization]\ncontiguous_gradients = true\n",
 }
 # [checkpoint] keys of an arm (keep = 2, the least: a 1.5B full fine-tune's save is ~24 GB of a 64 GB disk)
+# the MoE shape's LoRA in every arm: its attention. peft takes a name that matches a fused expert weight (down_proj) as
+# a ParamWrapper target, which refuses dropout: the bare arms' list would adapt different weights than "all-linear"
+MOE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # keep = 2 (the least): a 1.5B full fine-tune's save is 24 GB of the GPU machine's 64 GB disk, so --steps 20 (saves at 10 and 20)
 CKPT_EXTRA = {"swiftslurm_save_sync": "async_save = false\nkeep = 2\n", "swiftslurm_save_async": "async_save = true\nkeep = 2\n"}
 # environment of an arm: the probe (probe/sitecustomize.py) syncs the device after every optimizer step, as the host
@@ -185,7 +188,8 @@ def main() -> None:
                     "(probe/sitecustomize.py) into OUT/probe_<arm>.jsonl")
     ap.add_argument("--profile", default="", help="A:B: also torch.profiler over steps A..B-1 (implies --probe)")
     ap.add_argument("--arms", default="padded,swiftslurm,full_rows", help=f"of padded, full_rows, trl_packed, {', '.join(VARIANTS)}")
-    ap.add_argument("--shape", choices=["0.5b", "1.5b", "3b", "8b"], default="0.5b", help="make_assets.py's model (8b: Llama-3-8B-shaped)")
+    ap.add_argument("--shape", choices=["0.5b", "1.5b", "3b", "8b", "moe"], default="0.5b",
+                    help="make_assets.py's model (8b: Llama-3-8B-shaped; moe: an OLMoE-1B-7B-sized Qwen3-MoE)")
     ap.add_argument("--lora", action="store_true", help="LoRA r16 on every linear layer (all arms) instead of full fine-tuning")
     ap.add_argument("--max-length", type=int, default=2048, help="tokens per row (packed rows, full rows, TRL's packing)")
     ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch (the padded arm: 2x this many samples)")
@@ -215,9 +219,13 @@ def main() -> None:
     record(out, {"what": "data", "samples": len(lengths), "median_tokens": statistics.median(lengths),
                  "mean_tokens": round(statistics.mean(lengths), 1), "max_tokens": max(lengths)})
 
+    moe_targets = ["--lora-targets", ",".join(MOE_LORA_TARGETS)] if a.lora and a.shape == "moe" else []
+
     def write_spec(arm: str) -> tuple[Path, Path]:
         train = {"model": json.dumps(assets["model_dir"]), "dataset": json.dumps([str(data)]),
                  "train_type": '"lora"' if a.lora else '"full"', **({"lora_rank": "16"} if a.lora else {}),
+                 # the MoE shape: the same targets in every arm (MOE_LORA_TARGETS)
+                 **({"lora_target_modules": json.dumps(MOE_LORA_TARGETS)} if a.lora and a.shape == "moe" else {}),
                  "deepspeed": '"zero2"', "bf16": "false" if cpu else "true", "gradient_checkpointing": "false",
                  "per_device_train_batch_size": str(a.micro), "learning_rate": "1e-4", "lr_scheduler_type": '"constant"',
                  "max_length": str(a.max_length), "max_steps": str(a.steps), "save_steps": "100000", "logging_steps": str(a.logging_steps)}
@@ -268,6 +276,10 @@ checks = []
             # each save's seconds and phases (checkpoint_<phase>_s); a background save's rows at the save (stall, copy,
             # wait) and at its commit, and the pinning of its buffers after the first step (checkpoint_pin_s)
             saves = [r for r in rows if any(k.startswith("checkpoint_") for k in r)]
+            routed = [r for r in rows if "router_load_max" in r]  # an MoE model: its router's balance, first and last log
+            if routed:
+                res["router_load_max"] = [round(routed[0]["router_load_max"], 3), round(routed[-1]["router_load_max"], 3),
+                                          routed[-1].get("router_load_limit")]
             if any("checkpoint_stall_s" in r for r in rows):
                 res["stalls"] = save_stalls(rows)
             if saves:
@@ -300,7 +312,7 @@ checks = []
             ds_json.write_text(json.dumps(ds))
             argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trl_sft.py"), "--model", assets["model_dir"],
                     "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", str(a.max_length),
-                    "--micro", str(a.micro), "--data", str(data), "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else [])
+                    "--micro", str(a.micro), "--data", str(data), "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else []) + moe_targets
             rc = sh(argv, out / f"pk_{arm}.log", env=env, timeout=1200)
             res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
             summ = bare_dir / "summary.json"
@@ -315,7 +327,7 @@ checks = []
             ds_json.write_text(json.dumps(ds))
             argv = ["torchrun", "--standalone", "--nproc_per_node=1", str(HERE / "bare_trainer.py"), "--model", assets["model_dir"],
                     "--ds", str(ds_json), "--steps", str(a.steps), "--out", str(bare_dir), "--seq", str(a.max_length),
-                    "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else [])
+                    "--logging-steps", str(a.logging_steps)] + (["--lora"] if a.lora else []) + moe_targets
             argv += (["--data", str(data), "--hf-collator"] if arm == "padded" else ["--data", assets["data"]]) + ["--micro", str(micro)]
             rc = sh(argv, out / f"pk_{arm}.log", env=env, timeout=1200)
             res = throughput(read_jsonl(bare_dir / "steps.jsonl"), "useful", a.warmup)
