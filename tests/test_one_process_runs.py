@@ -165,4 +165,5 @@ def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spre
     adapter = json.loads((out / "moe_lora" / "checkpoint-6" / "adapter_config.json").read_text())
     assert set(adapter["target_parameters"]) >= {"gate_up_proj", "down_proj"}, adapter  # the experts, adapted
     assert "mixture of experts: 4 experts, top-2, 2 routed layers; router auxiliary loss x 0.001" in log
+    assert "experts: grouped_mm (transformers' default: one grouped GEMM per layer over every expert)" in log
     assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log

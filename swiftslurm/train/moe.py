@@ -23,6 +23,10 @@ from typing import Any
 # where each MoE layout keeps its expert count and top-k in config.json (a registry, not a branch per model)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+# what transformers' experts implementation (chosen at load: grouped_mm where torch can dispatch it) means
+EXPERT_KERNELS = {"grouped_mm": "grouped_mm (transformers' default: one grouped GEMM per layer over every expert)",
+                  "batched_mm": "batched_mm (one batched GEMM per layer)",
+                  "eager": "eager (a Python loop over the experts: torch could not dispatch grouped_mm here)"}
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,12 @@ class MoeFacts:
     top_k: int
     aux_loss_coef: float
     routers: int = 0  # router modules hooked
+    kernel: str | None = None  # transformers' experts implementation as loaded: grouped_mm, eager, ...
 
     def banner(self) -> str:
+        kernel = EXPERT_KERNELS.get(self.kernel or "", self.kernel or "the model's own")
         return (f"{self.experts} experts, top-{self.top_k}, {self.routers} routed layers; router auxiliary loss x "
-                f"{self.aux_loss_coef:g} (train.router_aux_loss_coef)")
+                f"{self.aux_loss_coef:g} (train.router_aux_loss_coef); experts: {kernel}")
 
 
 def _first(config: Any, keys: tuple[str, ...]) -> int | None:
@@ -72,7 +78,9 @@ def configure(model: Any, coef: float | None) -> MoeFacts | None:
         if hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = coef
         inner = getattr(inner, "model", None) if getattr(inner, "model", None) is not inner else None
-    return MoeFacts(*counts, aux_loss_coef=coef, routers=sum(1 for m in model.modules() if is_router(m)))
+    kernel = getattr(model.config, "_experts_implementation", None)
+    return MoeFacts(*counts, aux_loss_coef=coef, routers=sum(1 for m in model.modules() if is_router(m)),
+                    kernel=kernel if isinstance(kernel, str) else None)
 
 
 def active_params(model: Any, total: int) -> int:
