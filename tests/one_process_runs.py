@@ -62,6 +62,12 @@ VARIANTS = {
     # the routers too, without dropout), its router logging tokens per expert
     "moe_lora": {"model": "tiny-moe", "train_type": "lora", "lora_dropout": 0.0, "deepspeed": "zero2", "max_steps": 6,
                  "per_device_train_batch_size": 4, "learning_rate": 3e-3, "lr_scheduler_type": "constant"},
+    # checkpoint.async_save under ZeRO-3 with LoRA (issue 54): saves at steps 1 and 2 copied off the training's path and
+    # written in the background, beside the same run saving synchronously; their checkpoint-2 must hold the same bytes
+    "async_zero3": {"train_type": "lora", "deepspeed": "zero3", "max_steps": 3, "save_steps": 1, "learning_rate": 1e-2,
+                    "checkpoint": {"async_save": True, "keep": 3}},
+    "sync_zero3": {"train_type": "lora", "deepspeed": "zero3", "max_steps": 3, "save_steps": 1, "learning_rate": 1e-2,
+                   "checkpoint": {"async_save": False, "keep": 3}},
     # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
     # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
     "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,
@@ -142,7 +148,10 @@ def main(out_root: str, presets: list[str]) -> int:
     dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1, nodes=("localhost",),
                    node="localhost", master_addr="127.0.0.1", master_port=port, job_id=f"local-{os.getpid()}",
                    requeue_id=f"local-{os.getpid()}", array_task_id=None, restart_count=0, gpus=(), executor="local")
+    from deepspeed.runtime.zero.partition_parameters import Init
+
     for preset in presets or dsconfig.preset_names():
+        Init.param_id = 0  # ZeRO-3 numbers parameters process-wide (ds_id, saved in its shards): as if each run had its own process
         out = Path(out_root, run_dir(preset))
         row: dict = {"preset": preset, "ok": False}
         copies.clear()

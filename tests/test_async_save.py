@@ -74,7 +74,9 @@ def test_a_snapshot_writes_the_bytes_torch_save_wrote_at_that_moment(tmp_path):
     state = {"weights": base, "view": base[2:5], "transposed": base.t(), "param": torch.nn.Parameter(torch.randn(3)),
              "optimizer": {"state": {0: {"exp_avg": torch.zeros(3), "step": torch.tensor(4.0)}},
                            "param_groups": [{"lr": 0.1, "params": [0]}]},
-             "bf16": torch.ones(7, dtype=torch.bfloat16), "empty": torch.empty(0), "grad": torch.randn(2, requires_grad=True)}
+             "bf16": torch.ones(7, dtype=torch.bfloat16), "empty": torch.empty(0), "grad": torch.randn(2, requires_grad=True),
+             "zero3_flat": torch.randn(5)}
+    state["zero3_flat"].ds_id = "135_177"  # ZeRO-3 tags its flat fp32 partitions: the attribute is pickled with the tensor
     (tmp_path / "sync").mkdir()
     (tmp_path / "async").mkdir()
     torch.save(state, tmp_path / "sync" / "shard.pt")
@@ -83,7 +85,7 @@ def test_a_snapshot_writes_the_bytes_torch_save_wrote_at_that_moment(tmp_path):
     state["optimizer"]["param_groups"][0]["lr"] = 0.2
     snap.save(str(tmp_path / "async" / "shard.pt"))
     assert _digest(tmp_path / "async" / "shard.pt") == _digest(tmp_path / "sync" / "shard.pt")
-    assert snap.nbytes == (40 + 3 + 3 + 1) * 4 + 7 * 2 + 2 * 4  # each storage copied once
+    assert snap.nbytes == (40 + 3 + 3 + 1 + 5) * 4 + 7 * 2 + 2 * 4  # each storage copied once
 
 
 def test_strings_the_pickle_shares_with_torch_stay_shared(tmp_path):

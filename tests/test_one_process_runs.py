@@ -10,6 +10,7 @@ the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and
   precompute_ref_log_probs (the reference is scored before training) and lora_target_modules (the adapter),
   checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it);
 - task = "rm": a reward model learns the separable demo pairs (accuracy above 0.8) under ZeRO-3 in bf16;
+- checkpoint.async_save under ZeRO-3 with LoRA (issue 54): the background saves write a synchronous save's bytes;
 - model = "tiny-moe" (issue 55): LoRA adapts attention, the fused expert weights and the routers, the loss carries the
   router's load-balancing term, and every logged step its tokens per expert.
 """
@@ -31,6 +32,7 @@ from swiftslurm import dsconfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "examples/zero3_offload.toml"
+VARIANT_RUNS = ("apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora", "async_zero3", "sync_zero3")
 SHIPPED = {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"}
 
 pytestmark = pytest.mark.slow
@@ -41,7 +43,7 @@ def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
     out = tmp_path_factory.mktemp("presets")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out),
                            "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo", "rm",  # plain DDP before any DeepSpeed engine
-                           "moe_lora"],
+                           "moe_lora", "async_zero3", "sync_zero3"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
@@ -52,7 +54,7 @@ def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
 
 def test_every_shipped_preset_takes_one_step_on_a_real_engine(runs):
     aio, rows, out, _log = runs
-    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, "apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora"}
+    assert set(dsconfig.preset_names()) == SHIPPED and set(rows) == SHIPPED | {EXAMPLE, *VARIANT_RUNS}
     for name, row in rows.items():
         if name not in SHIPPED | {EXAMPLE}:
             continue
@@ -167,3 +169,19 @@ def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spre
     assert "mixture of experts: 4 experts, top-2, 2 routed layers; router auxiliary loss x 0.001" in log
     assert "experts: grouped_mm (transformers' default: one grouped GEMM per layer over every expert)" in log
     assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log
+
+
+def test_async_saves_under_zero3_with_lora_write_the_bytes_of_a_synchronous_save(runs):
+    from swiftslurm import checkpoint as ck
+
+    _aio, rows, out, log = runs
+    assert "written synchronously" not in log  # every shard staged: ZeRO-3's flat partitions carry a ds_id attribute
+    assert rows["async_zero3"]["ok"] and rows["sync_zero3"]["ok"], (rows["async_zero3"].get("error"), rows["sync_zero3"].get("error"))
+    assert rows["async_zero3"]["loss"] == rows["sync_zero3"]["loss"]
+    metrics = [json.loads(line) for line in (out / "async_zero3" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("checkpoint_step") == 2 for r in metrics)  # committed by the background writer
+    ours, theirs = (ck.read_manifest(out / run / "checkpoint-2").files for run in ("async_zero3", "sync_zero3"))
+    # trainer_state.json carries wall times, training_args.bin the output dir: every other file the same bytes
+    differ = sorted(rel for rel in set(ours) | set(theirs) if ours.get(rel) != theirs.get(rel))
+    assert differ == ["trainer_state.json", "training_args.bin"], differ
+    assert any(rel.endswith("optim_states.pt") for rel in ours)

@@ -132,12 +132,13 @@ class Snapshot:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A tensor whose pickle is storage + offset + size + stride (+ requires_grad): a copy pickles the same."""
+    """A tensor whose pickle is storage + offset + size + stride (+ requires_grad), and its attributes when it has
+    some that hold no tensor (ZeRO-3 tags its flat fp32 partitions with a ``ds_id`` string): a copy pickles the same."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return False
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
         return False
-    return not getattr(t, "__dict__", None)
+    return not any(isinstance(v, torch.Tensor) for v in (getattr(t, "__dict__", None) or {}).values())
 
 
 class _Null:
@@ -223,8 +224,12 @@ def snapshot(obj: Any) -> Snapshot:
             copies[key] = host
         h = torch.empty(0, dtype=t.dtype).set_(copies[key], t.storage_offset(), t.size(), t.stride())
         if isinstance(t, torch.nn.Parameter):
-            return torch.nn.Parameter(h, requires_grad=t.requires_grad)
-        return h.requires_grad_(t.requires_grad) if t.requires_grad else h
+            h = torch.nn.Parameter(h, requires_grad=t.requires_grad)
+        elif t.requires_grad:
+            h.requires_grad_(True)
+        if getattr(t, "__dict__", None):  # its attributes, the same objects (a string's identity counts in the pickle)
+            h.__dict__.update(copy.deepcopy(t.__dict__, memo))
+        return h
 
     def meet(o: torch.Tensor) -> None:
         if id(o) not in memo:
