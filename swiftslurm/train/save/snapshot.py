@@ -237,7 +237,6 @@ def snapshot(obj: Any) -> Snapshot:
 
     try:
         _walk_tensors(obj, meet)
-        keep = list(memo.values())  # noqa: F841 (the copies stay alive while deepcopy runs)
         snap.obj = copy.deepcopy(obj, memo)
     except BaseException:
         snap.release()
