@@ -51,9 +51,14 @@ def _first(config: Any, keys: tuple[str, ...]) -> int | None:
     return None
 
 
+def _text(config: Any) -> Any:
+    """The language model's config (a vision-language config nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def expert_counts(config: Any) -> tuple[int, int] | None:
     """(experts, top_k) of a model config, None for a dense model."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text(config)
     experts = _first(text, EXPERT_KEYS)
     return (experts, _first(text, TOP_K_KEYS) or 1) if experts else None
 
@@ -67,7 +72,7 @@ def configure(model: Any, coef: float | None) -> MoeFacts | None:
     counts = expert_counts(model.config)
     if counts is None:
         return None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text(model.config)
     if coef is None:
         own = getattr(text, "router_aux_loss_coef", None)
         coef = float(own) if isinstance(own, (int, float)) and own > 0 else DEFAULT_AUX_LOSS_COEF
@@ -137,11 +142,12 @@ class RouterLoad:
 
     def counts(self) -> list[float]:
         """This rank's counts since the last log, layer after layer (zeros for a layer that saw no token)."""
-        out: list[float] = []
-        for c in self._counts:
-            out += c.tolist() if c is not None else [0.0] * self.experts
+        seen = [c for c in self._counts if c is not None]
+        zeros: Any = self._torch.zeros(self.experts, dtype=seen[0].dtype, device=seen[0].device) if seen else None
+        rows: list[Any] = [c if c is not None else zeros for c in self._counts]
         self._counts = [None] * len(self.routers)
-        return [float(v) for v in out]
+        # one device-to-host copy for every layer (a GPU sync per layer otherwise)
+        return [float(v) for v in self._torch.cat(rows).tolist()] if seen else [0.0] * (self.experts * len(rows))
 
     def summary(self, reduced: list[float]) -> dict[str, float]:
         """The metrics of every rank's summed counts (``counts()`` of each, all-reduced)."""
