@@ -19,7 +19,8 @@ class Task:
     name: str
     help: str  # what it trains on and through what, for train.task's description
     # the module under swiftslurm/train/data/ whose ``count_records(train_table) -> int`` checks every record of
-    # train.dataset at validate (``train.dataset_scan``), and what it counts
+    # train.dataset at validate (``train.dataset_scan``), and what it counts (an ``images.Scanned`` instead: the
+    # count and what it found of the records' images, which ``plan`` shows)
     data: str
     counts: str = "record(s)"
     packs: bool = False  # train.packing applies: the records are packed into rows of max_length
@@ -27,11 +28,12 @@ class Task:
     eval_metrics: tuple[str, ...] | None = None  # what its evaluation reports (no eval_ prefix; "x/": any x/...); None: any
     score_head: bool = False  # sizing: a 1-output score head for the LM head, chosen and rejected in one forward
     reference_copy: bool = False  # sizing: full fine-tuning holds a frozen reference copy unless precomputed
+    images: bool = False  # trains vision-language models on records with images (train/vision.py); others refuse them
     summary: str = ""  # its own line of the end-of-training summary: a format string over TrainResult's fields
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
-    Task("sft", "supervised", data="tokens", packs=True, eval_metrics=("loss",)),
+    Task("sft", "supervised", data="tokens", packs=True, eval_metrics=("loss",), images=True),
     Task("dpo", "preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer", data="preference",
          counts="preference pair(s)", trl=True, eval_metrics=("loss", "rewards/", "logps/", "logits/"),
          summary="reward accuracy (chosen scored above rejected, last logged step): {reward_accuracy:.3f}"),

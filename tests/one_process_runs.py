@@ -68,6 +68,32 @@ VARIANTS = {
                     "checkpoint": {"async_save": True, "keep": 3}},
     "sync_zero3": {"train_type": "lora", "deepspeed": "zero3", "max_steps": 3, "save_steps": 1, "learning_rate": 1e-2,
                    "checkpoint": {"async_save": False, "keep": 3}},
+    # train.fp8 (issue 53) in torchao's fp32 emulation of the FP8 casts and GEMMs (the CPU has no FP8 tensor cores;
+    # SWIFTSLURM_TEST_FP8_EMULATE): a full bf16 fine-tune under ZeRO-2 beside the same run in bf16, and its resume from
+    # checkpoint-2 (step 3 again, bitwise); LoRA under ZeRO-3, the frozen base in FP8
+    "fp8_full": {"train_type": "full", "deepspeed": "zero2", "bf16": True, "fp8": True, "max_steps": 3, "save_steps": 2,
+                 "gradient_checkpointing": False, "lr_scheduler_type": "constant"},
+    "bf16_full": {"train_type": "full", "deepspeed": "zero2", "bf16": True, "fp8": False, "max_steps": 3, "save_steps": 2,
+                  "gradient_checkpointing": False, "lr_scheduler_type": "constant"},
+    "fp8_resume": {"train_type": "full", "deepspeed": "zero2", "bf16": True, "fp8": True, "max_steps": 3, "save_steps": 2,
+                   "gradient_checkpointing": False, "lr_scheduler_type": "constant",
+                   "resume_from": "__OUT__/fp8_full/checkpoint-2", "checkpoint": {"allow_spec_change": True}},
+    "fp8_lora_zero3": {"train_type": "lora", "deepspeed": "zero3", "bf16": True, "fp8": True, "max_steps": 3, "save_steps": 2,
+                       "gradient_checkpointing": False, "learning_rate": 1e-2},
+    # a vision-language model (issue 56): the tiny LLaVA on the demo's colour squares, LoRA on its language model under
+    # ZeRO-2, and every weight but the frozen vision tower (the projector trained: freeze_projector = false), both with
+    # packing on as by default (turned off for a VLM, with the reason)
+    "vl_lora": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "lora", "deepspeed": "zero2",
+                "image_max_pixels": 3136, "per_device_train_batch_size": 4, "max_steps": 6, "save_steps": 6,
+                "learning_rate": 1e-2, "lr_scheduler_type": "constant", "gradient_checkpointing": False},
+    "vl_full": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "full", "deepspeed": "zero2",
+                "image_max_pixels": 3136, "freeze_projector": False, "per_device_train_batch_size": 4, "max_steps": 4,
+                "save_steps": 4, "learning_rate": 3e-3, "lr_scheduler_type": "constant"},
+    # ... and under ZeRO-2, where rank 0 writes the adapter itself: in the background too, the same bytes
+    "async_zero2": {"train_type": "lora", "deepspeed": "zero2", "max_steps": 3, "save_steps": 1, "learning_rate": 1e-2,
+                    "checkpoint": {"async_save": True, "keep": 3}},
+    "sync_zero2": {"train_type": "lora", "deepspeed": "zero2", "max_steps": 3, "save_steps": 1, "learning_rate": 1e-2,
+                   "checkpoint": {"async_save": False, "keep": 3}},
     # zero2's checkpoint resumed under ZeRO-3: a conversion (DeepSpeed's ds_to_universal), here made slower (30 s)
     # than checkpoint.convert_timeout_s (10 s) by SLOW_CONVERTER; run it after zero2
     "convert": {"train_type": "full", "deepspeed": "zero3", "resume_from": "__OUT__/zero2/checkpoint-1", "max_steps": 2,
@@ -161,19 +187,18 @@ def main(out_root: str, presets: list[str]) -> int:
             ds, _warnings = dsconfig.build_for_spec(spec)
             row["zero_stage"] = ds.get("zero_optimization", {}).get("stage")
             row["ds_config"] = ds
-            resume = None
+            resume = True if "resume_from" in VARIANTS.get(preset, {}) else None  # as `swiftslurm run`: the own newest, else resume_from
             if preset == "convert":  # the converter runs as a child: a sitecustomize on its PYTHONPATH slows it
                 slow = Path(out_root, "slow-converter")
                 slow.mkdir(exist_ok=True)
                 (slow / "sitecustomize.py").write_text(SLOW_CONVERTER)
                 os.environ.update(SWIFTSLURM_TEST_SLOW_CONVERT_S="30", PYTHONPATH=f"{slow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-                resume = True  # as `swiftslurm run`: the own newest checkpoint, else train.resume_from
             result = train(spec, dist, ds, str(out), resume, lambda: False)
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             stepped = [r for r in rows if r.get("loss") is not None]
             row.update(ok=True, steps=result.global_step, optimizer=result.optimizer, loss=[r["loss"] for r in stepped],
                        gradient_checkpointing=result.gradient_checkpointing, state_dict_copies=len(copies),
-                       checkpointed_layers=list(result.checkpointed_layers),
+                       checkpointed_layers=list(result.checkpointed_layers), fp8_layers=result.fp8_layers,
                        learning_rate=[r.get("learning_rate") for r in stepped], grad_norm=[r.get("grad_norm") for r in stepped],
                        router_load_max=[r.get("router_load_max") for r in stepped],
                        router_load_limit=[r.get("router_load_limit") for r in stepped])

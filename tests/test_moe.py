@@ -55,28 +55,10 @@ def test_a_tiny_moe_on_two_nodes_stopped_at_walltime_resumes_to_the_uninterrupte
     """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning) with model = "tiny-moe", side by side with an
     uninterrupted run; the walltime signal at step 8 or later: it saves, requeues, resumes on both nodes and logs every
     step's loss bitwise as the reference did. Its router's tokens per expert are logged and shown by `status`."""
-    from conftest import wait_for_job
-    from test_pt import _signal_at_step
-    from test_resume import explain, losses, submit
+    from test_resume import requeued_beside_reference
 
-    steps, moe = 30, {"model": "tiny-moe"}
-    ref_job, ref_out = submit(tmp_path, "moe-reference", "00:10:00", steps=steps, train=moe)
-    req_job, req_out = submit(tmp_path, "moe-requeued", "00:10:00", steps=steps, min_step_s=0.2, train=moe)
-    try:
-        _signal_at_step(req_job, req_out, 8, timeout_s=600)
-        for job, out in ((ref_job, ref_out), (req_job, req_out)):
-            state = wait_for_job(job, timeout_s=600)
-            assert state[job] == "COMPLETED", f"{state}\n{explain(out)}"
-    finally:
-        for job, name in ((ref_job, "resume-moe-reference"), (req_job, "resume-moe-requeued")):
-            subprocess.run(["scancel", f"--name={name}", job], capture_output=True, timeout=30)
-
-    (stop,) = json.loads((req_out / "requeues.json").read_text())
-    assert stop["requeued"] and 8 <= stop["global_step"] < steps, stop
-    ref, req = losses(ref_out), losses(req_out)
-    assert sorted(ref) == sorted(req) == list(range(1, steps + 1))
-    mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}
-    assert not mismatched, f"{len(mismatched)} steps differ from the uninterrupted run, first: {sorted(mismatched.items())[:3]}"
+    steps = 30
+    req_out = requeued_beside_reference(tmp_path, "moe", steps, 8, train={"model": "tiny-moe"})
 
     rows = [json.loads(line) for line in (req_out / "metrics.jsonl").read_text().splitlines()]
     routed = [r for r in rows if "router_load_max" in r]

@@ -11,6 +11,8 @@ the CPU), through swiftslurm's own config building (dsconfig.build_for_spec) and
   checkpoint.convert_timeout_s (zero2's checkpoint resumed under ZeRO-3 through a converter slower than it);
 - task = "rm": a reward model learns the separable demo pairs (accuracy above 0.8) under ZeRO-3 in bf16;
 - checkpoint.async_save under ZeRO-3 with LoRA (issue 54): the background saves write a synchronous save's bytes;
+- train.fp8 (issue 53), in torchao's emulation on the CPU: a full fine-tune's losses stay with bf16's, its checkpoint holds
+  bf16's tensors key for key (no FP8 leftovers) and resumes bitwise; LoRA under ZeRO-3 trains with the frozen base in FP8;
 - model = "tiny-moe" (issue 55): LoRA adapts attention, the fused expert weights and the routers, the loss carries the
   router's load-balancing term, and every logged step its tokens per expert.
 """
@@ -32,7 +34,8 @@ from swiftslurm import dsconfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "examples/zero3_offload.toml"
-VARIANT_RUNS = ("apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora", "async_zero3", "sync_zero3")
+VARIANT_RUNS = ("apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora", "async_zero3", "sync_zero3", "async_zero2", "sync_zero2",
+                "fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3")
 SHIPPED = {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"}
 
 pytestmark = pytest.mark.slow
@@ -43,8 +46,9 @@ def runs(tmp_path_factory) -> tuple[bool, dict[str, dict], Path, str]:
     out = tmp_path_factory.mktemp("presets")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out),
                            "apollo", "galore8bit", *dsconfig.preset_names(), EXAMPLE, "convert", "dpo", "rm",  # plain DDP before any DeepSpeed engine
-                           "moe_lora", "async_zero3", "sync_zero3"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "moe_lora", "async_zero3", "sync_zero3", "async_zero2", "sync_zero2", "fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "SWIFTSLURM_TEST_FP8_EMULATE": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     aio = json.loads(next(ln for ln in lines if ln.startswith("AIO "))[4:])
@@ -171,17 +175,43 @@ def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spre
     assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log
 
 
-def test_async_saves_under_zero3_with_lora_write_the_bytes_of_a_synchronous_save(runs):
+@pytest.mark.parametrize("stage", ["zero3", "zero2"])
+def test_async_saves_with_lora_write_the_bytes_of_a_synchronous_save(runs, stage):
+    """ZeRO-3 gathers the adapter through DeepSpeed; under ZeRO-2 rank 0 stages its own adapter for the background."""
     from swiftslurm import checkpoint as ck
 
     _aio, rows, out, log = runs
     assert "written synchronously" not in log  # every shard staged: ZeRO-3's flat partitions carry a ds_id attribute
-    assert rows["async_zero3"]["ok"] and rows["sync_zero3"]["ok"], (rows["async_zero3"].get("error"), rows["sync_zero3"].get("error"))
-    assert rows["async_zero3"]["loss"] == rows["sync_zero3"]["loss"]
-    metrics = [json.loads(line) for line in (out / "async_zero3" / "metrics.jsonl").read_text().splitlines()]
+    ours_run, theirs_run = f"async_{stage}", f"sync_{stage}"
+    assert rows[ours_run]["ok"] and rows[theirs_run]["ok"], (rows[ours_run].get("error"), rows[theirs_run].get("error"))
+    assert rows[ours_run]["loss"] == rows[theirs_run]["loss"]
+    metrics = [json.loads(line) for line in (out / ours_run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("checkpoint_step") == 2 for r in metrics)  # committed by the background writer
-    ours, theirs = (ck.read_manifest(out / run / "checkpoint-2").files for run in ("async_zero3", "sync_zero3"))
+    ours, theirs = (ck.read_manifest(out / run / "checkpoint-2").files for run in (ours_run, theirs_run))
     # trainer_state.json carries wall times, training_args.bin the output dir: every other file the same bytes
     differ = sorted(rel for rel in set(ours) | set(theirs) if ours.get(rel) != theirs.get(rel))
     assert differ == ["trainer_state.json", "training_args.bin"], differ
-    assert any(rel.endswith("optim_states.pt") for rel in ours)
+    assert any(rel.endswith("optim_states.pt") for rel in ours) and "adapter_model.safetensors" in ours
+
+
+def test_fp8_trains_beside_bf16_and_its_checkpoints_hold_the_same_tensors_and_resume_bitwise(runs):
+    _aio, rows, out, log = runs
+    for name in ("fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3"):
+        assert rows[name]["ok"], f"{name}: {rows[name].get('error')}\n{rows[name].get('trace', '')}"
+    fp8, bf16 = rows["fp8_full"], rows["bf16_full"]
+    # the tiny model's 14 projections (2 layers x 7) run in FP8, its LM head does not; bf16 converts none
+    assert fp8["fp8_layers"] == 14 and bf16["fp8_layers"] == 0, (fp8["fp8_layers"], bf16["fp8_layers"])
+    assert fp8["loss"] != bf16["loss"]  # the casts are real: the losses differ ...
+    assert all(abs(a - b) / b < 0.02 for a, b in zip(fp8["loss"], bf16["loss"], strict=True)), (fp8["loss"], bf16["loss"])  # ... a little
+    import torch
+
+    def tensors(run: str) -> dict[str, tuple]:
+        shard = out / run / "checkpoint-2" / "global_step2" / "mp_rank_00_model_states.pt"
+        module = torch.load(shard, map_location="cpu", weights_only=True)["module"]
+        return {k: (v.dtype, tuple(v.shape)) for k, v in module.items()}
+
+    assert tensors("fp8_full") == tensors("bf16_full")  # key for key, dtype for dtype: nothing of FP8 is saved
+    assert rows["fp8_resume"]["loss"] == fp8["loss"][2:], (rows["fp8_resume"]["loss"], fp8["loss"])  # step 3, bitwise
+    lora = rows["fp8_lora_zero3"]
+    assert lora["fp8_layers"] == 14 and lora["zero_stage"] == 3 and lora["loss"][-1] < lora["loss"][0], lora
+    assert "train.fp8: 14 linear layers run their matmuls in FP8 (torchao tensorwise scaling" in log

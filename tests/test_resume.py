@@ -51,6 +51,33 @@ def submit(tmp: Path, name: str, time_limit: str, nodes: int = 2, steps: int = M
     return submit_spec(spec, out), out
 
 
+def requeued_beside_reference(tmp: Path, name: str, steps: int, stop_at: int, data: Path = DATA, train: dict | None = None) -> Path:
+    """``submit``'s spec twice side by side, ``<name>-reference`` uninterrupted and ``<name>-requeued`` sent the walltime
+    signal (USR2 to every rank, as ``--signal=USR2@grace`` does) once it logged step ``stop_at``: the signalled run
+    saves, requeues once, resumes on both nodes and must log every step's loss bitwise as the uninterrupted run did.
+    Returns the requeued run's output dir."""
+    from test_pt import _signal_at_step
+
+    ref_job, ref_out = submit(tmp, f"{name}-reference", "00:10:00", steps=steps, data=data, train=train)
+    req_job, req_out = submit(tmp, f"{name}-requeued", "00:10:00", steps=steps, min_step_s=0.2, data=data, train=train)
+    try:
+        _signal_at_step(req_job, req_out, stop_at, timeout_s=600)
+        for job, out in ((ref_job, ref_out), (req_job, req_out)):
+            state = wait_for_job(job, timeout_s=600)
+            assert state[job] == "COMPLETED", f"{state}\n{explain(out)}"
+    finally:  # never leave this test's jobs behind on the shared cluster (the name guards against reused ids)
+        for job, run in ((ref_job, "reference"), (req_job, "requeued")):
+            subprocess.run(["scancel", f"--name=resume-{name}-{run}", job], capture_output=True, timeout=30)
+
+    (stop,) = json.loads((req_out / "requeues.json").read_text())
+    assert stop["requeued"] and stop_at <= stop["global_step"] < steps, stop
+    ref, req = losses(ref_out), losses(req_out)
+    assert sorted(ref) == sorted(req) == list(range(1, steps + 1))
+    mismatched = {s: (ref[s][0], got) for s, got in req.items() if any(x != ref[s][0] for x in got)}
+    assert not mismatched, f"{len(mismatched)} steps differ from the uninterrupted run, first: {sorted(mismatched.items())[:3]}"
+    return req_out
+
+
 def resume_spec(name: str, out: Path, time_limit: str, nodes: int, steps: int, min_step_s: float, data: Path, train: dict,
                 checkpoint: dict | None = None) -> str:
     # min_step_s: every step takes at least this long (the watchdog's test hook): the number of walltime stops no longer

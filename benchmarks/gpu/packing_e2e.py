@@ -51,6 +51,11 @@ VARIANTS = {
     "swiftslurm_layers4": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "4"},
     "swiftslurm_layers24": lambda assets: {"gradient_checkpointing": "true", "gradient_checkpointing_layers": "24"},
     "swiftslurm_compile": lambda assets: {"gradient_checkpointing": None, "compile": "true"},  # the defaults + regional compile
+    # train.fp8 (issue 53): torchao float8 on the large projections, the decoder layers compiled (Liger auto-off with it)
+    "swiftslurm_fp8": lambda assets: {"gradient_checkpointing": None, "fp8": "true"},
+    "swiftslurm_fp8_rowwise": lambda assets: {"gradient_checkpointing": None, "fp8": "true", "fp8_recipe": '"rowwise"'},
+    "swiftslurm_fp8_nockpt": lambda assets: {"gradient_checkpointing": "false", "fp8": "true"},
+    "swiftslurm_nockpt": lambda assets: {"gradient_checkpointing": "false"},
     "swiftslurm_compile_noliger": lambda assets: {"gradient_checkpointing": None, "compile": "true", "use_liger_kernel": "false"},
     "swiftslurm_dsnorm": lambda assets: {"gradient_checkpointing": None},  # the defaults, DeepSpeed's own grad norm (ARM_PATH)
     "swiftslurm_syncs": lambda assets: {"gradient_checkpointing": None},  # the defaults with two host syncs a step put back (ARM_PATH)
@@ -276,6 +281,9 @@ checks = []
             # each save's seconds and phases (checkpoint_<phase>_s); a background save's rows at the save (stall, copy,
             # wait) and at its commit, and the pinning of its buffers after the first step (checkpoint_pin_s)
             saves = [r for r in rows if any(k.startswith("checkpoint_") for k in r)]
+            losses = [(r["step"], round(r["loss"], 4)) for r in rows if r.get("loss") is not None and "step" in r]
+            if losses:  # the loss curve (FP8 beside bf16 on the same records: issue 53's parity check)
+                res["loss_curve"] = losses
             routed = [r for r in rows if "router_load_max" in r]  # an MoE model: its router's balance, first and last log
             if routed:
                 res["router_load_max"] = [round(routed[0]["router_load_max"], 3), round(routed[-1]["router_load_max"], 3),

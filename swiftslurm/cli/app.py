@@ -199,12 +199,14 @@ def plan(
     if the_plan.spec.has_training:  # as submit to Slurm would: the ledger's recently failed nodes excluded
         the_plan, avoided = avoid_bad_nodes(the_plan)
         scripts = render_all(the_plan, limits=limits)
+    # a dataset with images: their token bound and memory per task ("images" only then: a text job's plan is unchanged)
+    images = {"images": {str(i): p.to_json() for i, p in prepared.images.items()}} if prepared.images else {}
     if as_json:
-        sys.stdout.write(json.dumps({**the_plan.to_json(scripts, limits), "avoided": avoided}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({**the_plan.to_json(scripts, limits), "avoided": avoided, **images}, indent=2) + "\n")
         return 0
     from .plan_view import print_plan
 
-    print_plan(console, the_plan, scripts, limits, avoided)
+    print_plan(console, the_plan, scripts, limits, avoided, prepared.images)
     return 0
 
 

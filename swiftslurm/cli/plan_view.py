@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan import ArrayLimits, Plan
+from ..sizing.vision import ImagePlan
 
 
 def groups_table(plan: Plan) -> Table:
@@ -119,8 +120,22 @@ def avoided_lines(avoided: list[dict], plan: Plan) -> list[str]:
     return out
 
 
+def images_table(plan: Plan, images: dict[int, ImagePlan]) -> Table | None:
+    """Task 0's images (the first task with some; the JSON has every task's): tokens per image and their memory."""
+    if not images:
+        return None
+    index = min(images)
+    title = "images and the memory they imply (estimate" + (f", task {index})" if len(plan.tasks) > 1 else ")")
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column(overflow="fold")
+    for label, value in images[index].rows():
+        table.add_row(label, Text(value))
+    return table
+
+
 def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: ArrayLimits | None = None,
-               avoided: list[dict] | None = None) -> None:
+               avoided: list[dict] | None = None, images: dict[int, ImagePlan] | None = None) -> None:
     scripts = [sbatch] if isinstance(sbatch, str) else sbatch
     spec = plan.spec
     s = spec.slurm
@@ -161,6 +176,9 @@ def print_plan(console: Console, plan: Plan, sbatch: str | list[str], limits: Ar
     sizing = sizing_table(plan)
     if sizing is not None:
         console.print(sizing)
+    shown = images_table(plan, images or {})
+    if shown is not None:
+        console.print(shown)
     if plan.env:
         console.print("[bold]environment on every node:[/] " + escape(", ".join(f"{k}={v}" for k, v in plan.env.items())), highlight=False)
     site = Table(title="site environment", show_header=False, title_justify="left")

@@ -64,6 +64,7 @@ class Source:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged, one line each
     score_head: bool = False  # a reward model (task = "rm"): a sequence-classification model with one score, no LM head
+    takes_images: bool = False  # a vision-language model: the run saved its processor (tokenizer and image processor)
 
     @property
     def step(self) -> int:
@@ -193,7 +194,11 @@ def describe(ckpt: Path, manifest: Manifest, base_model: str | None = None, skip
     tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir() and TAG_RE.match(p.name))
     stage = manifest.meta.get("zero_stage")
     return Source(ckpt, manifest, lora, base, train_dtype, tags[-1] if tags else None,
-                  stage if isinstance(stage, int) else None, dict(fp), skipped, _score_head(ckpt, fp, lora))
+                  stage if isinstance(stage, int) else None, dict(fp), skipped, _score_head(ckpt, fp, lora),
+                  any((ckpt / name).is_file() for name in PROCESSOR_FILES))
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # what a processor with an image processor saves
 
 
 def _score_head(ckpt: Path, fp: dict[str, Any], lora: bool) -> bool:

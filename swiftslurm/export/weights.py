@@ -93,9 +93,12 @@ def full_state(src: Source, log: Log) -> dict[str, Any]:
 
 def model_kind(src: Source) -> tuple[str, str]:
     """(the transformers Auto class, what it is in words) of the checkpoint's model: a reward model's score head is
-    a sequence-classification model (one output), everything else a causal LM."""
+    a sequence-classification model (one output), a model trained with a processor that takes images an
+    image-text-to-text model, everything else a causal LM."""
     if src.score_head:
         return "AutoModelForSequenceClassification", "a sequence-classification model (a reward model's one score)"
+    if src.takes_images:
+        return "AutoModelForImageTextToText", "a vision-language model (image-text-to-text)"
     return "AutoModelForCausalLM", "a causal LM"
 
 
@@ -134,7 +137,8 @@ def _fit(model: Any, state: dict[str, Any], where: str) -> None:
 
 
 def base_model(src: Source, log: Log) -> tuple[Any, Any]:
-    """The model the adapter was trained on (train.model) and its tokenizer, in fp32 (a merge's precision)."""
+    """The model the adapter was trained on (train.model) and its processing class (tokenizer, or a vision-language
+    model's processor), in fp32 (a merge's precision)."""
     import torch
 
     name = src.base_model
@@ -144,14 +148,15 @@ def base_model(src: Source, log: Log) -> tuple[Any, Any]:
                               "pass --base-model (a hub id or a local model dir), or --adapter-only")
     log(f"export: loading the base model {name}")
     if name in TINY_MODELS:
-        from ..train.tinymodel import build_model, build_tokenizer
+        from ..train.tinymodel import build_model, build_processing
+        from ..train.vision import tokenizer_of
 
-        tok = build_tokenizer()
+        tok = build_processing(name)
         max_length, seed = src.fingerprint.get("train.max_length"), src.fingerprint.get("train.seed")
         if not isinstance(max_length, int) or not isinstance(seed, int):
             raise ExportNeedsBase(f"the {name} base is rebuilt from train.max_length and train.seed", "not in the manifest",
                                   "export a checkpoint written by swiftslurm's trainer")
-        return build_model(len(tok), max_length, seed, reward_head=src.score_head, name=name), tok
+        return build_model(len(tokenizer_of(tok)), max_length, seed, reward_head=src.score_head, name=name), tok
     import transformers
 
     auto, _kind = model_kind(src)
@@ -159,7 +164,8 @@ def base_model(src: Source, log: Log) -> tuple[Any, Any]:
     try:
         # no Hub kernels swapped in (downloaded code; train/build.py says why): the plain layers merge and save
         model = getattr(transformers, auto).from_pretrained(name, dtype=torch.float32, local_files_only=True, use_kernels=False, **head)
-        return model, transformers.AutoTokenizer.from_pretrained(name, local_files_only=True)
+        auto_processing = transformers.AutoProcessor if src.takes_images else transformers.AutoTokenizer
+        return model, auto_processing.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ExportNeedsBase(f"cannot load the base model {name!r}", str(exc).splitlines()[0][:300],
                               "download it first (`huggingface-cli download ...` into HF_HOME), or pass --base-model DIR") from None
@@ -226,14 +232,15 @@ def _adapter_keys(src: Source) -> set[str]:
     return set(adapter_state(src))
 
 
-def tokenizer_of(src: Source) -> Any:
-    """The tokenizer the run saved in the checkpoint (with its chat template), or None when it saved none."""
+def processing_of(src: Source) -> Any:
+    """The tokenizer the run saved in the checkpoint (with its chat template), a vision-language model's processor
+    (tokenizer and image processor), or None when it saved none."""
     if not (src.checkpoint / "tokenizer_config.json").is_file():
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(src.checkpoint), local_files_only=True)
+        return (AutoProcessor if src.takes_images else AutoTokenizer).from_pretrained(str(src.checkpoint), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CheckpointDamaged(f"the tokenizer files of {src.checkpoint} cannot be loaded", str(exc).splitlines()[0][:300],
                                 "export a checkpoint written by swiftslurm's trainer") from None

@@ -1,5 +1,6 @@
 """The export written: a Hugging Face model dir (safetensors shards with their index, config, generation config,
-tokenizer with its chat template) or a peft adapter dir, with our manifest, so ``swiftslurm verify DIR`` checks it.
+tokenizer with its chat template, or a vision-language model's processor) or a peft adapter dir, with our manifest,
+so ``swiftslurm verify DIR`` checks it.
 
 ``--to`` must be new or empty: nothing of anyone's is ever overwritten. Everything is built in a hidden dir beside
 it (``.<name>.exporting-<pid>``), hashed into ``manifest.json`` (written last), fsynced, and renamed into place: a
@@ -105,14 +106,14 @@ def _write_weights(src: Source, stage: Path, dtype: str, weights: str, max_shard
 
     if weights == "adapter":
         _write_adapter(src, stage, dtype)
-        tok = w.tokenizer_of(src)
+        tok = w.processing_of(src)
         base = src.base_model
     elif weights == "merged-lora":
         model, base_tok = w.merged_model(src, log)
-        tok = w.tokenizer_of(src) or base_tok
+        tok = w.processing_of(src) or base_tok
         base = src.base_model
     else:
-        model, tok, base = w.full_model(src, log), w.tokenizer_of(src), None
+        model, tok, base = w.full_model(src, log), w.processing_of(src), None
         _generation_config(src, model)
     if weights != "adapter":
         model = w.cast(model, dtype)

@@ -16,9 +16,10 @@ from pathlib import Path
 from ..errors import Problem, SpecError
 from ..plan import ArrayLimits, Plan, make_plan
 from ..sizing.check import layout_of
+from ..sizing.vision import ImageFacts, ImagePlan, image_plan, read_tower
 from ..slurm.render import render_all
 from ..slurm.scriptcheck import script_problems, setup_problems
-from ..spec import load_raw, load_spec, require_training
+from ..spec import JobSpec, load_raw, load_spec, require_training
 from ..spec.eval_rules import split_problem
 from ..tasks import TASKS
 
@@ -28,6 +29,7 @@ class Prepared:
     plan: Plan
     scripts: list[str]  # one batch script per sbatch call (``plan.arrays(limits)``), each checked with bash -n
     notes: list[str] = field(default_factory=list)  # what the dataset scan found (counts, time)
+    images: dict[int, ImagePlan] = field(default_factory=dict)  # task index -> its dataset's images (none: no image)
 
 
 def prepare(spec_path: str | os.PathLike[str], *, training: bool = False, limits: ArrayLimits | None = None,
@@ -47,7 +49,8 @@ def prepare(spec_path: str | os.PathLike[str], *, training: bool = False, limits
     check_resume_sources(plan)
     scripts = render_all(plan, limits=limits)  # also what must go on #SBATCH lines, and the container's mounts
     check_scripts(plan, scripts)
-    return Prepared(plan, scripts, scan_data(plan))
+    scan = scan_data(plan)
+    return Prepared(plan, scripts, scan.notes, scan.images)
 
 
 def check_scripts(plan: Plan, scripts: list[str]) -> None:
@@ -133,32 +136,62 @@ def check_resume_sources(plan: Plan) -> None:
         raise SpecError(plan.source, problems)
 
 
-def scan_data(plan: Plan) -> list[str]:
+@dataclass(frozen=True)
+class DataScan:
+    notes: list[str]  # one a scan, for ``validate``
+    images: dict[int, ImagePlan]  # task index -> what ``plan`` shows of its dataset's images (a dataset with images)
+
+
+def scan_data(plan: Plan) -> DataScan:
     """Every record of each task's dataset checked (``train.dataset_scan``), once per distinct file list, by the
     ``count_records`` of the data module its task's row names (``swiftslurm/tasks.py``): SFT records, ``{"text"}`` records
     for ``task = "pt"``, prompt/chosen/rejected pairs for ``"dpo"`` and ``"rm"``, prompt/completion/label records for
-    ``"kto"``, prompts for ``"grpo"``; a malformed record is a DataError naming its file and line. One note per
-    scan, for ``validate``."""
-    notes, seen = [], set()
+    ``"kto"``, prompts for ``"grpo"``; a malformed record is a DataError naming its file and line. A dataset with
+    images (``train/data/images.py``) is scanned again for a task whose max_length or resolution bounds differ (they
+    decide what its images may take)."""
+    from ..train.data.images import Scanned
+
+    notes: list[str] = []
+    images: dict[int, ImagePlan] = {}
+    seen: dict[tuple[str, tuple[str, ...]], tuple[tuple[int, int, int], ImageFacts | None]] = {}  # -> (bounds, facts)
     for task in plan.tasks:
         t = task.spec.train
-        if not task.spec.has_training or t.command or (t.task, tuple(t.dataset)) in seen:
+        if not task.spec.has_training or t.command:
+            continue
+        bounds = (t.max_length, t.image_min_pixels, t.image_max_pixels)
+        known = seen.get((t.task, tuple(t.dataset)))
+        if known is not None and (known[1] is None or known[0] == bounds):
+            if known[1] is not None:
+                images[task.index] = _image_plan(task.spec, known[1])
             continue
         if t.task == "grpo":
             check_reward_files(plan.source, t.reward_funcs)  # even without the scan: a missing file fails every rank
-        seen.add((t.task, tuple(t.dataset)))
+        seen[(t.task, tuple(t.dataset))] = (bounds, None)
         if not t.dataset_scan:
             notes.append(f"dataset not scanned (train.dataset_scan = false): {len(t.dataset)} file(s)")
             continue
         start = time.monotonic()
         row = TASKS[t.task]
-        count = importlib.import_module(f"..train.data.{row.data}", __package__).count_records(t)
+        counted = importlib.import_module(f"..train.data.{row.data}", __package__).count_records(t)
+        count, facts = (counted.count, counted.images) if isinstance(counted, Scanned) else (counted, None)
         if t.eval_split > 0:
             bad = split_problem(count, t.eval_split, layout_of(task.spec).global_batch)
             if bad:
                 raise SpecError(plan.source, [Problem("train.eval_split", *bad)])
         notes.append(f"dataset: {count:,} {row.counts} in {len(t.dataset)} file(s) checked in {time.monotonic() - start:.1f} s")
-    return notes
+        if facts is not None:
+            seen[(t.task, tuple(t.dataset))] = (bounds, facts)
+            images[task.index] = _image_plan(task.spec, facts)
+            notes.append(f"images: {facts.images:,} in {facts.records:,} record(s) checked, up to {facts.max_per_record} a "
+                         f"record; one takes up to {images[task.index].tokens_max:,} tokens (train.image_max_pixels)")
+    return DataScan(notes, images)
+
+
+def _image_plan(spec: JobSpec, facts: ImageFacts) -> ImagePlan:
+    t = spec.train
+    return image_plan(facts, min_pixels=t.image_min_pixels, max_pixels=t.image_max_pixels, max_length=t.max_length,
+                      micro_batch=t.per_device_train_batch_size, freeze_vision=t.freeze_vision,
+                      half_precision=t.bf16 or t.fp16, tower=read_tower(t.model))
 
 
 def check_reward_files(source: str, reward_funcs: list[str]) -> None:

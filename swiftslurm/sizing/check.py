@@ -13,6 +13,7 @@ from ..errors import Problem
 from ..fsutil import DIRECTORY, path_kind
 from . import layout as lay
 from . import liger
+from .fp8 import fp8_problems
 from .memory import GIB, MemoryEstimate, Settings, advice, estimate
 from .shape import BUILT_IN_SHAPES, ModelShape, ShapeError, read_config_json
 from .tasks import holds_reference_copy
@@ -133,6 +134,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
         problems.append(Problem("train.use_liger_kernel", "Liger's fused linear cross-entropy reads lm_head.weight, which ZeRO-3 "
                                 "leaves as an empty shard on every rank", f"use_liger_kernel = true with ZeRO stage {stage}",
                                 'use a ZeRO-2 preset (deepspeed = "zero2"), or use_liger_kernel = "auto"/false'))
+    problems += fp8_problems(spec, read_disk)
     cautions = []
     if layout.sequence_parallel > 1 and packs and spec.slurm.gpus_per_node and t.attn_implementation == "auto":
         cautions.append(f"sequence_parallel = {layout.sequence_parallel} with packed rows needs a kernel that keeps samples apart: "
@@ -166,7 +168,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
                         reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
                         liger_layers=liger_layers(t, stage, gpus, read_disk, shape.model_type), lora_dropout=t.lora_dropout,
-                        fused_lora=t.fused_lora and not t.compile and stage < 3,
+                        fused_lora=t.fused_lora and not t.compile and t.fp8 is not True and stage < 3,
                         checkpoint_layers=t.gradient_checkpointing_layers, **grpo_settings(t))
     decided = None
     if auto:

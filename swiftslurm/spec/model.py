@@ -33,6 +33,7 @@ from .train_fields import (  # noqa: F401 -- AttnImplementation, ReportTarget re
     ReportTarget,
     ResumeFields,
     ScheduleFields,
+    VisionFields,
 )
 
 MAX_SPEC_BYTES = 1_000_000
@@ -275,7 +276,7 @@ class SlurmTable(_Table):
         return self
 
 
-class TrainTable(HealthFields, ResumeFields, EvalFields, GrpoFields, PreferenceFields, KernelFields,
+class TrainTable(HealthFields, ResumeFields, EvalFields, GrpoFields, PreferenceFields, VisionFields, KernelFields,
                  OptimizerFields, LoraFields, MemoryFields, ScheduleFields, DataFields, ModelFields):
     """``[train]``: every concern's fields (``train_fields.py``), flat as users write them. Bases are listed last
     concern first: pydantic orders fields from the last base, so the reference reads model, data, schedule, ..."""
@@ -361,8 +362,9 @@ class TrainTable(HealthFields, ResumeFields, EvalFields, GrpoFields, PreferenceF
         for message in train_problems(self) + eval_problems(self):
             raise ValueError(message)
         from .grpo_rules import grpo_problems
+        from .vision_rules import vision_problems
 
-        for message in grpo_problems(self):
+        for message in grpo_problems(self) + vision_problems(self):
             raise ValueError(message)
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (bf16 on Ampere or newer GPUs)")

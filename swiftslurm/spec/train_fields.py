@@ -17,7 +17,7 @@ from .parallel import ModelShapeTable, Table
 
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen_attn", "flash_attention_2", "flash_attention_3"]
 ReportTarget = Literal["tensorboard", "wandb", "mlflow", "none"]
-TINY_MODELS = ("tiny-llama", "tiny-moe")  # built in code (train/tinymodel.py)
+TINY_MODELS = ("tiny-llama", "tiny-moe", "tiny-vl")  # built in code (train/tinymodel.py)
 MAX_COUNT = 10**9  # steps, iops, ...: beyond this a number is a typo, and C/torch integers would overflow
 
 
@@ -25,8 +25,9 @@ class ModelFields(Table):
     """What is trained, and how: the model, full or LoRA fine-tuning, the task, your own script instead."""
 
     model: str | None = Field(None, description=(
-        'a hub id, a local directory, or `tiny-llama` / `tiny-moe` (2-layer test models built from a config, no '
-        'download; `tiny-moe`: a Qwen3-MoE of 4 experts, top-2)'
+        'a hub id, a local directory, or `tiny-llama` / `tiny-moe` / `tiny-vl` (2-layer test models built from a '
+        'config, no download; `tiny-moe`: a Qwen3-MoE of 4 experts, top-2; `tiny-vl`: a LLaVA vision-language model, '
+        'its CLIP tower on 28x28 images, for `sft` on records with `images`)'
     ))
     train_type: Literal["lora", "full"] = Field("lora", description=(
         '`lora` or `full`'
@@ -221,6 +222,36 @@ class KernelFields(Table):
         "checkpoints unchanged; Liger's kernels off with it). Off by default: on an H200 it gave an 8B LoRA "
         '+3% (within run-to-run noise) for ~105 s more start-up on every start and requeue, and a 0.5B full '
         'fine-tune 0.87x (docs/benchmarks.md)'
+    ))
+    # torchao float8 linear layers (train/kernels/fp8.py); measured: docs/benchmarks.md, "FP8"
+    fp8: Union[bool, Literal["auto"]] = Field("auto", description=(
+        "FP8 matmuls in the model's large linear layers (torchao float8 training, Hopper or Ada GPUs, with "
+        '`torch.compile` of each decoder layer): `true`, `false`, or `auto` = off until the benchmark shows a '
+        'gain for the model size and task (docs/benchmarks.md, FP8). Master weights, checkpoints and exports '
+        'stay bf16/fp32; under LoRA the frozen base runs in FP8 and the adapters in bf16'
+    ))
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field("tensorwise", description=(
+        "torchao's float8 scaling recipe: `tensorwise` (one scale per tensor, the fastest), `rowwise` (a scale "
+        'per row, closer to bf16), `rowwise_with_gw_hp` (rowwise, the weight gradient in bf16)'
+    ))
+
+
+class VisionFields(Table):
+    """Vision-language models: what trains beside the language model, and the images' resolution bounds."""
+
+    freeze_vision: bool = Field(True, description=(
+        'vision-language models: keep the vision tower frozen (no gradients, no optimizer state); `false` trains it'
+    ))
+    freeze_projector: bool = Field(True, description=(
+        'vision-language models: keep the projector between the vision tower and the language model frozen'
+    ))
+    image_min_pixels: int = Field(32 * 32, ge=1, le=1 << 30, description=(
+        'an image smaller than this many pixels is scaled up to it before the vision tower'
+    ))
+    image_max_pixels: int = Field(768 * 768, ge=1, le=1 << 30, description=(
+        'an image larger than this many pixels is scaled down to it: the bound on tokens an image takes in the '
+        "sequence, about pixels / 784 (`plan` shows them and the memory they imply; `validate` refuses a dataset with "
+        'images when one image at this bound takes more than `max_length` tokens)'
     ))
 
 

@@ -114,46 +114,74 @@ def _import_compiling_on_first_call(module: str) -> None:
         torch.compile = real
 
 
-def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa"):
-    """``tiny-llama`` and ``tiny-moe`` are built in code; anything else goes through ``from_pretrained`` (local files first), with
+def load_processing(spec: JobSpec):
+    """The model's processing class (what the Trainer calls it): its tokenizer, or a vision-language model's processor
+    with its tokenizer and image processor (``vision.py``). The built-in tiny models build theirs in code."""
+    train = spec.train
+    if train.model in TINY_MODELS:
+        from .tinymodel import build_processing
+
+        return build_processing(train.model)
+    from .vision import load_processing as load
+
+    name = _named(train.model)
+    return _local_first(name, lambda local_only: load(name, local_only))
+
+
+def load_model_and_tokenizer(spec: JobSpec, cuda: bool, attn_implementation: str = "sdpa", processing=None):
+    """(model, processing class: ``load_processing``'s, or the one given). ``tiny-llama``, ``tiny-moe`` and ``tiny-vl``
+    are built in code; anything else goes through ``from_pretrained`` (local files first), with
     ``use_kernels=False``: transformers >= 5.25 otherwise replaces layers by kernels it downloads from the Hub at load
     time (``kernels-community/rotary`` on a GPU): code nobody here wrote, and on a node without internet the load
     fails ("not available in the local cache and Hugging Face Hub is in offline mode"). Our kernels are chosen by
-    ``train/kernels`` instead.
+    ``train/kernels`` instead. The Auto class follows the processing class (``vision.model_class``).
     ``task = "rm"``: the same backbone with a 1-output score head (``AutoModelForSequenceClassification``,
     ``num_labels = 1``) in place of the LM head; a causal LM checkpoint's head is dropped and the score head starts fresh."""
     import torch
+
+    from .vision import model_class, tokenizer_of
 
     train = spec.train
     reward = TASKS[train.task].score_head
     if attn_implementation == VARLEN:
         register_varlen()
+    if processing is None:
+        processing = load_processing(spec)
     if train.model in TINY_MODELS:
-        from .tinymodel import build_model, build_tokenizer
+        from .tinymodel import build_model
 
-        tok = build_tokenizer()
-        model = build_model(len(tok), train.max_length, train.seed, reward_head=reward, name=train.model)
+        model = build_model(len(tokenizer_of(processing)), train.max_length, train.seed, reward_head=reward, name=train.model)
         model.set_attn_implementation(attn_implementation)
-        return _fitted(model, attn_implementation), tok
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        return _fitted(model, attn_implementation), processing
+    import transformers
 
     dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    if train.model is None:  # validate_spec requires it for the built-in trainer
+    auto = getattr(transformers, model_class(processing, reward))
+    head: dict[str, Any] = {"num_labels": 1} if reward else {}
+    name = _named(train.model)
+    model = _local_first(name, lambda local_only: auto.from_pretrained(
+        name, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation, use_kernels=False, **head))
+    return _fitted(model, attn_implementation), processing
+
+
+def _named(model: str | None) -> str:
+    if model is None:  # validate_spec requires it for the built-in trainer
         raise ModelUnavailable("cannot load a model: train.model is not set", "", "set train.model (a hub id or a local directory)")
+    return model
+
+
+def _local_first(name: str, load):
+    """``load(local_only)`` from the local files first, then (unless HF_HUB_OFFLINE) from the Hub; ModelUnavailable
+    with the reason when neither gives the model."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     last: Exception | None = None
     for local_only in (True, False) if not offline else (True,):
         try:
-            tok = AutoTokenizer.from_pretrained(train.model, local_files_only=local_only)
-            head: dict[str, Any] = {"num_labels": 1} if reward else {}
-            model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_pretrained(
-                train.model, dtype=dtype, local_files_only=local_only, attn_implementation=attn_implementation,
-                use_kernels=False, **head)
-            return _fitted(model, attn_implementation), tok
+            return load(local_only)
         except (OSError, ValueError) as exc:
             last = exc
     raise ModelUnavailable(
-        f"cannot load model {train.model!r}",
+        f"cannot load model {name!r}",
         str(last).splitlines()[0][:200] if last else "",
         "nodes usually have no internet: download it first (`huggingface-cli download ...` into the shared "
         "HF_HOME) or set train.model to a local directory with config.json; 'tiny-llama' is a built-in test model",
@@ -181,19 +209,24 @@ def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobS
                                                                           "gradient_checkpointing_layers": layers})})
 
 
-def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None):
+def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None,
+                target_modules: str | list[str] | None = None):
     """peft's LoraConfig of the spec; a reward model passes ``task_type = "SEQ_CLS"`` and its score head in
-    ``modules_to_save`` (trained whole and saved in the adapter)."""
+    ``modules_to_save`` (trained whole and saved in the adapter); ``target_modules``: in place of the spec's."""
     from peft import LoraConfig
 
     return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
-                      target_modules=train.lora_target_modules, task_type=task_type, modules_to_save=modules_to_save)
+                      target_modules=target_modules or train.lora_target_modules, task_type=task_type,
+                      modules_to_save=modules_to_save)
 
 
 def _apply_lora(model, train):
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(train))
+    from .vision import lora_targets
+
+    # a vision-language model: its language model's layers only
+    return get_peft_model(model, lora_config(train, target_modules=lora_targets(model, train.lora_target_modules)))
 
 
 def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:

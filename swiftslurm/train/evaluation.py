@@ -82,6 +82,7 @@ def split_files(paths: list[str], ratio: float, cache_root: str | Path, seed: in
     """(training part, eval part) of the records of ``paths`` as two JSONL files under ``cache_root/<key>``, the key
     over the files' content, ``ratio`` and ``seed``; made once (built under a temporary name, renamed into place)."""
     from .data.cache import dataset_digest
+    from .data.vision import anchored
 
     h = hashlib.sha256(json.dumps({"format": SPLIT_FORMAT, "ratio": ratio, "seed": seed,
                                    "files": [dataset_digest(p, cache_root) for p in paths]}).encode())
@@ -97,8 +98,8 @@ def split_files(paths: list[str], ratio: float, cache_root: str | Path, seed: in
         with open(tmp / train.name, "w", encoding="utf-8") as tr, open(tmp / held.name, "w", encoding="utf-8") as ev:
             index = 0
             for p in paths:
-                for _, record in read_records(p):
-                    (ev if index in chosen else tr).write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+                for _, record in read_records(p):  # relative image paths start at the data file: anchored there
+                    (ev if index in chosen else tr).write(json.dumps(anchored(record, p), ensure_ascii=False, default=str) + "\n")
                     index += 1
         (tmp / "meta.json").write_text(json.dumps({"files": paths, "ratio": ratio, "seed": seed, "records": n,
                                                    "eval_records": len(chosen)}))

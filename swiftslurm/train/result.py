@@ -34,6 +34,7 @@ class TrainResult:
     attn_implementation: str = ""
     liger: str = "off"  # kernels.liger_names: "off", "all", or the kernels on ("rope+rms_norm+swiglu")
     packing: bool = False
+    fp8_layers: int = 0  # train.fp8: linear layers that ran their matmuls in FP8 (0: off)
     gradient_checkpointing: bool = False  # what the model on the node ran with (is_activation_checkpointing), not only what was asked
     checkpointed_layers: tuple[int, int] = (0, 0)  # (decoder layers that recompute, decoder layers) as the model ran
     task: str = "sft"
@@ -65,6 +66,10 @@ def read_summary(output_dir: str) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def _fp8(result: TrainResult) -> str:
+    return f"{result.fp8_layers} layers" if result.fp8_layers else "off"
+
+
 def _checkpointing(result: TrainResult) -> str:
     """"off", "on", or "on for 16 of 32 layers" (gradient_checkpointing_layers below the model's count)."""
     recomputing, layers = result.checkpointed_layers
@@ -87,7 +92,7 @@ def summary(result: TrainResult, output_dir: str, first_loss: float | None) -> s
         f"{result.useful_tokens} of {result.total_tokens} positions, padding {fmt(result.padding_ratio, '.1%')}); "
         f"optimizer {result.optimizer or '?'}",
         f"  kernels: attention {result.attn_implementation or '?'}, Liger {result.liger}, "
-        f"packing {'on' if result.packing else 'off'}, gradient checkpointing {_checkpointing(result)}",
+        f"packing {'on' if result.packing else 'off'}, FP8 {_fp8(result)}, gradient checkpointing {_checkpointing(result)}",
         f"  checkpoints: {output_dir}/checkpoint-<step> (latest: {Path(result.checkpoints[-1]).name if result.checkpoints else 'none'}); "
         f"`swiftslurm verify {output_dir}` checks them",
     ]

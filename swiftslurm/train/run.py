@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import SwiftSlurmError
 from ..taskdir import HANG_FILE, METRICS_FILE
 from ..tasks import TASKS
+from . import vision
 from .build import (
     _offloads_optimizer,
     allow_low_rank_optimizer_state,
     check_offload,
     check_optimizer,
     load_model_and_tokenizer,
+    load_processing,
     prepare_device_env,
 )
 from .health import startup
@@ -73,6 +75,11 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     transformers.set_seed(spec.train.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     task = task_for(spec.train.task)
+    processing = load_processing(spec)  # the tokenizer, or a vision-language model's processor (vision.py)
+    planned_spec = spec  # as written: what the checkpoints' fingerprints record and a resume compares
+    spec, fitted = vision.fit_spec(spec, processing)
+    if fitted and dist.rank == 0:
+        log.warning("vision-language model: %s", fitted)
     kern = _choose_kernels(spec, ds_config, cuda, task)
     with contextlib.ExitStack() as stack:
         from ..checkpoint.formats.safeload import weights_only_loads
@@ -86,9 +93,9 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         startup.mark("joining the process group (TrainingArguments: the rendezvous and DeepSpeed's comm start)")
         args = task.arguments(spec, output_dir, ds_config, cuda, kern.liger, parallel.parallelism_config(spec, kern.attn))
         startup.mark("choosing the start point (rank 0 verifies the newest checkpoint)")
-        start, resume_from = _start_point(resume_from, spec, dist, output_dir, args, planned_ds_config)
+        start, resume_from = _start_point(resume_from, planned_spec, dist, output_dir, args, planned_ds_config)
         startup.mark("loading the model")
-        model, tok, params = _build_model(spec, cuda, kern, start, task, dist)
+        model, tok, params = _build_model(spec, cuda, kern, start, task, dist, processing)
         startup.mark("preparing the data")
         if kern.liger is None:  # the model's type ruled Liger out (fit_liger_to_model): the Trainer must not apply it
             args.use_liger_kernel, args.liger_kernel_config = False, None
@@ -98,8 +105,9 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         if dist.rank == 0:
             from .kernels import choose as kernels
 
-            log.warning("kernels: attention %s (%s); Liger %s (%s); packing %s", kern.attn, kern.attn_why,
-                        kernels.liger_names(kern.liger), kern.liger_why, task.describe_data(spec, dataset))
+            log.warning("kernels: attention %s (%s); Liger %s (%s); FP8 %s (%s); packing %s", kern.attn, kern.attn_why,
+                        kernels.liger_names(kern.liger), kern.liger_why, f"{kern.fp8_layers} layers" if kern.fp8 else "off",
+                        kern.fp8_why, task.describe_data(spec, dataset))
         tools = _instruments(spec, dist, output_dir, should_stop, stack)
         tools.callbacks += evaluation.callbacks(spec)  # train.eval_*: the best checkpoint's save, early stopping
         tools.callbacks += _open_trackers(spec, dist, output_dir, start, stack)  # after metrics.jsonl's: a tracker never holds a step metrics.jsonl lacks
@@ -130,6 +138,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     from .kernels import choose as kernels
 
     kernels_used = {"attn_implementation": kern.attn, "liger": kernels.liger_names(kern.liger), "packing": kern.packs, "task": task.name,
+                    "fp8_layers": kern.fp8_layers,
                     "gradient_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
                     "checkpointed_layers": recomputing_layers(trainer.model)}
     kernels_used.update(stop_reason=evaluation.stop_reason(trainer), **evaluation.best_of(trainer, output_dir))
@@ -161,6 +170,9 @@ class _Kernels:
     liger: dict[str, bool] | None
     liger_why: str
     packs: bool
+    fp8: bool = False
+    fp8_why: str = "off in the spec"
+    fp8_layers: int = 0
 
 
 @dataclass
@@ -177,16 +189,26 @@ class _Instruments:
 
 def _choose_kernels(spec: JobSpec, ds_config: dict[str, Any], cuda: bool, task) -> _Kernels:
     from .kernels import choose as kernels
+    from .kernels import fp8
 
     node = kernels.node_facts(cuda)
     packs = spec.train.packing and TASKS[spec.train.task].packs
     attn, attn_why = kernels.resolve_attention(spec.train.attn_implementation, packs, node, spec.train.max_length,
                                                half=spec.train.bf16 or spec.train.fp16)
+    fp8_on, fp8_why = fp8.resolve(spec.train.fp8, cuda, node.capability, node.torchao)
     liger, liger_why = kernels.resolve_liger(spec.train.use_liger_kernel, _zero_stage(ds_config), node,
-                                             compiled=spec.train.compile)
+                                             compiled=compiles(spec, fp8_on))
     if TASKS[task.name].trl and liger is not None:  # TRL scores these with its own pass; Liger was measured for SFT only
         liger, liger_why = None, f"not used by {task.name}"
-    return _Kernels(attn, attn_why, liger, liger_why, packs)
+    return _Kernels(attn, attn_why, liger, liger_why, packs, fp8_on, fp8_why)
+
+
+def compiles(spec: JobSpec, fp8_on: bool) -> bool:
+    """The decoder layers are compiled: ``train.compile``, or FP8 (torchao fuses its casts through torch.compile; not
+    when emulated on the CPU for the tests, where inductor would only cost time)."""
+    from .kernels import fp8
+
+    return spec.train.compile or (fp8_on and not fp8.emulated())
 
 
 def _isolate_nvme_swap(ds_config: dict[str, Any], dist: DistEnv, output_dir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
@@ -232,19 +254,20 @@ def _open_trackers(spec: JobSpec, dist: DistEnv, output_dir: str, start, stack: 
 
 
 def fuses_lora(spec: JobSpec) -> bool:
-    """``train.fused_lora`` applies: LoRA, and no ``compile`` (which traces peft's forward)."""
-    return spec.train.train_type == "lora" and spec.train.fused_lora and not spec.train.compile
+    """``train.fused_lora`` applies: LoRA, and no ``compile`` (which traces peft's forward) and no FP8 (whose base layer
+    the fused kernel would bypass; ``"auto"`` is off)."""
+    return spec.train.train_type == "lora" and spec.train.fused_lora and not spec.train.compile and spec.train.fp8 is not True
 
 
-def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv):
-    """(model, tokenizer, (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
+def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: DistEnv, processing):
+    """(model, processing class (tokenizer or processor), (total, trainable) parameters): loaded, fitted to the kernels, weights-only loaded,
     wrapped by the task (LoRA), MLPs tiled. ``kern`` is updated when the model's head size rules out a kernel, or its
     type Liger's."""
     from . import moe, parallel
     from .kernels import choose as kernels
     from .resume import source as resume_from_mod
 
-    model, tok = load_model_and_tokenizer(spec, cuda, kern.attn)
+    model, processing = load_model_and_tokenizer(spec, cuda, kern.attn, processing)
     if kern.attn == kernels.VARLEN:  # the flash kernel's head dimensions: known once the model's config is
         text = model.config.get_text_config()
         fitted = kernels.fit_to_model(spec.train.attn_implementation, kern.attn, kern.attn_why,
@@ -259,10 +282,18 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         log.warning("mixture of experts: %s", routed.banner())
     parallel.check_model(spec, model)
     parallel.init_comm(spec)
+    tok = vision.tokenizer_of(processing)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     resume_from_mod.load_weights(model, start, "base", spec.train.train_type)  # weights only: before LoRA wraps it
     total_params = sum(p.numel() for p in model.parameters())
+    if kern.fp8:  # before LoRA wraps the layers (the float8 layer becomes peft's base) and before DeepSpeed sees them
+        from .kernels import fp8
+
+        kern.fp8_layers = fp8.convert(model, spec.train.fp8_recipe)
+        if dist.rank == 0:
+            log.warning("train.fp8: %d linear layers run their matmuls in FP8 (torchao %s scaling; %s)", kern.fp8_layers,
+                        spec.train.fp8_recipe, kern.fp8_why)
     model = task.prepare_model(model, spec)
     if routed is not None and dist.rank == 0 and spec.train.train_type == "lora":
         log.warning("mixture of experts, LoRA: %s", moe.adapted(model))
@@ -273,7 +304,7 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         from .kernels import lora
 
         lora.install(model, say=dist.rank == 0)
-    if spec.train.compile:
+    if compiles(spec, kern.fp8):
         from .kernels.compile import compile_layers
 
         compiled = compile_layers(model)
@@ -282,7 +313,7 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
     if spec.train.train_type == "lora" and task.name in ("sft", "pt"):  # DPO: TRL wraps it (weights-only is refused at validate)
         resume_from_mod.load_weights(model, start, "adapter", spec.train.train_type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return model, tok, (total_params, trainable)
+    return model, processing, (total_params, trainable)
 
 
 def recomputing_layers(model) -> tuple[int, int]:

@@ -1,15 +1,26 @@
-"""``model = "tiny-llama"`` and ``"tiny-moe"``: test models built from a config, with a tokenizer that needs no download.
+"""``model = "tiny-llama"``, ``"tiny-moe"`` and ``"tiny-vl"``: test models built from a config, with a tokenizer (and
+for ``tiny-vl`` an image processor) that need no download.
 
 ``tiny-llama``: a 2-layer, 64-wide LlamaForCausalLM. ``tiny-moe``: a 2-layer, 64-wide Qwen3-MoE (4 experts of 32,
-top-2, every layer sparse; issue 55). Both have random weights (seeded) and a byte-level tokenizer (one token per
-UTF-8 byte plus <pad>, <s>, </s>) built in code with ``tokenizers``. They exist so the demo and the tests run offline
-in seconds; they learn the shipped data but are not useful language models.
+top-2, every layer sparse; issue 55). ``tiny-vl``: a LLaVA (issue 56): a 2-layer, 32-wide CLIP vision tower on 28x28
+images in patches of 14, a 2-layer MLP projector and the 2-layer, 64-wide Llama, with a ``LlavaProcessor`` over
+``CLIPImageProcessorPil`` (the PIL backend: no torchvision, which does not import beside this torch build, while
+Qwen2-VL's processor needs it). An image is 4 ``<image>`` tokens in the sequence (2x2 patches, the CLS feature dropped).
+All have random weights (seeded) and a byte-level tokenizer (one token per UTF-8 byte plus <pad>, <s>, </s>, and
+``tiny-vl``'s <image>) built in code with ``tokenizers``. They exist so the demo and the tests run offline in seconds;
+they learn the shipped data but are not useful language models.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 TINY_LLAMA = "tiny-llama"
 TINY_MOE = "tiny-moe"
+TINY_VL = "tiny-vl"
+IMAGE_TOKEN = "<image>"  # tiny-vl's placeholder, as LLaVA and the records write it
+IMAGE_SIDE, PATCH = 28, 14  # tiny-vl's vision tower: 28x28 pixels in patches of 14
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 CHAT_TEMPLATE = (
     r"{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
@@ -18,8 +29,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-    """A byte-level PreTrainedTokenizerFast: vocab = 3 special tokens + 256 byte symbols, no merges."""
+def build_tokenizer(name: str = TINY_LLAMA):
+    """A byte-level PreTrainedTokenizerFast: vocab = 3 special tokens + 256 byte symbols, no merges, then the special
+    tokens the model ``name`` needs beyond them (``Tiny.extra_tokens``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +45,17 @@ def build_tokenizer():
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
+    if TINY[name].extra_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(TINY[name].extra_tokens)})
     return fast
+
+
+def build_processing(name: str = TINY_LLAMA):
+    """What the Trainer calls the processing class of the model ``name``: its tokenizer, or its processor (tokenizer and
+    image processor) for a vision-language model."""
+    tok = build_tokenizer(name)
+    make = TINY[name].processor
+    return make(tok) if make is not None else tok
 
 
 def _llama(vocab_size: int, max_length: int, hidden_size: int, layers: int):
@@ -58,7 +80,39 @@ def _moe(vocab_size: int, max_length: int, hidden_size: int, layers: int):
     return config, Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification
 
 
-TINY = {TINY_LLAMA: _llama, TINY_MOE: _moe}  # name -> (config, causal LM class, sequence-classification class)
+def _llava(vocab_size: int, max_length: int, hidden_size: int, layers: int):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    vision = dict(model_type="clip_vision_model", hidden_size=hidden_size // 2, intermediate_size=hidden_size,
+                  num_hidden_layers=layers, num_attention_heads=2, image_size=IMAGE_SIDE, patch_size=PATCH,
+                  projection_dim=hidden_size // 2)
+    text, _, _ = _llama(vocab_size, max_length, hidden_size, layers)
+    config = LlavaConfig(vision_config=vision, text_config=text.to_dict(), image_token_index=vocab_size - 1,
+                         vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
+                         tie_word_embeddings=False)
+    return config, LlavaForConditionalGeneration, None
+
+
+def _llava_processor(tok):
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIDE}, crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
+    return LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
+                          chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """One built-in model: what differs between them."""
+
+    config: Callable[[int, int, int, int], tuple[Any, Any, Any]]  # (vocab, max_length, width, layers) -> (config,
+    # causal LM class, sequence-classification class or None)
+    extra_tokens: tuple[str, ...] = ()  # special tokens its inputs need beyond SPECIAL_TOKENS (the last is the last id)
+    processor: Callable[[Any], Any] | None = None  # tokenizer -> its processor (a vision-language model)
+
+
+TINY = {TINY_LLAMA: Tiny(_llama), TINY_MOE: Tiny(_moe),
+        TINY_VL: Tiny(_llava, extra_tokens=(IMAGE_TOKEN,), processor=_llava_processor)}
 
 
 def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 64, layers: int = 2, reward_head: bool = False,
@@ -67,7 +121,7 @@ def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 
     sequence-classification class with one output (a reward model's score) instead of the LM head."""
     import torch
 
-    config, causal, scored = TINY[name](vocab_size, max_length, hidden_size, layers)
+    config, causal, scored = TINY[name].config(vocab_size, max_length, hidden_size, layers)
     with torch.random.fork_rng(devices=[]):  # built on the CPU: leave every GPU untouched
         torch.manual_seed(seed)
         if reward_head:  # one score per sequence; through from_config: under ZeRO-3 its zero.Init covers the score head too, not only the backbone

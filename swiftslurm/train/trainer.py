@@ -191,9 +191,9 @@ class SwiftTrainer(Trainer):
         if self.args.should_save:
             out, staged = output_dir or self.args.output_dir or ".", self._staged
             model: Any = self.model
-            if staged is not None and not hasattr(model, "peft_config"):  # an adapter is small: written now
+            if staged is not None:
                 real = os.path.realpath(out)  # the save goes through a link that is gone when the background writes
-                staged.defer(model.state_dict(), lambda state: self._save(real, state_dict=state), "model weights")
+                staged.defer(_saved_weights(model), lambda state: self._save(real, state_dict=state), "model weights")
             else:
                 self._save(out)
         return None
@@ -361,8 +361,8 @@ class SwiftTrainer(Trainer):
             engine.checkpoint_engine = probe.wrapped
             shutil.rmtree(scratch, ignore_errors=True)
         sizes = probe.sizes
-        if self.args.should_save and not hasattr(self.model, "peft_config") and self._writes_own_model():
-            sizes += gpu_storage_sizes(engine.module.state_dict())  # the weights save_model defers (model.safetensors)
+        if self.args.should_save and self._writes_own_model():
+            sizes += gpu_storage_sizes(_saved_weights(engine.module))  # what save_model defers (model.safetensors, the adapter)
         self.saves.submit(lambda: {"checkpoint_pin_s": prepare(sizes), "checkpoint_pinned_mb": sum(sizes) / 2**20},
                           name="swiftslurm-pin")
 
@@ -587,3 +587,11 @@ class StragglerCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.watch.step_end(state.global_step, args.device)
+
+
+def _saved_weights(model) -> dict[str, Any]:
+    """What ``save_model`` writes of ``model``: its state dict, or an adapter's trainable tensors only (peft's save keeps
+    the adapter's keys of the state it is given; the whole state would copy the frozen base to host memory)."""
+    if hasattr(model, "peft_config"):
+        return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    return model.state_dict()

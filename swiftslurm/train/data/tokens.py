@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .records import DataError, count_checked, read_records  # noqa: F401  (DataError: re-exported for callers of this module)
+
+if TYPE_CHECKING:
+    from .images import Scanned
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -198,6 +201,18 @@ class Collator:
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
 
 
-def count_records(t) -> int:
-    """``task = "sft"`` at validate: every record of ``t.dataset`` checked (swiftslurm/tasks.py)."""
-    return scan(list(t.dataset))
+def count_records(t) -> Scanned:
+    """``task = "sft"`` at validate: every record of ``t.dataset`` checked (swiftslurm/tasks.py), and the images of
+    records that name some (``images.ImageScan``: files, formats, placeholders, tokens against ``t.max_length``)."""
+    from .images import ImageScan, Scanned
+
+    images = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels)
+
+    def checked() -> Iterator[tuple[str, Any]]:
+        for path in t.dataset:
+            for line, rec in read_records(path):
+                checked_one = check_record(Path(path), line, rec)
+                images.check(rec, path, line)
+                yield checked_one
+
+    return Scanned(count_checked(checked(), list(t.dataset)), images.facts())

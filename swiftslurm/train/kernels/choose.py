@@ -39,19 +39,23 @@ class NodeFacts:
     flash_attn_3: bool = False
     liger: bool = False
     varlen: bool = False  # torch's variable-length flash kernel runs here (a CUDA GPU of sm80 or newer)
+    capability: tuple[int, int] | None = None  # the GPU's compute capability (FP8 needs 8.9+)
+    torchao: bool = False
 
 
 def node_facts(cuda: bool) -> NodeFacts:
     def has(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
-    varlen = False
-    if cuda and varlen_available():
+    varlen, capability = False, None
+    if cuda:
         import torch
 
-        varlen = torch.cuda.get_device_capability() >= (8, 0)
+        major, minor = torch.cuda.get_device_capability()
+        capability = (major, minor)
+        varlen = varlen_available() and capability >= (8, 0)
     return NodeFacts(cuda=cuda, flash_attn=has("flash_attn"), flash_attn_3=has("flash_attn_interface"),
-                     liger=has("liger_kernel"), varlen=varlen)
+                     liger=has("liger_kernel"), varlen=varlen, capability=capability, torchao=has("torchao"))
 
 
 def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0,

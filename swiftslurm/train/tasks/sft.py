@@ -40,6 +40,9 @@ class SFTTask:
         return training_arguments(spec, output_dir, ds_config, cuda, liger, parallelism_config)
 
     def prepare_model(self, model, spec: JobSpec):
+        from ..vision import freeze
+
+        freeze(model, spec.train.freeze_vision, spec.train.freeze_projector)  # a vision-language model's tower, projector
         if spec.train.train_type == "lora":
             model = _apply_lora(model, spec.train)
             if spec.train.gradient_checkpointing:
@@ -47,6 +50,14 @@ class SFTTask:
         return model
 
     def data(self, spec: JobSpec, args, tok, model, attn: str, output_dir: str):
+        """``tok``: the processing class; a vision-language model's processor reads records with images
+        (``data/vision.py``)."""
+        from ..vision import is_multimodal
+
+        if is_multimodal(tok):
+            from ..data.vision import vision_data
+
+            return vision_data(spec, tok)
         return _data(spec, args, tok, model, attn, output_dir, self.name)
 
     def describe_data(self, spec: JobSpec, dataset) -> str:

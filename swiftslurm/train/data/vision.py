@@ -1,0 +1,195 @@
+"""Vision-language SFT data (issue 56): conversations with images, decoded and processed as the loader asks for them.
+
+Records are the messages form with an ``images`` list (``images.py`` owns the contract: one ``<image>`` in the text
+per image, in order; relative paths start at the data file's directory). Only the records' text and image paths are
+held; an image is read, checked (``images.load_image``), brought within ``train.image_min_pixels`` ..
+``image_max_pixels`` and run through the model's processor in ``VisionDataset.__getitem__``, that is in the
+DataLoader's workers when ``train.dataloader_num_workers`` > 0, one sample at a time, and dropped with the batch.
+
+Labels are the text path's (``tokens.encode``): every assistant turn trained on, the prompt -100. The processor then
+expands each image placeholder into the image's tokens; those tokens are -100 too, and every other token keeps the
+label its token had before the expansion (the expansion must leave the text tokens as they were, which is checked).
+A sample longer than ``train.max_length`` loses its tail, unless the cut would fall into an image's tokens: then it
+is refused (DataError naming the record): ``validate``'s scan holds each record's image tokens to ``max_length``.
+
+Not here, and why: packing (multimodal positions: each sample's image tokens, and Qwen2-VL's 3-D rotary positions,
+belong to their own sample; ``vision.fit_spec`` turns it off with the reason in the log), and a tokenisation cache:
+the processor runs per sample as its images are decoded, which costs about what the image decoding costs and needs
+no cache to survive a requeue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...sizing.vision import resized
+from .images import BadImage, bad_image, image_paths, load_image
+from .records import DataError, read_records
+from .tokens import IGNORE_INDEX, check_record, encode, ensure_chat_template
+
+if TYPE_CHECKING:
+    from ...spec.model import JobSpec
+
+UNBOUNDED = 1 << 30  # tokens: tokens.encode cuts nothing; the cut is made after the images are expanded
+HINT = "raise train.max_length, lower train.image_max_pixels, or put fewer images in a record"
+# what a record's "<image>" becomes in the text the processor reads, for processors whose own placeholder is not one
+# token standing alone (Qwen2-VL's chat template frames its image pad); every other processor: its ``image_token``
+FRAMED_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+                       "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One record as held until it is asked for: its messages, its images' paths, and where it came from."""
+
+    messages: list[dict[str, Any]]
+    images: tuple[Path, ...]
+    raw: tuple[Any, ...]  # the paths as the record wrote them (for messages)
+    data_file: str
+    where: str
+
+
+def read_conversations(paths: list[str]) -> list[Conversation]:
+    """Every record of every file, checked (the text as SFT checks it, the images' list and placeholder count as
+    ``images.image_paths`` does), in file order. The images themselves are read when a sample is asked for."""
+    out = []
+    for path in paths:
+        for where, rec in read_records(path):
+            kind, body = check_record(Path(path), where, rec)
+            if kind != "messages":
+                raise DataError(f"{path}, {where}: a vision-language model trains on the messages form",
+                                "an alpaca record", 'write it as {"messages": [...], "images": [...]}')
+            images = image_paths(rec, path, where)
+            out.append(Conversation(body, tuple(images), tuple(rec.get("images") or ()), path, where))
+    if not out:
+        raise DataError("the dataset holds no record", f"{len(paths)} file(s)", "check train.dataset")
+    return out
+
+
+def anchored(record: Any, data_file: str | Path) -> Any:
+    """``record`` with its relative image paths joined to ``data_file``'s directory, for a copy of it written
+    elsewhere (``evaluation.split_files``); any other record, and any other entry, as it is."""
+    images = record.get("images") if isinstance(record, dict) else None
+    if not isinstance(images, list) or not images:
+        return record
+    return {**record, "images": [_anchor(item, Path(data_file).parent) for item in images]}
+
+
+def _anchor(item: Any, base: Path) -> Any:
+    relative = isinstance(item, str) and item and "://" not in item and not item.startswith(("~", "data:", "/"))
+    return str(base / item) if relative else item
+
+
+def within_bounds(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int] | None:
+    """The size an image of ``width`` x ``height`` is resized to before the processor, or None when its area lies in
+    [min_pixels, max_pixels] already (the processor then sees it as it is): the size ``validate`` and ``plan`` count
+    (``sizing.vision.resized``)."""
+    if min_pixels <= width * height <= max_pixels:
+        return None
+    return resized(width, height, min_pixels, max_pixels)
+
+
+def placeholder_of(processor: Any) -> str:
+    return FRAMED_PLACEHOLDERS.get(type(processor).__name__, processor.image_token)
+
+
+class VisionDataset:
+    """Map-style: item ``i`` is record ``i`` with its images decoded and processed (see the module)."""
+
+    def __init__(self, records: list[Conversation], processor: Any, max_length: int, min_pixels: int, max_pixels: int) -> None:
+        self.records, self.processor, self.max_length = records, processor, max_length
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.image_token_id = int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+        self.placeholder = placeholder_of(processor)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def image(self, rec: Conversation, index: int) -> Any:
+        try:
+            image = load_image(rec.images[index])
+        except BadImage as exc:
+            raise bad_image(rec.data_file, rec.where, index + 1, rec.raw[index], rec.images[index], exc) from None
+        size = within_bounds(*image.size, self.min_pixels, self.max_pixels)
+        return image if size is None else image.resize(size)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rec = self.records[i]
+        images = [self.image(rec, k) for k in range(len(rec.images))]
+        messages = [{**m, "content": m["content"].replace("<image>", self.placeholder)} for m in rec.messages]
+        tok = self.processor.tokenizer
+        plain = encode("messages", messages, tok, UNBOUNDED)
+        if plain is None:
+            raise DataError(f"{rec.data_file}, {rec.where}: no assistant token to train on", "", "check the record")
+        text = tok.apply_chat_template(messages, tokenize=False)
+        out = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        sample = {"input_ids": ids, "labels": self._labels(rec, plain, ids)}
+        for key, value in out.items():  # the processor's other outputs: per token (a mask) or per image (pixels)
+            if key != "input_ids":
+                sample[key] = value[0].tolist() if _per_token(value, len(ids)) else value
+        return self._cut(rec, sample)
+
+    def _labels(self, rec: Conversation, plain: dict[str, list[int]], ids: list[int]) -> list[int]:
+        """The expanded sequence's labels: image tokens -100, every other token its label before the expansion."""
+        image = self.image_token_id
+        kept = [(t, lab) for t, lab in zip(plain["input_ids"], plain["labels"], strict=True) if t != image]
+        text = [j for j, t in enumerate(ids) if t != image]
+        if [ids[j] for j in text] != [t for t, _ in kept]:
+            raise DataError(f"{rec.data_file}, {rec.where}: the processor changed the text's tokens beside the images",
+                            type(self.processor).__name__, "report it: this model's processor is not one we can label")
+        labels = [IGNORE_INDEX] * len(ids)
+        for j, (_, lab) in zip(text, kept, strict=True):
+            labels[j] = lab
+        return labels
+
+    def _cut(self, rec: Conversation, sample: dict[str, Any]) -> dict[str, Any]:
+        ids = sample["input_ids"]
+        if len(ids) <= self.max_length:
+            return sample
+        images = sum(t == self.image_token_id for t in ids)
+        if sum(t == self.image_token_id for t in ids[: self.max_length]) < images:
+            raise DataError(f"{rec.data_file}, {rec.where}: {len(ids)} tokens with its images, and train.max_length = "
+                            f"{self.max_length} would cut into an image's {images} token(s)", f"images {list(rec.raw)}"[:160], HINT)
+        return {k: v[: self.max_length] if isinstance(v, list) else v for k, v in sample.items()}
+
+
+def _per_token(value: Any, length: int) -> bool:
+    return getattr(value, "ndim", 0) == 2 and value.shape[0] == 1 and value.shape[1] == length
+
+
+class VisionCollator:
+    """Right-pads the per-token lists (input_ids with the pad id, labels with -100, masks with 0) and concatenates the
+    per-image tensors of the batch's samples in order (pixel_values, image sizes or grids): the model places the
+    images' features at its image tokens in that order. A batch without any image has no image tensors."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(ex["input_ids"]) for ex in batch)
+        fill = {"input_ids": self.pad_id, "labels": IGNORE_INDEX}
+        out: dict[str, Any] = {}
+        for key in batch[0]:
+            values = [ex[key] for ex in batch if key in ex]
+            if isinstance(values[0], list):
+                out[key] = torch.tensor([v + [fill.get(key, 0)] * (width - len(v)) for v in values], dtype=torch.long)
+        images = sorted({k for ex in batch for k, v in ex.items() if not isinstance(v, list)})
+        for key in images:
+            out[key] = torch.cat([ex[key] for ex in batch if key in ex])
+        return out
+
+
+def vision_data(spec: JobSpec, processor: Any) -> tuple[VisionDataset, VisionCollator]:
+    """(train dataset, collator) of ``spec.train.dataset`` for a vision-language model's ``processor``."""
+    t = spec.train
+    tok = processor.tokenizer
+    if tok.chat_template is None and getattr(processor, "chat_template", None):
+        tok.chat_template = processor.chat_template  # the labels' spans come from the tokenizer's rendering
+    ensure_chat_template(tok)
+    dataset = VisionDataset(read_conversations(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels)
+    return dataset, VisionCollator(tok.pad_token_id)

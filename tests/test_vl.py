@@ -1,0 +1,187 @@
+"""Vision-language SFT (issue 56): the tiny LLaVA (``model = "tiny-vl"``) on the demo's coloured squares
+(examples/data/vl_demo.jsonl, its images relative to the data file).
+
+- a sample: labels on the assistant's tokens only, every image token -100; images brought within the pixel bounds; a
+  record whose max_length cut would fall into an image is refused naming its line;
+- the spec as trained: packing off (the default) with the reason; a task that does not train images refused;
+  LoRA adapts the language model's projections only, never the vision tower's;
+- one-process runs (tests/one_process_runs.py: real DeepSpeed ZeRO-2 on the CPU): LoRA trains, the loss falls; full
+  fine-tuning with ``freeze_projector = false`` trains the projector and the language model, never the vision tower;
+- export: the LoRA run merged loads with ``AutoModelForImageTextToText`` and ``AutoProcessor``, equals base + adapter
+  (peft's loading) on a batch with an image, and generates from an image;
+- on the test cluster: 2 nodes, ZeRO-2, stopped by the walltime signal, requeued, resumed to the uninterrupted run's
+  losses bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "examples" / "data" / "vl_demo.jsonl"
+RED = ROOT / "examples" / "data" / "vl_images" / "red.png"
+LORA, FULL = "vl_lora", "vl_full"
+
+
+def vl_spec(**train):
+    from swiftslurm.spec import parse_spec
+
+    keys = {"model": "tiny-vl", "dataset": [str(DATA)], "image_max_pixels": 3136, "max_length": 128, **train}
+    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
+    return parse_spec(f'[job]\nname = "vl"\noutput_dir = "/tmp/vl-unused"\n[train]\n{body}\n')
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from swiftslurm.train.tinymodel import build_processing
+
+    return build_processing("tiny-vl")
+
+
+def test_a_sample_is_trained_on_the_answer_only_with_its_images_tokens_masked(processor):
+    from swiftslurm.train.data.vision import vision_data
+
+    dataset, collate = vision_data(vl_spec(), processor)
+    tok, image = processor.tokenizer, processor.tokenizer.convert_tokens_to_ids("<image>")
+    two = dataset[12]  # "<image> then <image>: which colours?" -> "red, then green."
+    assert tok.decode([t for t, lab in zip(two["input_ids"], two["labels"], strict=True) if lab != -100]) == "red, then green.</s>\n"
+    assert sum(t == image for t in two["input_ids"]) == 8 and tuple(two["pixel_values"].shape) == (2, 3, 28, 28)
+    assert all(lab == -100 for t, lab in zip(two["input_ids"], two["labels"], strict=True) if t == image)
+    batch = collate([dataset[0], two, dataset[18]])  # one image, two, none (a text-only record)
+    assert tuple(batch["pixel_values"].shape) == (3, 3, 28, 28)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (3, len(two["input_ids"]))
+    assert int(batch["attention_mask"][0].sum()) == len(dataset[0]["input_ids"])
+
+
+def test_images_are_brought_within_the_pixel_bounds_before_the_processor():
+    from swiftslurm.train.data.vision import within_bounds
+
+    assert within_bounds(40, 40, 784, 3136) is None  # inside: as it is
+    for size in ((120, 90), (60, 10)):  # over image_max_pixels, under image_min_pixels: scaled, the long side kept long
+        w, h = within_bounds(*size, 784, 3136)
+        assert 784 <= w * h <= 3136 and w > h, (size, w, h)
+
+
+def test_a_cut_into_an_images_tokens_is_refused_naming_the_record(tmp_path, processor):
+    from swiftslurm.train.data.records import DataError
+    from swiftslurm.train.data.vision import vision_data
+
+    data = tmp_path / "long.jsonl"
+    ask = lambda text: [{"role": "user", "content": "x" * 140 + text}, {"role": "assistant", "content": "red"}]  # noqa: E731
+    data.write_text(json.dumps({"messages": ask("")}) + "\n" + json.dumps({"messages": ask("<image>"), "images": [str(RED)]}) + "\n")
+    dataset, _ = vision_data(vl_spec(dataset=[str(data)]), processor)
+    assert len(dataset[0]["input_ids"]) == 128  # text only: its tail cut, as for text models
+    with pytest.raises(DataError, match=r"long\.jsonl, line 2: .*would cut into an image"):
+        dataset[1]
+
+
+def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(processor):
+    from swiftslurm.train.vision import VisionUnsupported, fit_spec
+
+    spec, why = fit_spec(vl_spec(), processor)
+    assert spec.train.packing is False and "packing off for this vision-language model" in (why or "")
+    with pytest.raises(VisionUnsupported, match="train.task = 'dpo' does not train vision-language models"):
+        fit_spec(vl_spec(task="dpo", dataset=[str(ROOT / "examples/data/dpo_demo.jsonl")]), processor)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_adapts_the_language_models_projections_only(processor, targets):
+    from swiftslurm.train.build import _apply_lora
+    from swiftslurm.train.tinymodel import build_model
+
+    model = _apply_lora(build_model(len(processor.tokenizer), 128, 42, name="tiny-vl"), vl_spec(lora_target_modules=targets).train)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    expected = 14 if targets == "all-linear" else 4  # 2 layers x (q, k, v, o, gate, up, down) or x (q, v)
+    assert len(adapted) == expected and all(".language_model." in n for n in adapted), sorted(adapted)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("vl-runs")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "one_process_runs.py"), str(out), LORA, FULL],
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    rows = {json.loads(ln[len("PRESET "):])["preset"]: json.loads(ln[len("PRESET "):]) for ln in proc.stdout.splitlines()
+            if ln.startswith("PRESET ")}
+    assert proc.returncode == 0 and all(r["ok"] for r in rows.values()) and len(rows) == 2, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "packing off for this vision-language model" in proc.stdout + proc.stderr
+    return out, rows
+
+
+@pytest.mark.slow
+def test_lora_trains_the_tiny_vlm_and_its_loss_falls(runs):
+    from safetensors.torch import load_file
+
+    out, rows = runs
+    loss = rows[LORA]["loss"]
+    assert len(loss) == 6 and all(x == x and x < 20 for x in loss) and loss[-1] < loss[0] - 0.2, loss
+    adapter = load_file(str(out / LORA / "checkpoint-6" / "adapter_model.safetensors"))
+    assert len(adapter) == 28 and all(".language_model." in k for k in adapter), sorted(adapter)[:4]
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_keeps_the_frozen_vision_tower_and_trains_the_projector(runs, processor):
+    from transformers import AutoModelForImageTextToText
+
+    from swiftslurm.train.tinymodel import build_model
+
+    out, rows = runs
+    assert rows[FULL]["loss"][-1] < rows[FULL]["loss"][0] - 0.3, rows[FULL]["loss"]
+    trained = AutoModelForImageTextToText.from_pretrained(str(out / FULL / "checkpoint-4")).state_dict()
+    fresh = build_model(len(processor.tokenizer), 128, 42, name="tiny-vl").state_dict()
+    changed = {k for k, v in fresh.items() if not v.equal(trained[k])}
+    assert not {k for k in changed if ".vision_tower." in k}
+    assert {k for k in changed if ".multi_modal_projector." in k} and {k for k in changed if ".language_model." in k}
+
+
+@pytest.mark.slow
+def test_the_lora_export_loads_with_its_processor_equals_base_plus_adapter_and_generates_from_an_image(runs, processor, tmp_path):
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from swiftslurm.train.tinymodel import build_model
+
+    out, _ = runs
+    proc = subprocess.run([sys.executable, "-m", "swiftslurm", "export", str(out / LORA), "--to", str(tmp_path / "m"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["model_class"] == "AutoModelForImageTextToText"
+    model, loaded = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "m")).eval(), AutoProcessor.from_pretrained(str(tmp_path / "m"))
+    prompt = loaded.apply_chat_template([{"role": "user", "content": "<image>What colour is this square?"}], tokenize=False,
+                                        add_generation_prompt=True)
+    batch = loaded(text=[prompt], images=[Image.open(RED)], return_tensors="pt")
+    reference = PeftModel.from_pretrained(build_model(len(processor.tokenizer), 128, 42, name="tiny-vl"),
+                                          str(out / LORA / "checkpoint-6")).eval()
+    with torch.no_grad():
+        assert (model(**batch).logits - reference(**batch).logits).abs().max().item() < 1e-4
+    generated = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] == batch["input_ids"].shape[1] + 4
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_tiny_vlm_on_two_nodes_stopped_at_walltime_resumes_to_the_uninterrupted_losses(tmp_path, slurm_cluster):
+    """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning, the vision tower frozen, packing on as by
+    default) with the tiny VLM on the demo's images, beside an uninterrupted run; the walltime signal at step 8 or
+    later. The checkpoint records the spec as written (packing on), which the resume compares against."""
+    from test_resume import requeued_beside_reference
+
+    req_out = requeued_beside_reference(tmp_path, "vl", 24, 8, data=DATA, train={"model": "tiny-vl", "image_max_pixels": 3136})
+    logs = [p.read_text(errors="replace") for p in (req_out / "logs").rglob("*") if p.is_file() and p.suffix in (".err", ".log")]
+    assert any("packing off for this vision-language model" in text for text in logs)
+
+
+def test_an_eval_split_keeps_each_records_images_where_its_data_file_put_them(tmp_path):
+    from swiftslurm.train.data.vision import read_conversations
+    from swiftslurm.train.evaluation import split_files
+
+    train, held = split_files([str(DATA)], 0.25, tmp_path)  # written under the output dir, far from the images
+    records = read_conversations([str(train), str(held)])
+    assert len(records) == 19 and sum(len(r.images) for r in records) == 24
+    assert all(path.is_file() for r in records for path in r.images)
