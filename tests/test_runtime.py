@@ -698,9 +698,11 @@ def test_cluster_walltime_signal_while_a_submitit_rank_imports_is_a_walltime_sto
 
     The window lasts a few hundred milliseconds; the test keeps it open by holding back the job's pickle, which the
     rank waits for (submitit polls for it each second) with USR2 held and no handler yet, and gives it back once the
-    signal is sent."""
+    signal is sent. The job is submitted held (``--hold``) and released once its pickle is away: on an idle cluster
+    the rank started and read the pickle before the test could move it (rehearsal of 2026-12-07)."""
     (tmp_path / "s.toml").write_text(command_spec(tmp_path, SIGNALLED, str(tmp_path),
-                                                  slurm='partition = "debug"\nnodes = 1\ntasks_per_node = 1\ntime = "00:03:00"\nmax_requeues = 0'))
+                                                  slurm='partition = "debug"\nnodes = 1\ntasks_per_node = 1\ntime = "00:03:00"\n'
+                                                        'max_requeues = 0\nextra_sbatch = ["--hold"]'))
     proc = subprocess.run([PY, "-m", "swiftslurm", "submit", "s.toml", "--executor", "slurm", "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -709,6 +711,7 @@ def test_cluster_walltime_signal_while_a_submitit_rank_imports_is_a_walltime_sto
     assert len(pickles) == 1, "submitit wrote no pickle where the test looks for it"
     for pickle in pickles:
         pickle.rename(pickle.with_name(pickle.name + ".held"))
+    subprocess.run(["scontrol", "release", job], check=True, capture_output=True, timeout=30)
     try:
         deadline, pid = time.monotonic() + 120, None
         while pid is None and time.monotonic() < deadline and not (tmp_path / "ready").exists():

@@ -303,7 +303,7 @@ def test_a_model_dir_loads_without_hub_kernels(tmp_path):
     tok.save_pretrained(tmp_path / "m")
     spec = validate_spec({"train": {"model": str(tmp_path / "m"), "dataset": ["d.jsonl"]}})
     model, _ = load_model_and_tokenizer(spec, cuda=False)
-    base, _ = base_model(SimpleNamespace(base_model=str(tmp_path / "m"), checkpoint=tmp_path, score_head=False), log=lambda line: None)
+    base, _ = base_model(SimpleNamespace(base_model=str(tmp_path / "m"), checkpoint=tmp_path, score_head=False, takes_images=False), log=lambda line: None)
     assert (type(model).__name__, model.use_kernels, base.use_kernels) == ("LlamaForCausalLM", False, False)
 
 

@@ -292,3 +292,13 @@ def test_plan_shows_the_image_token_bound_and_memory_only_for_a_dataset_with_ima
     assert code == 0 and "images" not in json.loads(out), out
     code, text = swiftslurm("plan", str(spec(tmp_path / "text", text_data)), cwd=tmp_path)
     assert code == 0 and "tokens per image" not in text, text
+
+
+def test_what_the_nodes_would_refuse_of_a_vision_language_spec_is_refused_at_validate(tmp_path):
+    data = dataset(tmp_path, record(["img/ok.png"]))
+    out = refused(tmp_path, data, train_type="lora", freeze_vision=False)  # LoRA freezes every base weight anyway
+    assert "freeze_vision = false with train_type = \"lora\"" in out and "HINT" in out, out
+    path = spec(tmp_path, data, task="dpo")
+    path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
+    code, out = swiftslurm("validate", str(path), cwd=tmp_path)
+    assert code == 2 and out.count("error:") == 1 and "model = \"tiny-vl\" with task = 'dpo'" in out, out
