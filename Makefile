@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt "$(DEEPSPEED_SPEC)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[train,dev,tracking]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[train,dev,tracking,fp8]"
 	touch $@
 
 setup: $(VENV)/.installed system-deps

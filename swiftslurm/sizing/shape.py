@@ -13,7 +13,7 @@ through ``experts_per_token`` of the routed experts: ``active_params`` counts th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,9 @@ TINY_LLAMA = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=
 TINY_MOE = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=259,
                       head_dim=16, source="tiny-moe (built in)", model_type="qwen3_moe", num_experts=4, experts_per_token=2,
                       moe_intermediate_size=32)
-BUILT_IN_SHAPES = {"tiny-llama": TINY_LLAMA, "tiny-moe": TINY_MOE}  # train.model names built in code -> their shape
+# tiny-vl: a LLaVA whose language model is tiny-llama with one more token (<image>); its vision tower is sized apart
+TINY_VL = replace(TINY_LLAMA, vocab_size=260, source="tiny-vl (built in: its language model)")
+BUILT_IN_SHAPES = {"tiny-llama": TINY_LLAMA, "tiny-moe": TINY_MOE, "tiny-vl": TINY_VL}  # train.model names built in code -> their shape
 
 
 class ShapeError(ValueError):

@@ -452,10 +452,14 @@ class SwiftTrainer(Trainer):
 
 
 def decoder_layers(model) -> list[Any]:
-    """The model's repeated decoder layers, in order: the modules transformers' activation checkpointing flags."""
+    """The model's repeated decoder layers, in order: the modules transformers' activation checkpointing flags, in its
+    language model (a vision-language model's vision tower has such layers too; ``gradient_checkpointing_layers``
+    counts the language model's)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    get_decoder = getattr(model, "get_decoder", None)
+    root = (get_decoder() if callable(get_decoder) else None) or model
+    return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 class PinAhead(TrainerCallback):
