@@ -327,15 +327,12 @@ class SwiftTrainer(Trainer):
     def _stage_writes(self):
         """Swap the DeepSpeed engine's checkpoint engine for one that snapshots each file (``save.snapshot``); None
         (a synchronous save) where the engine is not DeepSpeed's plain ``torch.save`` one."""
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
         from .save.snapshot import StagedWrites
 
         wrapped: Any = self.model_wrapped
-        engine = getattr(wrapped, "checkpoint_engine", None)
-        if type(engine) is not TorchCheckpointEngine:
+        if not _saves_with_torch(wrapped):
             return None
-        staged = StagedWrites(engine)
+        staged = StagedWrites(wrapped.checkpoint_engine)
         wrapped.checkpoint_engine = staged
         return staged
 
@@ -344,12 +341,10 @@ class SwiftTrainer(Trainer):
         save copies (DeepSpeed's own save through ``save.snapshot.SizeProbe``, which writes no checkpoint file) and pin
         host buffers of those sizes in the background (about 1.2 GB/s; the first save waits for what is left), so the
         first save's copy runs at the bus's speed too."""
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
         from .save.snapshot import SizeProbe, gpu_storage_sizes, prepare
 
         engine: Any = self.model_wrapped
-        if not torch.cuda.is_available() or type(getattr(engine, "checkpoint_engine", None)) is not TorchCheckpointEngine:
+        if not torch.cuda.is_available() or not _saves_with_torch(engine):
             return
         probe = SizeProbe(engine.checkpoint_engine)
         scratch = tempfile.mkdtemp(prefix=".size-probe-", dir=self._output_dir())
@@ -591,6 +586,14 @@ class StragglerCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.watch.step_end(state.global_step, args.device)
+
+
+def _saves_with_torch(engine) -> bool:
+    """The DeepSpeed engine saves through its plain ``torch.save`` checkpoint engine (not the decoupled, fast or Nebula
+    ones): the one whose files ``save.snapshot`` can copy and write later, byte for byte."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    return type(getattr(engine, "checkpoint_engine", None)) is TorchCheckpointEngine
 
 
 def _saved_weights(model) -> dict[str, Any]:
