@@ -68,6 +68,9 @@ def main() -> None:
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     n = sum(p.numel() for p in model.parameters())
+    from swiftslurm.train.moe import active_params
+
+    active = active_params(model, n)  # an MoE: the parameters one token uses (the MFU's FLOPs); dense: n
     rng = random.Random(0)
     letters = string.ascii_lowercase + "     "
     data = out / "sft.jsonl"
@@ -76,7 +79,7 @@ def main() -> None:
             prompt = "".join(rng.choice(letters) for _ in range(a.seq // 4))
             answer = "".join(rng.choice(letters) for _ in range(a.seq))
             fh.write(json.dumps({"instruction": prompt, "input": "", "output": answer}) + "\n")
-    print(json.dumps({"model_dir": str(model_dir), "params": n, "data": str(data)}))
+    print(json.dumps({"model_dir": str(model_dir), "params": n, "active_params": active, "data": str(data)}))
 
 
 if __name__ == "__main__":

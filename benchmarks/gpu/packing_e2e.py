@@ -256,7 +256,7 @@ checks = []
 
     plan = json.loads(subprocess.run(["swiftslurm", "plan", str(write_spec("swiftslurm")[0]), "--json"], capture_output=True, text=True,
                                      check=True).stdout)
-    params = assets["params"]
+    params = assets.get("active_params", assets["params"])  # FLOPs per token: an MoE's active parameters, not its total
     results: dict[str, dict] = {}
     for n, arm in enumerate(a.arms.split(",")):
         env = None
