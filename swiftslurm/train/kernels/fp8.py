@@ -62,7 +62,8 @@ def resolve(requested: bool | str, cuda: bool, capability: tuple[int, int] | Non
     if requested is False:
         return False, "off in the spec"
     if requested == "auto":
-        return False, "auto: off (not yet measured faster for a model size and task; set train.fp8 = true)"
+        # an 8B LoRA on an H100 ran 0.57x bf16 with it (docs/benchmarks.md, "FP8"); nothing measured faster yet
+        return False, "auto: off (measured slower for an 8B LoRA on an H100, not yet faster anywhere; set train.fp8 = true)"
     if not torchao:
         raise KernelError("train.fp8 = true needs torchao", "no torchao module in the nodes' Python",
                           'pip install "swiftslurm[fp8]" (torchao) there, or set train.fp8 = false')
