@@ -74,10 +74,17 @@ def test_a_cut_into_an_images_tokens_is_refused_naming_the_record(tmp_path, proc
     data = tmp_path / "long.jsonl"
     ask = lambda text: [{"role": "user", "content": "x" * 140 + text}, {"role": "assistant", "content": "red"}]  # noqa: E731
     data.write_text(json.dumps({"messages": ask("")}) + "\n" + json.dumps({"messages": ask("<image>"), "images": [str(RED)]}) + "\n")
-    dataset, _ = vision_data(vl_spec(dataset=[str(data)]), processor)
+    with pytest.raises(DataError, match=r"long\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
+        vision_data(vl_spec(dataset=[str(data)]), processor)  # at start-up, before the first step
+    dataset, _ = vision_data(vl_spec(dataset=[str(data)], dataset_scan=False), processor)  # unscanned: when it is loaded
     assert len(dataset[0]["input_ids"]) == 128  # text only: its tail cut, as for text models
-    with pytest.raises(DataError, match=r"long\.jsonl, line 2: .*would cut into an image"):
+    with pytest.raises(DataError, match=r"long\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
         dataset[1]
+    fits = tmp_path / "fits.jsonl"  # the same record with a shorter question: nothing refused, at start-up or loaded
+    fits.write_text(json.dumps({"messages": [{"role": "user", "content": "x" * 40 + "<image>"},
+                                             {"role": "assistant", "content": "red"}], "images": [str(RED)]}) + "\n")
+    dataset, _ = vision_data(vl_spec(dataset=[str(fits)]), processor)
+    assert dataset.refuse_cuts() == 1 and len(dataset[0]["input_ids"]) <= 128
 
 
 def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(processor):

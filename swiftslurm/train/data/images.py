@@ -171,6 +171,11 @@ def check_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int
     return info
 
 
+def image_size(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int = MAX_DECODE_PIXELS) -> tuple[int, int]:
+    """(width, height) from the image's header, through the same checks, nothing decoded. BadImage: why."""
+    return _open(Path(path), max_bytes, max_pixels).size
+
+
 def load_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int = MAX_DECODE_PIXELS) -> Image:
     """The image at ``path`` as an RGB Pillow image, through the checks of ``check_image`` (BadImage: why)."""
     p = Path(path)

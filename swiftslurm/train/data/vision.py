@@ -10,7 +10,9 @@ Labels are the text path's (``tokens.encode``): every assistant turn trained on,
 expands each image placeholder into the image's tokens; those tokens are -100 too, and every other token keeps the
 label its token had before the expansion (the expansion must leave the text tokens as they were, which is checked).
 A sample longer than ``train.max_length`` loses its tail, unless the cut would fall into an image's tokens: then it
-is refused (DataError naming the record): ``validate``'s scan holds each record's image tokens to ``max_length``.
+is refused (DataError naming the record): ``validate``'s scan holds each record's image tokens to ``max_length``, and
+at start-up ``refuse_cuts`` finds such a record before the first step (its text tokenized, each image's tokens counted
+from its header's size by the processor), where ``train.dataset_scan`` is on; otherwise when it is loaded.
 
 Not here, and why: packing (multimodal positions: each sample's image tokens, and Qwen2-VL's 3-D rotary positions,
 belong to their own sample; ``vision.fit_spec`` turns it off with the reason in the log), and a tokenisation cache:
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...sizing.vision import resized
-from .images import BadImage, bad_image, image_paths, load_image
+from .images import BadImage, bad_image, image_paths, image_size, load_image
 from .records import DataError, read_records
 from .tokens import IGNORE_INDEX, check_record, encode, ensure_chat_template
 
@@ -151,9 +153,50 @@ class VisionDataset:
             return sample
         images = sum(t == self.image_token_id for t in ids)
         if sum(t == self.image_token_id for t in ids[: self.max_length]) < images:
-            raise DataError(f"{rec.data_file}, {rec.where}: {len(ids)} tokens with its images, and train.max_length = "
-                            f"{self.max_length} would cut into an image's {images} token(s)", f"images {list(rec.raw)}"[:160], HINT)
+            raise self._cut_error(rec, len(ids), images)
         return {k: v[: self.max_length] if isinstance(v, list) else v for k, v in sample.items()}
+
+    def _cut_error(self, rec: Conversation, length: int, image_tokens: int) -> DataError:
+        return DataError(f"{rec.data_file}, {rec.where}: {length} tokens with its images, and train.max_length = "
+                         f"{self.max_length} would cut into an image's {image_tokens} token(s)", f"images {list(rec.raw)}"[:160], HINT)
+
+    def refuse_cuts(self) -> int:
+        """Before the first step: the first record whose ``max_length`` cut would fall into an image's tokens, refused as
+        ``_cut`` refuses it when loaded (DataError naming it). Each image's tokens come from its header's size, brought
+        within the pixel bounds, through the processor's own count (``_get_num_multimodal_tokens``); a processor without
+        one leaves the check to ``_cut``. Returns the records checked."""
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count is None:
+            return 0
+        checked = 0
+        for rec in self.records:
+            if not rec.images:
+                continue
+            sizes = []
+            for k, path in enumerate(rec.images):
+                try:
+                    width, height = image_size(path)
+                except BadImage as exc:
+                    raise bad_image(rec.data_file, rec.where, k + 1, rec.raw[k], path, exc) from None
+                width, height = within_bounds(width, height, self.min_pixels, self.max_pixels) or (width, height)
+                sizes.append([height, width])
+            tokens = list(count(image_sizes=sizes).num_image_tokens)
+            messages = [{**m, "content": m["content"].replace("<image>", self.placeholder)} for m in rec.messages]
+            plain = encode("messages", messages, self.processor.tokenizer, UNBOUNDED)
+            checked += 1
+            if plain is None:  # no assistant token: __getitem__ names it
+                continue
+            length = end = 0  # the expanded sequence's length, and where its last image's tokens end
+            pending = list(tokens)
+            for t in plain["input_ids"]:
+                if t == self.image_token_id and pending:
+                    length += pending.pop(0)
+                    end = length
+                else:
+                    length += 1
+            if end > self.max_length:
+                raise self._cut_error(rec, length, sum(tokens))
+        return checked
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -192,4 +235,6 @@ def vision_data(spec: JobSpec, processor: Any) -> tuple[VisionDataset, VisionCol
         tok.chat_template = processor.chat_template  # the labels' spans come from the tokenizer's rendering
     ensure_chat_template(tok)
     dataset = VisionDataset(read_conversations(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels)
+    if t.dataset_scan:  # a record the cut would refuse mid-run, refused before the first step (refuse_cuts)
+        dataset.refuse_cuts()
     return dataset, VisionCollator(tok.pad_token_id)
