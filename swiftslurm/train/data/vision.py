@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...sizing.vision import resized
-from .images import BadImage, bad_image, image_paths, image_size, load_image
+from .images import IMAGE_PLACEHOLDER, BadImage, bad_image, image_paths, image_size, load_image
 from .records import DataError, read_records
 from .tokens import IGNORE_INDEX, check_record, encode, ensure_chat_template
 
@@ -120,7 +120,7 @@ class VisionDataset:
     def __getitem__(self, i: int) -> dict[str, Any]:
         rec = self.records[i]
         images = [self.image(rec, k) for k in range(len(rec.images))]
-        messages = [{**m, "content": m["content"].replace("<image>", self.placeholder)} for m in rec.messages]
+        messages = self._messages(rec)
         tok = self.processor.tokenizer
         plain = encode("messages", messages, tok, UNBOUNDED)
         if plain is None:
@@ -133,6 +133,10 @@ class VisionDataset:
             if key != "input_ids":
                 sample[key] = value[0].tolist() if _per_token(value, len(ids)) else value
         return self._cut(rec, sample)
+
+    def _messages(self, rec: Conversation) -> list[dict[str, Any]]:
+        """The record's messages with each ``<image>`` written as this processor's placeholder."""
+        return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, self.placeholder)} for m in rec.messages]
 
     def _labels(self, rec: Conversation, plain: dict[str, list[int]], ids: list[int]) -> list[int]:
         """The expanded sequence's labels: image tokens -100, every other token its label before the expansion."""
@@ -181,8 +185,7 @@ class VisionDataset:
                 width, height = within_bounds(width, height, self.min_pixels, self.max_pixels) or (width, height)
                 sizes.append([height, width])
             tokens = list(count(image_sizes=sizes).num_image_tokens)
-            messages = [{**m, "content": m["content"].replace("<image>", self.placeholder)} for m in rec.messages]
-            plain = encode("messages", messages, self.processor.tokenizer, UNBOUNDED)
+            plain = encode("messages", self._messages(rec), self.processor.tokenizer, UNBOUNDED)
             checked += 1
             if plain is None:  # no assistant token: __getitem__ names it
                 continue
