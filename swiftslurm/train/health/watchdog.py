@@ -56,6 +56,7 @@ PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # prctl(2)
 SPY_TIMEOUT_S = 60
 BACKUP_MIN_S = 30.0  # faulthandler's C-thread dump, only if the timer's thread got no GIL this long after the limit
 BACKUP_ENV = "SWIFTSLURM_WATCHDOG_BACKUP_S"  # tests: a shorter BACKUP_MIN_S
+STOP_WAIT_S = 10.0  # ``stop`` waits at most this long for a dump already being written
 GATHER_S = 20.0  # rank 0 waits at most this long (and at most the limit) for the other ranks' flight records
 HANG_RESTART_ENV = "SWIFTSLURM_HANG_RESTART"  # "1": the supervisor restarts a hung step; rank 0 ends it
 ATTEMPT_ENV = "SWIFTSLURM_RESTART_ATTEMPT"  # in-job restarts before this step (the supervisor sets it; absent = 0)
@@ -79,6 +80,9 @@ class ProgressWatchdog:
         self.node = node
         self.fr_prefix = env.get(frtrace.PREFIX_ENV, "")
         self._timer: threading.Timer | None = None
+        # one dump at a time: a timer still dumping when the next one fires (a step ended and stalled again meanwhile)
+        # would interleave its header and threads with the next dump's, and neither would read as one dump
+        self._dumping = threading.Lock()
         self.timeout_s = timeout_s
         self.target = target if target is not None else sys.stderr
         self.floor_s = float(env.get(FLOOR_ENV) or FLOOR_S)
@@ -138,10 +142,11 @@ class ProgressWatchdog:
 
         faulthandler.cancel_dump_traceback_later()  # first: no C-thread dump may walk frames while this thread runs
         fired = time.time()
-        self._dump_stacks(limit)
-        if self.fr_prefix:
-            frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
-        self._py_spy(limit)
+        with self._dumping:
+            self._dump_stacks(limit)
+            if self.fr_prefix:
+                frtrace.write_dump(self.fr_prefix, self.rank, self.node, fired)
+            self._py_spy(limit)
         if self.rank != 0 or self.world_size < 2 or not self.fr_prefix:
             if self.rank == 0:
                 self._end_hung_step(limit, None, {})
@@ -214,7 +219,13 @@ class ProgressWatchdog:
         faulthandler.cancel_dump_traceback_later()
         self._cancel_timer()
 
-    stop = pause
+    def stop(self) -> None:
+        """``pause`` for good, and let a dump that has begun (its timer fired just before the last step ended) finish
+        whole in the log before the rank goes on to exit: a daemon thread is cut off mid-dump at interpreter exit."""
+        timer = self._timer
+        self.pause()
+        if timer is not None and timer is not threading.current_thread():
+            timer.join(STOP_WAIT_S)  # a cancelled timer that had not fired ends at once
 
 
 def _parse_stall(text: str) -> tuple[int, int, float] | None:
