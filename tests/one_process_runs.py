@@ -60,6 +60,16 @@ VARIANTS = {
            "lr_scheduler_type": "constant"},
     # a mixture of experts (issue 55): the tiny Qwen3-MoE, LoRA "all-linear" (peft adapts the fused expert weights and
     # the routers too, without dropout), its router logging tokens per expert
+    # vision-language under ZeRO-3 in bf16 (issue 56): the built-in LLaVA with LoRA, a full fine-tune that trains its
+    # projector, and LoRA on a LLaVA directory (from_pretrained partitions it as it builds it, as it does a hub model)
+    "vl_zero3": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "lora", "deepspeed": "zero3",
+                 "bf16": True, "max_steps": 2, "per_device_train_batch_size": 2, "gradient_checkpointing": False},
+    "vl_zero3_full": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "full", "deepspeed": "zero3",
+                      "bf16": True, "max_steps": 2, "per_device_train_batch_size": 2, "gradient_checkpointing": False,
+                      "freeze_projector": False},
+    "vl_zero3_dir": {"model": "__OUT__/tiny-vl-dir", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "lora",
+                     "deepspeed": "zero3", "bf16": True, "max_steps": 2, "per_device_train_batch_size": 2,
+                     "gradient_checkpointing": False},
     "moe_lora": {"model": "tiny-moe", "train_type": "lora", "lora_dropout": 0.0, "deepspeed": "zero2", "max_steps": 6,
                  "per_device_train_batch_size": 4, "learning_rate": 3e-3, "lr_scheduler_type": "constant"},
     # checkpoint.async_save under ZeRO-3 with LoRA (issue 54): saves at steps 1 and 2 copied off the training's path and
@@ -188,6 +198,12 @@ def main(out_root: str, presets: list[str]) -> int:
             row["zero_stage"] = ds.get("zero_optimization", {}).get("stage")
             row["ds_config"] = ds
             resume = True if "resume_from" in VARIANTS.get(preset, {}) else None  # as `swiftslurm run`: the own newest, else resume_from
+            if preset == "vl_zero3_dir":  # tiny-vl saved as a model directory with its processor
+                from swiftslurm.train.tinymodel import TINY_VL, build_model, build_processing
+
+                processor = build_processing(TINY_VL)
+                build_model(len(processor.tokenizer), 128, 42, name=TINY_VL).save_pretrained(Path(out_root, "tiny-vl-dir"))
+                processor.save_pretrained(Path(out_root, "tiny-vl-dir"))
             if preset == "convert":  # the converter runs as a child: a sitecustomize on its PYTHONPATH slows it
                 slow = Path(out_root, "slow-converter")
                 slow.mkdir(exist_ok=True)

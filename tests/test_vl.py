@@ -98,8 +98,6 @@ def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(proce
     dpo = sft.model_copy(update={"train": sft.train.model_copy(update={"task": "dpo"})})
     with pytest.raises(VisionUnsupported, match="train.task = 'dpo' does not train vision-language models"):
         fit_spec(dpo, processor)
-    with pytest.raises(VisionUnsupported, match="do not train under ZeRO-3 yet"):
-        fit_spec(sft, processor, zero_stage=3)
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])

@@ -302,7 +302,7 @@ def test_what_the_nodes_would_refuse_of_a_vision_language_spec_is_refused_at_val
     path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
     assert code == 2 and out.count("error:") == 1 and "model = \"tiny-vl\" with task = 'dpo'" in out, out
-    path = spec(tmp_path, data, deepspeed="zero3")
+    path = spec(tmp_path, data, deepspeed="zero3")  # trains (tests/test_one_process_runs.py): validate takes it
     path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
-    assert code == 2 and out.count("error:") == 1 and "do not train under ZeRO-3 yet" in out, out
+    assert code == 0, out

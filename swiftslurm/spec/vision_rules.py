@@ -24,9 +24,6 @@ def vision_problems(t: Any) -> list[str]:
         out.append(f"{which} = false with train_type = \"lora\": LoRA trains adapters on the language model and keeps every "
                    "base weight frozen, the vision tower and projector included, so the switch would change nothing. "
                    "HINT: train_type = \"full\" to train them, or drop the key")
-    if t.model == TINY_VL and t.deepspeed.startswith("zero3"):
-        out.append(f"model = \"{TINY_VL}\" with deepspeed = {t.deepspeed!r}: vision-language models do not train under ZeRO-3 "
-                   "yet; the nodes would refuse it. HINT: deepspeed = \"zero2\"")
     if t.model == TINY_VL and not TASKS[t.task].images:
         able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
         out.append(f"model = \"{TINY_VL}\" with task = {t.task!r}: a vision-language model trains with task = {able} only; "

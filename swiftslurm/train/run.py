@@ -77,7 +77,7 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
     task = task_for(spec.train.task)
     processing = load_processing(spec)  # the tokenizer, or a vision-language model's processor (vision.py)
     planned_spec = spec  # as written: what the checkpoints' fingerprints record and a resume compares
-    spec, fitted = vision.fit_spec(spec, processing, _zero_stage(ds_config))
+    spec, fitted = vision.fit_spec(spec, processing)
     if fitted and dist.rank == 0:
         log.warning("vision-language model: %s", fitted)
     kern = _choose_kernels(spec, ds_config, cuda, task)

@@ -13,6 +13,7 @@ they learn the shipped data but are not useful language models.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -127,4 +128,24 @@ def build_model(vocab_size: int, max_length: int, seed: int, hidden_size: int = 
         if reward_head:  # one score per sequence; through from_config: under ZeRO-3 its zero.Init covers the score head too, not only the backbone
             config.num_labels = 1
             return scored._from_config(config)
-        return causal(config)
+        with built_whole():
+            return causal(config)
+
+
+@contextmanager
+def built_whole():
+    """No ZeRO-3 partitioning while a model is constructed in this block. With a ZeRO-3 config live, transformers
+    partitions (``zero.Init``) every sub-model a composite model builds through ``from_config``: tiny-vl's vision
+    tower and language model would be, its projector and LM head not, and DeepSpeed's engine casts only the
+    parameters it partitions itself to bf16, so the fp32 projector met bf16 features. Built whole, the engine
+    converts the whole model as it does tiny-llama's. (``resume.weights.model_names`` builds a plain model in it too.)"""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref  # the Trainer's HfTrainerDeepSpeedConfig, held weakly
+    held = live() if live is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if held is not None:
+            hf_deepspeed.set_hf_deepspeed_config(held)

@@ -69,10 +69,9 @@ def model_class(processing: Any, score_head: bool) -> str:
     return "AutoModelForImageTextToText" if is_multimodal(processing) else "AutoModelForCausalLM"
 
 
-def fit_spec(spec: JobSpec, processing: Any, zero_stage: int = 0) -> tuple[JobSpec, str | None]:
+def fit_spec(spec: JobSpec, processing: Any) -> tuple[JobSpec, str | None]:
     """(the spec this run trains with, the line the log gives it): a text model's spec as it is; a vision-language
-    model's with packing off (and the reason), or VisionUnsupported where the task, the ZeRO stage or parallelism
-    cannot take it."""
+    model's with packing off (and the reason), or VisionUnsupported where the task or parallelism cannot take it."""
     if not is_multimodal(processing):
         return spec, None
     t = spec.train
@@ -81,9 +80,6 @@ def fit_spec(spec: JobSpec, processing: Any, zero_stage: int = 0) -> tuple[JobSp
         able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
         raise VisionUnsupported(f"train.task = {t.task!r} does not train vision-language models yet", found,
                                 f"use task = {able}, or a text model for {t.task!r}")
-    if zero_stage >= 3:  # tiny-vl in bf16 under ZeRO-3 (one process, 2026-12-07): its fp32 projector met bf16 features
-        raise VisionUnsupported("vision-language models do not train under ZeRO-3 yet", found + ", ZeRO stage 3",
-                                'use deepspeed = "zero2" (a 7B vision-language model with LoRA fits one 80 GB GPU there)')
     if spec.parallel.sequence_parallel > 1:
         raise VisionUnsupported("sequence parallel does not train vision-language models", found,
                                 "set parallel.sequence_parallel = 1 (an image's tokens must stay on one rank)")
