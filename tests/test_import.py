@@ -147,18 +147,31 @@ def test_cli_says_what_it_imported_and_refuses_with_one_message(tmp_path):
 # ---------------------------------------------------------------- weights only
 
 
-def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path):
+# tiny-vl's file holds LLaVA's legacy names (language_model.model.*), tiny-moe's its experts one by one: transformers'
+# save_pretrained writes them so, and the load converts them back
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-vl", "tiny-moe"])
+def test_full_weights_load_into_a_fresh_model_and_a_misfit_is_one_error(tmp_path, name):
     from swiftslurm.train.resume.weights import load_full
-    from swiftslurm.train.tinymodel import build_model, build_tokenizer
+    from swiftslurm.train.tinymodel import build_model, build_processing
+    from swiftslurm.train.vision import tokenizer_of
 
-    vocab = len(build_tokenizer())
-    trained = build_model(vocab, 128, seed=1)
+    vocab = len(tokenizer_of(build_processing(name)))
+    trained = build_model(vocab, 128, seed=1, name=name)
     trained.save_pretrained(tmp_path / "model")
-    fresh = build_model(vocab, 128, seed=2)
+    fresh = build_model(vocab, 128, seed=2, name=name)
     load_full(fresh, tmp_path / "model", "full")
-    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-    other = build_model(vocab, 128, seed=2, hidden_size=32)
+    for (key, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    # export reads a checkpoint without ZeRO shards the same way
+    from swiftslurm.export.source import Source
+    from swiftslurm.export.weights import full_model
+
+    src = Source(checkpoint=tmp_path / "model", manifest=None, lora=False, base_model=None, train_dtype="fp32",  # type: ignore[arg-type]
+                 zero_tag=None, zero_stage=None, takes_images=name == "tiny-vl")
+    exported = full_model(src, lambda _line: None).state_dict()
+    assert exported.keys() == trained.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in trained.state_dict().items())
+    other = build_model(vocab, 128, seed=2, hidden_size=32, name=name)
     with pytest.raises(RuntimeEnvError, match="do not fit train.model"):
         load_full(other, tmp_path / "model", "full")
 

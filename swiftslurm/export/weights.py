@@ -116,6 +116,9 @@ def full_model(src: Source, log: Log) -> Any:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelMisfit(f"the config.json of {src.checkpoint} does not describe {kind} transformers can build",
                           str(exc).splitlines()[0][:300], f"export a checkpoint of {kind} of transformers") from None
+    from ..train.resume.weights import model_names
+
+    state = model_names(model, state)  # a file saved by transformers under other names (LLaVA's, an MoE's experts)
     _fit(model, state, str(src.checkpoint))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

@@ -66,6 +66,35 @@ def full_state_dict(ckpt: Path) -> dict[str, Any]:
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
 
 
+def model_names(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (read from a model file) under ``model``'s own parameter names. transformers' ``save_pretrained``
+    writes some models under other names than their module tree's (LLaVA's ``language_model.model.*``, a Qwen3-MoE's
+    experts one by one where the model holds them fused) and its ``from_pretrained`` converts them back; a state read
+    here straight from ``model.safetensors`` goes through the same conversion (``from_pretrained`` given the state)
+    when its names are not the model's. Where that conversion does not account for every weight both ways, ``state``
+    comes back as read, for the caller's misfit error. The conversion holds a second copy of the weights meanwhile."""
+    own = model.state_dict()
+    if set(state) <= set(own):
+        return state
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return state
+    from ..tinymodel import built_whole
+
+    dtype = next((t.dtype for t in own.values() if t.is_floating_point()), None)
+    try:
+        with built_whole():  # a plain model: no ZeRO-3 partitioning while a live config would ask for it
+            loaded: Any = type(model).from_pretrained(None, config=model.config, state_dict=state, dtype=dtype,
+                                                      output_loading_info=True)
+            converted, info = loaded
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError):
+        return state
+    if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")):
+        return state
+    return converted.state_dict()
+
+
 def load_full(model: Any, ckpt: Path, train_type: str) -> None:
     """Full weights into ``model`` (before LoRA wraps it). An adapter-only checkpoint: nothing here for LoRA
     (``load_adapter`` follows), an error for full fine-tuning."""
@@ -78,7 +107,7 @@ def load_full(model: Any, ckpt: Path, train_type: str) -> None:
             f"{ckpt}: " + ("a LoRA adapter only" if has_adapter(ckpt) else "no model.safetensors, pytorch_model.bin or ZeRO shards"),
             "for an adapter, set train.train_type = \"lora\" with the model it was trained on; else point train.resume_from "
             "at a checkpoint with weights")
-    state = full_state_dict(ckpt)
+    state = model_names(model, full_state_dict(ckpt))
     own = model.state_dict()
     shapes = [f"{k} {tuple(v.shape)} where the model has {tuple(own[k].shape)}" for k, v in state.items()
               if k in own and tuple(v.shape) != tuple(own[k].shape)]
