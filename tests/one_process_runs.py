@@ -70,6 +70,23 @@ VARIANTS = {
     "vl_zero3_dir": {"model": "__OUT__/tiny-vl-dir", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "lora",
                      "deepspeed": "zero3", "bf16": True, "max_steps": 2, "per_device_train_batch_size": 2,
                      "gradient_checkpointing": False},
+    # every task on the tiny MoE (issue 55), LoRA with the default lora_dropout (the projections get it, the expert
+    # weights peft adapts as parameters take none), full fine-tuning under ZeRO-3 in bf16
+    "moe_pt": {"model": "tiny-moe", "task": "pt", "dataset": [str(DATA / "pt_demo.jsonl")], "train_type": "full",
+               "deepspeed": "zero2", "max_steps": 2},
+    "moe_dpo": {"model": "tiny-moe", "task": "dpo", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora",
+                "deepspeed": "zero2", "max_steps": 2, "max_prompt_length": 64},
+    "moe_kto": {"model": "tiny-moe", "task": "kto", "dataset": [str(DATA / "kto_demo.jsonl")], "train_type": "lora",
+                "deepspeed": "zero2", "max_steps": 2},
+    "moe_rm": {"model": "tiny-moe", "task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "full",
+               "deepspeed": "zero3", "bf16": True, "max_steps": 2},
+    "moe_rm_lora": {"model": "tiny-moe", "task": "rm", "dataset": [str(DATA / "dpo_demo.jsonl")], "train_type": "lora",
+                    "deepspeed": "zero2", "max_steps": 2},
+    "moe_grpo": {"model": "tiny-moe", "task": "grpo", "dataset": [str(DATA / "grpo_demo.jsonl")], "train_type": "lora",
+                 "deepspeed": "zero2", "max_steps": 1, "reward_funcs": ["length"], "reward_length_target": 16,
+                 "max_completion_length": 16, "num_generations": 2},
+    "moe_zero3_lora": {"model": "tiny-moe", "train_type": "lora", "deepspeed": "zero3", "bf16": True, "max_steps": 2},
+    "moe_zero3_full": {"model": "tiny-moe", "train_type": "full", "deepspeed": "zero3", "bf16": True, "max_steps": 2},
     "moe_lora": {"model": "tiny-moe", "train_type": "lora", "lora_dropout": 0.0, "deepspeed": "zero2", "max_steps": 6,
                  "per_device_train_batch_size": 4, "learning_rate": 3e-3, "lr_scheduler_type": "constant"},
     # checkpoint.async_save under ZeRO-3 with LoRA (issue 54): saves at steps 1 and 2 copied off the training's path and

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from one_process_runs import VARIANTS as VARIANTS_OF
 from one_process_runs import run_dir
 
 from swiftslurm import dsconfig
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "examples/zero3_offload.toml"
 VARIANT_RUNS = ("apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora", "async_zero3", "sync_zero3", "async_zero2", "sync_zero2",
                 "fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3", "vl_zero3", "vl_zero3_full", "vl_zero3_dir")
+MOE_RUNS = ("moe_pt", "moe_dpo", "moe_kto", "moe_rm", "moe_rm_lora", "moe_grpo", "moe_zero3_lora", "moe_zero3_full")
+VARIANT_RUNS += MOE_RUNS
 SHIPPED = {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"}
 
 pytestmark = pytest.mark.slow
@@ -184,6 +187,18 @@ def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spre
     assert "mixture of experts: 4 experts, top-2, 2 routed layers; router auxiliary loss x 0.001" in log
     assert "experts: grouped_mm (transformers' default: one grouped GEMM per layer over every expert)" in log
     assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log
+
+
+def test_every_task_trains_a_tiny_moe_with_lora_and_in_full_under_zero3_and_logs_its_router(runs):
+    _aio, rows, _out, log = runs
+    for name in MOE_RUNS:
+        row = rows[name]
+        assert row["ok"], (name, row.get("error"), row.get("trace"))
+        assert row["loss"] and all(math.isfinite(x) for x in row["loss"]), (name, row["loss"])
+        assert all(1.0 <= v <= 2.0 for v in row["router_load_max"]), (name, row["router_load_max"])  # 4 experts, top-2
+    lora = [n for n in MOE_RUNS if VARIANTS_OF[n].get("train_type") == "lora"]
+    said = "lora_dropout 0.05 on the projections, none on the expert/router weights"
+    assert len(lora) == 5 and log.count(said) == len(lora), log.count(said)  # the default dropout, every LoRA task
 
 
 @pytest.mark.parametrize("stage", ["zero3", "zero2"])

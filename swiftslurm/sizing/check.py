@@ -86,18 +86,6 @@ def _zero(ds: dict[str, Any]) -> tuple[int, bool, bool]:
     return (stage if isinstance(stage, int) else 0), dev("offload_optimizer"), dev("offload_param")
 
 
-# the fused expert weights of transformers 5's MoE layers: a LoRA target naming one (or "all-linear") makes peft wrap
-# them as target_parameters (its ParamWrapper), which takes no dropout
-EXPERT_WEIGHT_NAMES = ("gate_up_proj", "down_proj")
-
-
-def adapts_experts(targets: str | list[str]) -> bool:
-    """Whether peft's LoRA with these ``lora_target_modules`` adapts an MoE model's fused expert weights."""
-    if isinstance(targets, str):
-        return targets in ("all-linear", "all") or targets.split(".")[-1] in EXPERT_WEIGHT_NAMES
-    return any(t.split(".")[-1] in EXPERT_WEIGHT_NAMES for t in targets)
-
-
 def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizing | None, list[Problem]]:
     """(the task's sizing, its problems). Problems: the parallel rules, and an unreadable local config.json."""
     layout = layout_of(spec)
@@ -155,13 +143,6 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
         return Sizing(layout, None, None, notes=[] if shape_problems else [UNKNOWN_SHAPE], cautions=cautions,
                       checkpointing=decided), problems
     problems += lay.shape_problems(layout, shape) + lay.expert_shape_problems(layout, shape)
-    if shape.num_experts and t.train_type == "lora" and t.lora_dropout > 0 and adapts_experts(t.lora_target_modules):
-        problems.append(Problem("train.lora_dropout", "on a mixture-of-experts model peft's \"all-linear\" adapts the fused "
-                                "expert weights and the routers too (target_parameters, its ParamWrapper), and refuses "
-                                "dropout there: the nodes would stop at the model's wrapping",
-                                f"lora_dropout = {t.lora_dropout:g} with {shape.num_experts} experts and lora_target_modules = "
-                                f"{t.lora_target_modules!r}", "set train.lora_dropout = 0.0, or name the modules to adapt in "
-                                "lora_target_modules (attention only: [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"])"))
     sft = getattr(t, "task", "sft") in OWN_TRAINER  # Liger's fused loss is SFT's: TRL's DPO scores with its own pass
     settings = Settings(stage, off_opt, off_param, t.train_type, t.lora_rank, t.lora_target_modules, bool(t.bf16 or t.fp16),
                         t.gradient_checkpointing is not False, t.max_length, spec.slurm.gpu_memory_gb, spec.slurm.ranks_per_node,

@@ -210,12 +210,16 @@ def resolve_auto_checkpointing(spec: JobSpec, ds_config: dict[str, Any]) -> JobS
 
 
 def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None,
-                target_modules: str | list[str] | None = None):
+                target_modules: str | list[str] | None = None, model=None):
     """peft's LoraConfig of the spec; a reward model passes ``task_type = "SEQ_CLS"`` and its score head in
-    ``modules_to_save`` (trained whole and saved in the adapter); ``target_modules``: in place of the spec's."""
+    ``modules_to_save`` (trained whole and saved in the adapter); ``target_modules``: in place of the spec's.
+    ``model``: the model it will wrap; an MoE's config has no dropout (``moe.config_dropout``: ``moe.restore_dropout``
+    gives its projections ``train.lora_dropout`` once peft wrapped them)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
+    from . import moe
+
+    return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=moe.config_dropout(model, train.lora_dropout),
                       target_modules=target_modules or train.lora_target_modules, task_type=task_type,
                       modules_to_save=modules_to_save)
 
@@ -223,10 +227,13 @@ def lora_config(train, task_type: str = "CAUSAL_LM", modules_to_save: list[str] 
 def _apply_lora(model, train):
     from peft import get_peft_model
 
+    from . import moe
     from .vision import lora_targets
 
     # a vision-language model: its language model's layers only
-    return get_peft_model(model, lora_config(train, target_modules=lora_targets(model, train.lora_target_modules)))
+    wrapped = get_peft_model(model, lora_config(train, target_modules=lora_targets(model, train.lora_target_modules), model=model))
+    moe.restore_dropout(wrapped, train.lora_dropout)
+    return wrapped
 
 
 def _offloads_optimizer(ds_config: dict[str, Any]) -> bool:

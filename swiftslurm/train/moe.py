@@ -99,16 +99,44 @@ def active_params(model: Any, total: int) -> int:
     return total - int(routed * (1 - top_k / experts))
 
 
-def adapted(model: Any) -> str:
+def adapted(model: Any, dropout: float = 0.0) -> str:
     """What LoRA adapts in an MoE model (peft's "all-linear" takes the fused expert weights and the routers' as
-    ``target_parameters`` where it knows the layout)."""
+    ``target_parameters`` where it knows the layout), and where ``train.lora_dropout`` applies."""
     configs = getattr(model, "peft_config", None) or {}
     config = next(iter(configs.values()), None)
     params = sorted(getattr(config, "target_parameters", None) or [])
     modules = sorted(getattr(config, "target_modules", None) or [])
     if params:
-        return f"projections {', '.join(modules)} and the expert/router weights {', '.join(params)}"
+        drop = (f"; lora_dropout {dropout:g} on the projections, none on the expert/router weights (peft cannot drop "
+                "out the input of a weight adapted as a parameter)") if dropout else ""
+        return f"projections {', '.join(modules)} and the expert/router weights {', '.join(params)}{drop}"
     return f"projections {', '.join(modules)} only: the fused expert weights are not adapted"
+
+
+def config_dropout(model: Any, dropout: float) -> float:
+    """The ``lora_dropout`` peft's LoraConfig gets for ``model``: 0 for an MoE, whose fused expert weights peft adapts
+    as parameters (``ParamWrapper``, which refuses any dropout: the input cannot be factored out of the update), and
+    ``restore_dropout`` then gives the projections ``train.lora_dropout``; ``dropout`` as it is for a dense model."""
+    return 0.0 if model is not None and expert_counts(model.config) is not None else dropout
+
+
+def restore_dropout(model: Any, dropout: float) -> int:
+    """``train.lora_dropout`` on every LoRA projection of ``model`` that peft built without one (``config_dropout``),
+    the parameter-adapted expert weights left without; the number of projections given it."""
+    if not dropout:
+        return 0
+    import torch
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    given = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or isinstance(module, ParamWrapper):
+            continue
+        for name, drop in list(module.lora_dropout.items()):
+            if isinstance(drop, torch.nn.Identity):
+                module.lora_dropout[name] = torch.nn.Dropout(p=dropout)
+                given += 1
+    return given
 
 
 def is_router(module: Any) -> bool:

@@ -116,7 +116,8 @@ def train(spec: JobSpec, dist: DistEnv, ds_config: dict[str, Any], output_dir: s
         job = RunFacts(spec.job.name, spec.train.train_type, spec.checkpoint.checksum, spec.checkpoint.keep,
                        spec.slurm.signal_grace_s, parallel.global_batch(spec), fingerprint, kern.packs,
                        _zero_stage(ds_config), fuses_lora(spec), **parallel.degrees_json(spec),
-                       async_save=background_saves(spec, cuda))
+                       async_save=background_saves(spec, cuda),
+                       lora_dropout=spec.train.lora_dropout if spec.train.train_type == "lora" else 0.0)
         trainer = _build_trainer(spec, task, cuda, kern.attn, model, tok, args, dataset, collator, tools, job, params, ds_config,
                                  eval_dataset)
         try:
@@ -295,8 +296,8 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
             log.warning("train.fp8: %d linear layers run their matmuls in FP8 (torchao %s scaling; %s)", kern.fp8_layers,
                         spec.train.fp8_recipe, kern.fp8_why)
     model = task.prepare_model(model, spec)
-    if routed is not None and dist.rank == 0 and spec.train.train_type == "lora":
-        log.warning("mixture of experts, LoRA: %s", moe.adapted(model))
+    if routed is not None and dist.rank == 0 and spec.train.train_type == "lora" and hasattr(model, "peft_config"):
+        log.warning("mixture of experts, LoRA: %s", moe.adapted(model, spec.train.lora_dropout))  # TRL's tasks: after_trl_init
     tiled = parallel.tile_mlps(spec, model)  # after LoRA wraps the projections, before DeepSpeed sees the model
     if tiled and dist.rank == 0:
         log.warning("parallel.tiled_mlp: %d MLPs compute in slices of the sequence (recomputed in the backward)", tiled)

@@ -76,6 +76,7 @@ class RunFacts:
     tensor_parallel: int = 1
     expert: int = 1  # [parallel] expert: AutoEP's degree
     async_save: bool = False  # checkpoint.async_save, resolved: DeepSpeed's shards written in the background
+    lora_dropout: float = 0.0  # train.lora_dropout under LoRA (TRL's tasks: an MoE's projections get it back here)
 
 
 class SwiftTrainer(Trainer):
@@ -136,6 +137,10 @@ class SwiftTrainer(Trainer):
         returned, to count the FLOPs of the model as it is now and (``train.fused_lora``) fuse its LoRA projections,
         as ``run._build_model`` does for SFT and PT."""
         self.count_model_flops()
+        assert self.model is not None  # the Trainer's __init__ set it
+        moe.restore_dropout(self.model, self.job.lora_dropout)
+        if self.job.train_type == "lora" and moe.expert_counts(self.model.config) is not None and self.args.process_index == 0:
+            log.warning("mixture of experts, LoRA: %s", moe.adapted(self.model, self.job.lora_dropout))
         if self.job.fused_lora:
             from .kernels import lora
 

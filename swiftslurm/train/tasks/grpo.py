@@ -151,5 +151,5 @@ class GRPOTask:
         failures: list = []
         funcs = rewards.guard(rewards.resolve(t), kwargs["args"].process_index, failures)
         kwargs.pop("data_collator", None)
-        peft_config = lora_config(t) if t.train_type == "lora" else None
+        peft_config = lora_config(t, model=kwargs.get("model")) if t.train_type == "lora" else None
         return trainer_class()(reward_funcs=funcs, peft_config=peft_config, reward_failures=failures, **kwargs)

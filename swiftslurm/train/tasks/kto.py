@@ -69,6 +69,6 @@ class KTOTask(TRLTask):
         return f"off (KTO: {len(dataset)} labelled completions, each micro-batch padded to its longest sequence)"
 
     def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
-        ref_model, peft_config = reference_and_adapter(spec, cuda, attn)
+        ref_model, peft_config = reference_and_adapter(spec, cuda, attn, kwargs.get("model"))
         kwargs.pop("data_collator", None)
         return trainer_class()(ref_model=ref_model, peft_config=peft_config, **kwargs)

@@ -69,6 +69,6 @@ class RewardTask(TRLTask):
         from ..build import lora_config
 
         t = spec.train
-        peft_config = lora_config(t, "SEQ_CLS", [SCORE_HEAD]) if t.train_type == "lora" else None
+        peft_config = lora_config(t, "SEQ_CLS", [SCORE_HEAD], model=kwargs.get("model")) if t.train_type == "lora" else None
         kwargs.pop("data_collator", None)
         return trainer_class()(peft_config=peft_config, **kwargs)

@@ -39,7 +39,7 @@ class TRLTask:
         return dataset, None  # TRL's own collator pads each micro-batch
 
 
-def reference_and_adapter(spec: JobSpec, cuda: bool, attn: str) -> tuple[Any, Any]:
+def reference_and_adapter(spec: JobSpec, cuda: bool, attn: str, model: Any = None) -> tuple[Any, Any]:
     """(ref_model, peft_config) for TRL's DPO and KTO trainers: LoRA scores the reference with the adapter disabled;
     full fine-tuning loads a second copy of the starting weights (the same seed rebuilds tiny-llama's; under ZeRO-3
     it is loaded partitioned, as the policy was, and TRL's prepare_deepspeed shards it with the same config), or
@@ -48,7 +48,7 @@ def reference_and_adapter(spec: JobSpec, cuda: bool, attn: str) -> tuple[Any, An
 
     t = spec.train
     if t.train_type == "lora":
-        return None, lora_config(t)
+        return None, lora_config(t, model=model)
     if t.precompute_ref_log_probs:
         return None, None
     ref_model, _ = load_model_and_tokenizer(spec, cuda, attn)
