@@ -35,7 +35,7 @@ class Task:
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("sft", "supervised", data="tokens", packs=True, eval_metrics=("loss",), images=True),
     Task("dpo", "preference pairs `prompt`/`chosen`/`rejected`, through TRL's DPOTrainer", data="preference",
-         counts="preference pair(s)", trl=True, eval_metrics=("loss", "rewards/", "logps/", "logits/"),
+         counts="preference pair(s)", trl=True, eval_metrics=("loss", "rewards/", "logps/", "logits/"), images=True,
          summary="reward accuracy (chosen scored above rejected, last logged step): {reward_accuracy:.3f}"),
     Task("pt", "continued pretraining on raw `text` records: every token a label, packed; docs/training.md",
          data="text", packs=True),

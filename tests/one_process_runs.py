@@ -62,6 +62,10 @@ VARIANTS = {
     # the routers too, without dropout), its router logging tokens per expert
     # vision-language under ZeRO-3 in bf16 (issue 56): the built-in LLaVA with LoRA, a full fine-tune that trains its
     # projector, and LoRA on a LLaVA directory (from_pretrained partitions it as it builds it, as it does a hub model)
+    # DPO on a vision-language model (issue 56): the pairs' images read per micro-batch, LoRA, ZeRO-2
+    "vl_dpo": {"model": "tiny-vl", "task": "dpo", "dataset": [str(DATA / "vl_dpo_demo.jsonl")], "train_type": "lora",
+               "deepspeed": "zero2", "max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-2,
+               "gradient_checkpointing": False},
     "vl_zero3": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "lora", "deepspeed": "zero3",
                  "bf16": True, "max_steps": 2, "per_device_train_batch_size": 2, "gradient_checkpointing": False},
     "vl_zero3_full": {"model": "tiny-vl", "dataset": [str(DATA / "vl_demo.jsonl")], "train_type": "full", "deepspeed": "zero3",

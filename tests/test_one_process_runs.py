@@ -38,7 +38,7 @@ from swiftslurm import dsconfig
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "examples/zero3_offload.toml"
 VARIANT_RUNS = ("apollo", "galore8bit", "convert", "dpo", "rm", "moe_lora", "async_zero3", "sync_zero3", "async_zero2", "sync_zero2",
-                "fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3", "vl_zero3", "vl_zero3_full", "vl_zero3_dir")
+                "fp8_full", "bf16_full", "fp8_resume", "fp8_lora_zero3", "vl_zero3", "vl_zero3_full", "vl_zero3_dir", "vl_dpo")
 MOE_RUNS = ("moe_pt", "moe_dpo", "moe_kto", "moe_rm", "moe_rm_lora", "moe_grpo", "moe_zero3_lora", "moe_zero3_full")
 VARIANT_RUNS += MOE_RUNS
 SHIPPED = {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "zero2_fast"}
@@ -187,6 +187,15 @@ def test_a_tiny_moe_trains_with_lora_on_its_experts_and_logs_how_its_router_spre
     assert "mixture of experts: 4 experts, top-2, 2 routed layers; router auxiliary loss x 0.001" in log
     assert "experts: grouped_mm (transformers' default: one grouped GEMM per layer over every expert)" in log
     assert "mixture of experts, LoRA: projections k_proj, o_proj, q_proj, v_proj and the expert/router weights" in log
+
+
+def test_dpo_trains_a_vision_language_model_on_pairs_whose_prompts_hold_images(runs):
+    _aio, rows, _out, _log = runs
+    row = rows["vl_dpo"]
+    assert row["ok"] and row["steps"] == 3, (row.get("error"), row.get("trace"))
+    # step 1: the policy is the reference (LoRA's B is 0, the reference is the adapter disabled), both scored on the
+    # same images: the loss is -log sigmoid(0) = ln 2; after an update it is not
+    assert abs(row["loss"][0] - math.log(2)) < 1e-6 and row["loss"][1] != row["loss"][0], row["loss"]
 
 
 def test_every_task_trains_a_tiny_moe_with_lora_and_in_full_under_zero3_and_logs_its_router(runs):

@@ -92,12 +92,12 @@ def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(proce
 
     spec, why = fit_spec(vl_spec(), processor)
     assert spec.train.packing is False and "packing off for this vision-language model" in (why or "")
-    # tiny-vl with DPO is refused at validate already (spec/vision_rules.py); a hub VL model is known by its processor
+    # tiny-vl with KTO is refused at validate already (spec/vision_rules.py); a hub VL model is known by its processor
     # on the node: the same spec unvalidated, as the node sees a model whose type validate could not read
     sft = vl_spec()
-    dpo = sft.model_copy(update={"train": sft.train.model_copy(update={"task": "dpo"})})
-    with pytest.raises(VisionUnsupported, match="train.task = 'dpo' does not train vision-language models"):
-        fit_spec(dpo, processor)
+    kto = sft.model_copy(update={"train": sft.train.model_copy(update={"task": "kto"})})
+    with pytest.raises(VisionUnsupported, match="train.task = 'kto' does not train vision-language models"):
+        fit_spec(kto, processor)
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])

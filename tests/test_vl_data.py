@@ -298,11 +298,49 @@ def test_what_the_nodes_would_refuse_of_a_vision_language_spec_is_refused_at_val
     data = dataset(tmp_path, record(["img/ok.png"]))
     out = refused(tmp_path, data, train_type="lora", freeze_vision=False)  # LoRA freezes every base weight anyway
     assert "freeze_vision = false with train_type = \"lora\"" in out and "HINT" in out, out
-    path = spec(tmp_path, data, task="dpo")
+    path = spec(tmp_path, data, task="rm")
     path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
-    assert code == 2 and out.count("error:") == 1 and "model = \"tiny-vl\" with task = 'dpo'" in out, out
+    assert code == 2 and out.count("error:") == 1 and "model = \"tiny-vl\" with task = 'rm'" in out, out
     path = spec(tmp_path, data, deepspeed="zero3")  # trains (tests/test_one_process_runs.py): validate takes it
     path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
     assert code == 0, out
+
+
+# ---------------------------------------------------------------- preference pairs with images (task = "dpo")
+
+
+def pair(images: list[str], prompt: str | None = None, chosen: str = "A red square.") -> dict:
+    """A conversational preference pair whose prompt holds one <image> per image (or ``prompt``)."""
+    user = prompt if prompt is not None else "<image>" * len(images) + "What is shown?"
+    return {"prompt": [{"role": "user", "content": user}], "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": "A blue circle."}], **({"images": images} if images else {})}
+
+
+def test_preference_pairs_with_images_are_checked_at_validate_as_sft_records_are(tmp_path):
+    def vl_dpo(data: Path, **train: object) -> Path:
+        path = spec(tmp_path, data, task="dpo", **train)
+        path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
+        return path
+
+    data = dataset(tmp_path, pair(["img/ok.png"]), pair(["img/ok.png", "img/ok.png"], "<image> or <image>?"), pair([]))
+    code, out = swiftslurm("validate", str(vl_dpo(data)), cwd=tmp_path)
+    assert code == 0 and "images: 3 in 2 record(s) checked, up to 2 a record" in " ".join(out.split()), out
+
+    def refused_pair(*records: dict, **train: object) -> str:
+        code, out = swiftslurm("validate", str(vl_dpo(dataset(tmp_path, *records), **train)), cwd=tmp_path)
+        assert code == 2 and out.count("error:") == 1 and "Traceback" not in out, out
+        return " ".join(out.split())
+
+    assert "line 2: image 1" in refused_pair(pair(["img/ok.png"]), pair(["img/missing.png"]))
+    assert "line 1: 1 <image> placeholder(s) in the messages for 2 image(s)" in refused_pair(pair(["img/ok.png", "img/ok.png"], "<image>?"))
+    assert "an <image> in 'chosen'" in refused_pair(pair(["img/ok.png"], chosen="<image> is red."))
+    assert "precompute_ref_log_probs with preference pairs that hold images" in refused_pair(pair(["img/ok.png"]),
+                                                                                          precompute_ref_log_probs=True)
+    # the string form holds no place for an image; a reward model trains on text only
+    flat = {"prompt": "<image>What is shown?", "chosen": "red", "rejected": "blue", "images": ["img/ok.png"]}
+    assert "line 1: a record with images must be in the messages form" in refused_pair(flat)
+    path = spec(tmp_path, dataset(tmp_path, pair(["img/ok.png"])), task="rm")
+    code, out = swiftslurm("validate", str(path), cwd=tmp_path)
+    assert code == 2 and "a record with images, and train.task = 'rm' trains on text only" in " ".join(out.split()), out

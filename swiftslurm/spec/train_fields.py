@@ -27,7 +27,7 @@ class ModelFields(Table):
     model: str | None = Field(None, description=(
         'a hub id, a local directory, or `tiny-llama` / `tiny-moe` / `tiny-vl` (2-layer test models built from a '
         'config, no download; `tiny-moe`: a Qwen3-MoE of 4 experts, top-2; `tiny-vl`: a LLaVA vision-language model, '
-        'its CLIP tower on 28x28 images, for `sft` on records with `images`)'
+        'its CLIP tower on 28x28 images, for `sft` and `dpo` on records with `images`)'
     ))
     train_type: Literal["lora", "full"] = Field("lora", description=(
         '`lora` or `full`'

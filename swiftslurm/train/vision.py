@@ -43,6 +43,19 @@ def is_multimodal(processing: Any) -> bool:
     return getattr(processing, "image_processor", None) is not None and getattr(processing, "tokenizer", None) is not None
 
 
+def image_pair_problem(t: Any) -> str | None:
+    """What DPO on preference pairs with images cannot take of ``t`` (train), in words, or None: TRL runs the
+    processor per micro-batch there, so nothing is scored ahead (``precompute_ref_log_probs``) and the prompt is never
+    tokenized apart to be cut (``max_prompt_length``). ``validate`` (``preference.count_records``) and the node
+    (``tasks.dpo``) both ask."""
+    keys = [k for k, on in (("precompute_ref_log_probs", t.precompute_ref_log_probs),
+                            ("max_prompt_length", t.max_prompt_length is not None)) if on]
+    if not keys:
+        return None
+    return (f"{' and '.join(keys)} with preference pairs that hold images: TRL processes each image pair per "
+            "micro-batch, so nothing is scored ahead of training and the prompt is not cut apart")
+
+
 def tokenizer_of(processing: Any) -> Any:
     """The tokenizer of a processing class (a processor's own, or the tokenizer itself)."""
     return processing.tokenizer if is_multimodal(processing) else processing

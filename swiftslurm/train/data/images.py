@@ -7,7 +7,8 @@ A record with images is the messages form with an ``images`` list (the shape LLa
      "images": ["img/square.png"]}
 
 - Each image stands in the text as one ``<image>`` (``IMAGE_PLACEHOLDER``), in the order of ``images``; over all
-  messages the placeholders number exactly ``len(images)`` (LLaMA-Factory's rule). ``images`` absent or empty: a
+  messages the placeholders number exactly ``len(images)`` (LLaMA-Factory's rule). A preference pair (DPO) holds
+  them in its ``prompt`` messages (``IMAGE_TEXT_KEYS``). ``images`` absent or empty: a
   text-only record. In a dataset without any image, ``<image>`` is plain text (the count is checked once the
   dataset has an image record).
 - ``images`` is a list of local paths (strings). A relative path is relative to the directory of the data file
@@ -47,8 +48,9 @@ SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's format nam
 IMAGE_CAP = 64 * MIB  # bytes of one image file: a photo is a few MiB; more is not an image to train on
 MAX_DECODE_PIXELS = 64 * MIB  # pixels of one image (8192 x 8192): more is refused from the header, never decoded
 RESIZE_HINT = "resize it: the processor scales it down to train.image_max_pixels anyway"
-RECORD_HINT = ('a record with images is {"messages": [...], "images": ["path.png", ...]}, one "<image>" in the text '
-               "per image, in order; relative paths start at the data file's directory")
+RECORD_HINT = ('a record with images is {"messages": [...], "images": ["path.png", ...]} (a preference pair: its "prompt" '
+               'messages hold the "<image>"s), one "<image>" in the text per image, in order; relative paths start at the '
+               "data file's directory")
 
 
 class BadImage(ValueError):
@@ -70,10 +72,15 @@ def _at(data_file: str | Path, where: str) -> str:
     return f"{data_file}, {where}" if where else str(data_file)
 
 
+# where a record's images stand in its text: SFT's messages, or a conversational preference pair's prompt (the pair's
+# answers are text: an image belongs to what is asked)
+IMAGE_TEXT_KEYS = ("messages", "prompt")
+
+
 def placeholder_count(record: Mapping[str, Any]) -> int:
-    """The ``<image>`` placeholders over all of a record's messages (0 for a record without messages)."""
-    messages = record.get("messages")
-    if not isinstance(messages, list):
+    """The ``<image>`` placeholders over all of a record's messages (``IMAGE_TEXT_KEYS``; 0 for a record without)."""
+    messages = next((record[k] for k in IMAGE_TEXT_KEYS if isinstance(record.get(k), list)), None)
+    if messages is None:
         return 0
     return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages
                if isinstance(m, dict) and isinstance(m.get("content"), str))
@@ -89,7 +96,7 @@ def image_paths(record: Mapping[str, Any], data_file: str | Path, where: str = "
     at = _at(data_file, where)
     if not isinstance(raw, list):
         raise DataError(f"{at}: 'images' must be a list of paths", repr(raw)[:80], RECORD_HINT)
-    if "messages" not in record:
+    if not any(isinstance(record.get(k), list) for k in IMAGE_TEXT_KEYS):
         raise DataError(f"{at}: a record with images must be in the messages form", f"keys {sorted(record)[:6]}", RECORD_HINT)
     base = Path(data_file).parent
     out = []

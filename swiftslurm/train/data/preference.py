@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from .images import IMAGE_PLACEHOLDER, ImageScan, Scanned, image_paths
 from .records import of_one_form
 from .tokens import ROLES, DataError, read_records
 
@@ -66,6 +67,12 @@ def check_record(path: Path, where: str, rec: Any) -> str:
                            repr([m["role"] for m in rec[key]]))
     elif rec["chosen"] == rec["rejected"]:
         raise _bad(path, where, "'chosen' and 'rejected' are identical: the pair teaches nothing", repr(rec["chosen"])[:80])
+    if rec.get("images"):  # a vision-language pair: the list, the messages form, one <image> in the prompt per image
+        image_paths(rec, path, where)
+        for key in ("chosen", "rejected"):
+            if forms[key] == "messages" and any(IMAGE_PLACEHOLDER in m["content"] for m in rec[key]):
+                raise _bad(path, where, f"an {IMAGE_PLACEHOLDER} in '{key}': a pair's images belong to its prompt",
+                           repr([m["content"][:40] for m in rec[key]])[:120])
     return forms["chosen"]
 
 
@@ -77,25 +84,57 @@ def check_files(paths: list[str]) -> tuple[int, str]:
     return count, form
 
 
-def _rows(paths: list[str], digests: list[str]) -> Iterator[dict[str, Any]]:
+def _rows(paths: list[str], digests: list[str], with_images: bool = False) -> Iterator[dict[str, Any]]:
     for path in paths:  # digests: only in the key of the cache (a changed file is a new dataset)
-        for _, rec in _records(path):
-            yield {k: rec[k] for k in FIELDS}
+        for where, rec in _records(path):
+            row = {k: rec[k] for k in FIELDS}
+            if with_images:  # the resolved paths (strings): the pixels are read when a micro-batch is collated
+                row["images"] = [str(p) for p in image_paths(rec, path, where)]
+            yield row
+
+
+def has_images(paths: list[str]) -> bool:
+    """Whether any record of the dataset names images (checked records: ``check_files`` ran)."""
+    return any(rec.get("images") for path in paths for _, rec in _records(path) if isinstance(rec, dict))
 
 
 def load(paths: list[str], cache_dir: str | Path):
-    """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected), in file order, written as
-    Arrow under ``cache_dir`` (shared by the ranks: TRL's tokenized copy and precomputed reference
-    log-probs are cached next to it, keyed by its fingerprint, so a requeue reuses them)."""
+    """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected, and ``images`` when the dataset
+    names some: each record's image paths, resolved), in file order, written as Arrow under ``cache_dir`` (shared by
+    the ranks: TRL's tokenized copy and precomputed reference log-probs are cached next to it, keyed by its
+    fingerprint, so a requeue reuses them)."""
     from datasets import Dataset
 
     from .cache import dataset_digest
 
     check_files(paths)
     digests = [dataset_digest(p, cache_dir) for p in paths]
-    return Dataset.from_generator(_rows, gen_kwargs={"paths": list(paths), "digests": digests}, cache_dir=str(cache_dir))
+    kwargs = {"paths": list(paths), "digests": digests, "with_images": has_images(paths)}
+    return Dataset.from_generator(_rows, gen_kwargs=kwargs, cache_dir=str(cache_dir))
 
 
-def count_records(t) -> int:
-    """``task = "dpo"``/``"rm"`` at validate: every prompt/chosen/rejected pair of ``t.dataset`` checked (swiftslurm/tasks.py)."""
-    return check_files(list(t.dataset))[0]
+def count_records(t) -> Scanned:
+    """``task = "dpo"``/``"rm"`` at validate: every prompt/chosen/rejected pair of ``t.dataset`` checked
+    (swiftslurm/tasks.py), and the images of pairs that name some (``images.ImageScan``), for a task that takes them."""
+    from ...tasks import TASKS
+
+    scan = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels)
+
+    def check(path: Path, where: str, rec: Any) -> str:
+        form = check_record(path, where, rec)
+        scan.check(rec, path, where)
+        if rec.get("images") and not TASKS[t.task].images:
+            able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
+            raise DataError(f"{path}, {where}: a record with images, and train.task = {t.task!r} trains on text only",
+                            f"images {rec['images']}"[:120], f"use task = {able} with a vision-language model, or drop the images")
+        return form
+
+    count = sum(1 for _ in of_one_form(list(t.dataset), check, str, FORMAT_HINT, "preference"))
+    facts = scan.facts()
+    if facts is not None:
+        from ..vision import image_pair_problem
+
+        problem = image_pair_problem(t)
+        if problem:
+            raise DataError(problem, f"{facts.records:,} pair(s) with images in train.dataset", "drop those keys for this dataset")
+    return Scanned(count, facts)

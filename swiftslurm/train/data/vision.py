@@ -93,6 +93,13 @@ def within_bounds(width: int, height: int, min_pixels: int, max_pixels: int) -> 
     return resized(width, height, min_pixels, max_pixels)
 
 
+def fitted(image: Any, min_pixels: int, max_pixels: int) -> Any:
+    """``image`` resized into [min_pixels, max_pixels] (``within_bounds``), or as it is where it lies there."""
+    width, height = image.size
+    size = within_bounds(width, height, min_pixels, max_pixels)
+    return image if size is None else image.resize(size)
+
+
 def placeholder_of(processor: Any) -> str:
     return FRAMED_PLACEHOLDERS.get(type(processor).__name__, processor.image_token)
 
@@ -114,8 +121,7 @@ class VisionDataset:
             image = load_image(rec.images[index])
         except BadImage as exc:
             raise bad_image(rec.data_file, rec.where, index + 1, rec.raw[index], rec.images[index], exc) from None
-        size = within_bounds(*image.size, self.min_pixels, self.max_pixels)
-        return image if size is None else image.resize(size)
+        return fitted(image, self.min_pixels, self.max_pixels)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         rec = self.records[i]
@@ -241,3 +247,41 @@ def vision_data(spec: JobSpec, processor: Any) -> tuple[VisionDataset, VisionCol
     if t.dataset_scan:  # a record the cut would refuse mid-run, refused before the first step (refuse_cuts)
         dataset.refuse_cuts()
     return dataset, VisionCollator(tok.pad_token_id)
+
+
+def preference_collator(processor: Any, t: Any) -> Any:
+    """DPO on a vision-language model (``task = "dpo"``, records with images): TRL's ``DataCollatorForVisionPreference``,
+    given each pair as this module gives SFT its samples. A record holds its images' paths (``preference.load``);
+    here, per micro-batch, each image is read through ``images.load_image``'s checks and brought within
+    ``image_min_pixels`` .. ``image_max_pixels``, each ``<image>`` of the prompt becomes the processor's placeholder
+    where the record put it, and the pair is rendered with the chat template as text (TRL's own conversational path
+    would put every image before the first user message). TRL's collator then runs the processor and cuts at
+    ``max_length`` from the end (its ``keep_start``: the prompt's images come first)."""
+    from trl.data_utils import apply_chat_template
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    tok = processor.tokenizer
+    if tok.chat_template is None and getattr(processor, "chat_template", None):
+        tok.chat_template = processor.chat_template
+    ensure_chat_template(tok)
+    if tok.pad_token is None:  # TRL's own collator path does the same
+        tok.pad_token = tok.eos_token
+    placeholder = placeholder_of(processor)
+
+    def image(path: str) -> Any:
+        try:
+            return fitted(load_image(path), t.image_min_pixels, t.image_max_pixels)
+        except BadImage as exc:
+            raise DataError(f"{path}: {exc.why}", "an image of train.dataset, read for a micro-batch", exc.hint or
+                            "`swiftslurm validate` checks every image; replace the file") from None
+
+    class VisionPreferenceCollator(DataCollatorForVisionPreference):
+        def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+            ready = []
+            for ex in examples:
+                prompt = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, placeholder)} for m in ex["prompt"]]
+                text = apply_chat_template({"prompt": prompt, "chosen": ex["chosen"], "rejected": ex["rejected"]}, tok)
+                ready.append({**text, "images": [image(p) for p in ex.get("images") or []]})
+            return super().torch_call(ready)
+
+    return VisionPreferenceCollator(processor=processor, max_length=t.max_length)

@@ -79,6 +79,18 @@ class DPOTask(TRLTask):
         return f"off (DPO: {len(dataset)} preference pairs, each micro-batch padded to its longest sequence)"
 
     def trainer(self, spec: JobSpec, cuda: bool, attn: str, **kwargs):
+        from ..vision import is_multimodal
+
         ref_model, peft_config = reference_and_adapter(spec, cuda, attn, kwargs.get("model"))
-        kwargs.pop("data_collator", None)
+        kwargs.pop("data_collator", None)  # TRL's own, or for a vision-language model ours in front of TRL's
+        dataset = kwargs.get("train_dataset")
+        if is_multimodal(kwargs.get("processing_class")) and "images" in (getattr(dataset, "column_names", None) or ()):
+            from ..data.vision import preference_collator
+            from ..vision import VisionUnsupported, image_pair_problem
+
+            problem = image_pair_problem(spec.train)
+            if problem:
+                raise VisionUnsupported(problem, f"train.model = {spec.train.model!r}, task = \"dpo\"",
+                                        "drop those keys for this dataset")
+            kwargs["data_collator"] = preference_collator(kwargs["processing_class"], spec.train)
         return trainer_class()(ref_model=ref_model, peft_config=peft_config, max_prompt_length=spec.train.max_prompt_length, **kwargs)
