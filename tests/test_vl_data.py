@@ -46,11 +46,11 @@ def dataset(root: Path, *records: dict) -> Path:
 
 
 def spec(root: Path, data: Path, **train: object) -> Path:
-    """A CPU spec of the tiny model on ``data`` (absolute), with ``train`` keys added."""
+    """A CPU spec of the tiny vision-language model on ``data`` (absolute), with ``train`` keys added."""
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
     path = root / "job.toml"
     path.write_text(f'[job]\noutput_dir = "{root / "out"}"\n[slurm]\nnodes = 1\ntasks_per_node = 1\n'
-                    f'[train]\nmodel = "tiny-llama"\ndataset = ["{data}"]\n{extra}[preflight]\nchecks = []\n')
+                    f'[train]\nmodel = "tiny-vl"\ndataset = ["{data}"]\n{extra}[preflight]\nchecks = []\n')
     return path
 
 
@@ -299,11 +299,9 @@ def test_what_the_nodes_would_refuse_of_a_vision_language_spec_is_refused_at_val
     out = refused(tmp_path, data, train_type="lora", freeze_vision=False)  # LoRA freezes every base weight anyway
     assert "freeze_vision = false with train_type = \"lora\"" in out and "HINT" in out, out
     path = spec(tmp_path, data, task="rm")
-    path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
     assert code == 2 and out.count("error:") == 1 and "model = \"tiny-vl\" with task = 'rm'" in out, out
     path = spec(tmp_path, data, deepspeed="zero3")  # trains (tests/test_one_process_runs.py): validate takes it
-    path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
     assert code == 0, out
 
@@ -320,9 +318,7 @@ def pair(images: list[str], prompt: str | None = None, chosen: str = "A red squa
 
 def test_preference_pairs_with_images_are_checked_at_validate_as_sft_records_are(tmp_path):
     def vl_dpo(data: Path, **train: object) -> Path:
-        path = spec(tmp_path, data, task="dpo", **train)
-        path.write_text(path.read_text().replace('model = "tiny-llama"', 'model = "tiny-vl"'))
-        return path
+        return spec(tmp_path, data, task="dpo", **train)
 
     data = dataset(tmp_path, pair(["img/ok.png"]), pair(["img/ok.png", "img/ok.png"], "<image> or <image>?"), pair([]))
     code, out = swiftslurm("validate", str(vl_dpo(data)), cwd=tmp_path)
@@ -342,5 +338,26 @@ def test_preference_pairs_with_images_are_checked_at_validate_as_sft_records_are
     flat = {"prompt": "<image>What is shown?", "chosen": "red", "rejected": "blue", "images": ["img/ok.png"]}
     assert "line 1: a record with images must be in the messages form" in refused_pair(flat)
     path = spec(tmp_path, dataset(tmp_path, pair(["img/ok.png"])), task="rm")
+    path.write_text(path.read_text().replace('model = "tiny-vl"', 'model = "tiny-llama"'))
     code, out = swiftslurm("validate", str(path), cwd=tmp_path)
-    assert code == 2 and "a record with images, and train.task = 'rm' trains on text only" in " ".join(out.split()), out
+    assert code == 2 and "line 1: a record with images, and train." in " ".join(out.split()), out
+
+
+def test_records_with_images_for_a_text_model_are_refused_never_trained_without_their_images(tmp_path):
+    from swiftslurm.train.data.tokens import load_dataset
+    from swiftslurm.train.tinymodel import build_tokenizer
+
+    data = dataset(tmp_path, record([], "What is a square?"), record(["img/ok.png"]))
+    model_dir = tmp_path / "text-model"  # a local model whose config.json has no vision_config
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 260}))
+    for model in ("tiny-llama", str(model_dir)):
+        path = spec(tmp_path, data)
+        path.write_text(path.read_text().replace('model = "tiny-vl"', f'model = "{model}"'))
+        code, out = swiftslurm("validate", str(path), cwd=tmp_path)
+        flat = " ".join(out.split())
+        assert code == 2 and f"line 2: a record with images, and train.model = '{model}' takes text only" in flat, out
+    # a hub id validate cannot read: the node's text path refuses the record as it tokenizes it
+    with pytest.raises(DataError, match="line 2: a record with images, and train.model takes text only"):
+        load_dataset([str(data)], build_tokenizer(), 128)

@@ -137,6 +137,27 @@ def read_tower(model: str | None) -> VisionTower:
     return ASSUMED_TOWER
 
 
+TEXT_ONLY_BUILT_IN = ("tiny-llama", "tiny-moe")  # the built-in models without a vision tower (train/tinymodel.py)
+
+
+def text_only(model: str | None) -> bool:
+    """Whether ``model`` is known to take no images: a built-in text model, or a local directory whose readable
+    config.json has no ``vision_config`` (a hub id, or a config that cannot be read, is not known: False)."""
+    import os
+
+    from ..fsutil import CONFIG_CAP, Unreadable, read_json
+
+    if model in TEXT_ONLY_BUILT_IN:
+        return True
+    if not model or not os.path.isdir(model):
+        return False
+    try:
+        config = read_json(os.path.join(model, "config.json"), CONFIG_CAP, wide_ints=True)
+    except (OSError, Unreadable):
+        return False
+    return isinstance(config, dict) and "vision_config" not in config
+
+
 @dataclass(frozen=True)
 class ImageFacts:
     """What validate's scan found of a dataset's images (``train/data/images.py`` gathers them)."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ...fsutil import MIB, Unreadable, read_bytes
-from ...sizing.vision import MAX_ASPECT, ImageFacts, fitting_max_pixels, image_bound_problem, image_tokens
+from ...sizing.vision import MAX_ASPECT, ImageFacts, fitting_max_pixels, image_bound_problem, image_tokens, text_only
 from .records import DataError
 
 if TYPE_CHECKING:
@@ -258,6 +258,13 @@ class ImageScan:
         if self.stray and self.records:
             raise DataError(self.stray, "the dataset has records with images, where <image> stands for an image",
                             f"add the record's 'images', or take {IMAGE_PLACEHOLDER} out of its text")
+
+    def refuse_for_text(self, model: str | None, data_file: str | Path, where: str) -> None:
+        """A record with images (the one just checked) for a model known to take text only (``text_only``)."""
+        if self.records == 1 and text_only(model):
+            raise DataError(f"{_at(data_file, where)}: a record with images, and train.model = {model!r} takes text only",
+                            "its first record with images", "set train.model to a vision-language model (its processor "
+                            "takes images; `tiny-vl` is the built-in one), or drop the records' images")
 
     def facts(self) -> ImageFacts | None:
         """What the scan found, or None for a dataset without images."""

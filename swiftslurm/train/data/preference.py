@@ -123,6 +123,7 @@ def count_records(t) -> Scanned:
     def check(path: Path, where: str, rec: Any) -> str:
         form = check_record(path, where, rec)
         scan.check(rec, path, where)
+        scan.refuse_for_text(t.model, path, where)
         if rec.get("images") and not TASKS[t.task].images:
             able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
             raise DataError(f"{path}, {where}: a record with images, and train.task = {t.task!r} trains on text only",

@@ -145,9 +145,14 @@ def ensure_chat_template(tokenizer) -> None:
 
 
 def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
-    """(kind, body) of every record of every file, in file order; a malformed one raises DataError."""
+    """(kind, body) of every record of every file, in file order, for a text model; a malformed one raises
+    DataError, and so does a record with images (its images would be dropped: a vision-language model's records go
+    through ``data/vision.py``)."""
     for path in paths:
         for line, rec in read_records(path):
+            if isinstance(rec, dict) and rec.get("images"):
+                raise DataError(f"{path}, {line}: a record with images, and train.model takes text only",
+                                f"images {rec['images']}"[:120], TEXT_MODEL_HINT)
             yield check_record(Path(path), line, rec)
 
 
@@ -155,6 +160,10 @@ def scan(paths: list[str]) -> int:
     """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count.
     A dataset without any record is a DataError too (training it would fail)."""
     return count_checked(checked_records(paths), paths)
+
+
+TEXT_MODEL_HINT = ("set train.model to a vision-language model (its processor takes images; `tiny-vl` is the built-in "
+                   "one), or drop the records' images")
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:
@@ -213,6 +222,7 @@ def count_records(t) -> Scanned:
             for line, rec in read_records(path):
                 checked_one = check_record(Path(path), line, rec)
                 images.check(rec, path, line)
+                images.refuse_for_text(t.model, path, line)
                 yield checked_one
 
     return Scanned(count_checked(checked(), list(t.dataset)), images.facts())
