@@ -149,7 +149,7 @@ def size_task(spec: SpecView, ds: dict[str, Any], read_disk: bool) -> tuple[Sizi
                         fused_loss=sft and t.use_liger_kernel is True, fused_loss_allowed=sft, task=getattr(t, "task", "sft"),
                         reference_copy=holds_reference_copy(getattr(t, "task", "sft"), t.train_type, t.precompute_ref_log_probs),
                         liger_layers=liger_layers(t, stage, gpus, read_disk, shape.model_type), lora_dropout=t.lora_dropout,
-                        fused_lora=t.fused_lora and not t.compile and t.fp8 is not True and stage < 3,
+                        fused_lora=t.fused_lora and not compiled(t) and stage < 3, compiled=compiled(t),
                         checkpoint_layers=t.gradient_checkpointing_layers, **grpo_settings(t))
     decided = None
     if auto:
@@ -199,7 +199,13 @@ def liger_wanted(t: Any, stage: int, gpus: bool, look: bool) -> bool:
     """``liger_layers`` before the model's type: the nodes would take Liger's layers for a model it patches."""
     if not gpus or stage >= 3 or getattr(t, "task", "sft") not in OWN_TRAINER or t.use_liger_kernel is False:
         return False
-    return t.use_liger_kernel is True or (look and not t.compile and liger_installed())
+    return t.use_liger_kernel is True or (look and not compiled(t) and liger_installed())
+
+
+def compiled(t: Any) -> bool:
+    """The nodes compile the decoder layers: ``train.compile``, or ``train.fp8 = true`` (``train.run.compiles``; "auto"
+    resolves off), which also turns Liger's "auto" off there."""
+    return bool(t.compile) or getattr(t, "fp8", False) is True
 
 
 def liger_unpatched_note(model_type: str | None) -> str:

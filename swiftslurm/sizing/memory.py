@@ -63,6 +63,12 @@ ACT_INTERMEDIATE_TERMS_LIGER = 3
 # 0.5B shape, whose peak is the loss (vocabulary 151,936 on hidden 896), measured 94.1 GiB at 32,768 tokens where 8
 # extra bytes gave 86.0 (-9%); 10 give 95.3 (+1%)
 LOGIT_BYTES_EXTRA = 10
+# compiled decoder layers (train.compile; train.fp8 = true compiles them): inductor fuses each RMSNorm and the SwiGLU
+# into kernels that keep about what Liger's do, so their terms count. Measured on one H100 (docs/benchmarks.md, "FP8 on
+# the 8B LoRA"): the FP8 arm, compiled and without Liger, 12 of 32 layers recomputed, peaked at 61.9 GiB where these
+# terms give 65.4 (the eager terms: 75.2)
+COMPILED_NOTE = ("activations counted for compiled layers (train.compile, or train.fp8 = true): inductor fuses the norms "
+                 "and SwiGLU as Liger's kernels do and keeps about what they keep")
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces: not in max_memory_allocated
 NCCL_BYTES = int(0.5 * GIB)  # NCCL's communicator buffers when world > 1
 FRAGMENTATION = 0.10  # the caching allocator's reserved-but-unused share
@@ -129,6 +135,7 @@ class Settings:
     lora_dropout: float = 0.0  # train.lora_dropout (LoRA): what its forward keeps depends on fused_lora
     fused_lora: bool = True  # train.fused_lora in effect (not under ZeRO-3 or compile): the mask drawn in the kernel
     checkpoint_layers: int | None = None  # train.gradient_checkpointing_layers: with checkpointing, the first k recompute (None: all)
+    compiled: bool = False  # the decoder layers compiled (train.compile, or train.fp8 = true): see COMPILED_NOTE
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     b = 2 if s.half_precision else 4
     h, tp = shape.hidden_size, layout.tensor_parallel
     kv_width = shape.num_kv_heads * shape.dim_per_head
-    hidden_terms, inter_terms = (ACT_HIDDEN_TERMS_LIGER, ACT_INTERMEDIATE_TERMS_LIGER) if s.liger_layers else \
+    hidden_terms, inter_terms = (ACT_HIDDEN_TERMS_LIGER, ACT_INTERMEDIATE_TERMS_LIGER) if s.liger_layers or s.compiled else \
         (ACT_HIDDEN_TERMS, ACT_INTERMEDIATE_TERMS)
     attention = (hidden_terms * h + 2 * kv_width) // tp + RESIDUAL_TERMS * h
     dropout = tokens * _lora_dropout_bytes(shape, s) // tp
@@ -297,6 +304,8 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
     if s.liger_layers:
         notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU (use_liger_kernel = true, or \"auto\" where "
                      "liger-kernel is installed), which keep fewer tensors than the model's own")
+    elif s.compiled:
+        notes.append(COMPILED_NOTE)
     weights, states, step, cpu = _model_states(shape, s, layout, trainable)
     acts, logits = _activations(shape, s, layout)
     dispatch = _moe_dispatch(shape, s, layout)
