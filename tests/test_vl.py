@@ -3,6 +3,8 @@
 
 - a sample: labels on the assistant's tokens only, every image token -100; images brought within the pixel bounds; a
   record whose max_length cut would fall into an image is refused naming its line;
+- DPO pairs: a pair whose cut at max_length would fall into its prompt's image is refused before the first step; TRL's
+  cut keeps the prompt's images;
 - the spec as trained: packing off (the default) with the reason; a task that does not train images refused;
   LoRA adapts the language model's projections only, never the vision tower's;
 - one-process runs (tests/one_process_runs.py: real DeepSpeed ZeRO-2 on the CPU): LoRA trains, the loss falls; full
@@ -85,6 +87,26 @@ def test_a_cut_into_an_images_tokens_is_refused_naming_the_record(tmp_path, proc
                                              {"role": "assistant", "content": "red"}], "images": [str(RED)]}) + "\n")
     dataset, _ = vision_data(vl_spec(dataset=[str(fits)]), processor)
     assert dataset.refuse_cuts() == 1 and len(dataset[0]["input_ids"]) <= 128
+
+
+def test_a_preference_pair_whose_cut_falls_into_its_prompts_image_is_refused_before_the_first_step(tmp_path, processor):
+    from swiftslurm.train.data.records import DataError
+    from swiftslurm.train.data.vision import preference_collator
+
+    def pair(prompt: str) -> str:
+        return json.dumps({"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": "red"}],
+                           "rejected": [{"role": "assistant", "content": "blue"}], "images": [str(RED)]}) + "\n"
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(pair("<image>" + "x" * 140) + pair("x" * 140 + "<image>"))  # the image first fits; after 140 bytes not
+    with pytest.raises(DataError, match=r"pairs\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
+        preference_collator(processor, vl_spec(task="dpo", dataset=[str(data)]).train)
+    collate = preference_collator(processor, vl_spec(task="dpo", dataset=[str(data)], dataset_scan=False).train)
+    first = {"prompt": [{"role": "user", "content": "<image>" + "x" * 140}], "chosen": [{"role": "assistant", "content": "red"}],
+             "rejected": [{"role": "assistant", "content": "blue"}], "images": [str(RED)]}
+    batch = collate([first])  # TRL keeps the start: the image's 4 tokens survive the cut at 128
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert batch["input_ids"].shape[1] == 128 and int((batch["input_ids"] == image).sum()) == 2 * 4
 
 
 def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(processor):

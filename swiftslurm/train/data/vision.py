@@ -70,6 +70,22 @@ def read_conversations(paths: list[str]) -> list[Conversation]:
     return out
 
 
+def read_pairs(paths: list[str]) -> list[Conversation]:
+    """The preference pairs with images of every file, each as the conversation its prompt and chosen answer make
+    (``preference.check_record`` checked them): what ``VisionDataset.refuse_cuts`` measures, since the images stand
+    in the prompt, which TRL's collator keeps first when it cuts at ``max_length``."""
+    from .preference import check_record as check_pair
+
+    out = []
+    for path in paths:
+        for where, rec in read_records(path):
+            check_pair(Path(path), where, rec)
+            images = image_paths(rec, path, where)
+            if images:
+                out.append(Conversation(list(rec["prompt"]) + list(rec["chosen"]), tuple(images), tuple(rec["images"]), path, where))
+    return out
+
+
 def anchored(record: Any, data_file: str | Path) -> Any:
     """``record`` with its relative image paths joined to ``data_file``'s directory, for a copy of it written
     elsewhere (``evaluation.split_files``); any other record, and any other entry, as it is."""
@@ -256,7 +272,9 @@ def preference_collator(processor: Any, t: Any) -> Any:
     ``image_min_pixels`` .. ``image_max_pixels``, each ``<image>`` of the prompt becomes the processor's placeholder
     where the record put it, and the pair is rendered with the chat template as text (TRL's own conversational path
     would put every image before the first user message). TRL's collator then runs the processor and cuts at
-    ``max_length`` from the end (its ``keep_start``: the prompt's images come first)."""
+    ``max_length`` from the end (its ``keep_start``: the prompt's images come first); a pair whose cut would fall into
+    an image's tokens is refused before the first step (``read_pairs``, ``VisionDataset.refuse_cuts``), where
+    ``train.dataset_scan`` is on."""
     from trl.data_utils import apply_chat_template
     from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 
@@ -284,4 +302,6 @@ def preference_collator(processor: Any, t: Any) -> Any:
                 ready.append({**text, "images": [image(p) for p in ex.get("images") or []]})
             return super().torch_call(ready)
 
+    if t.dataset_scan:  # a pair whose cut at max_length would fall into an image's tokens, refused before the first step
+        VisionDataset(read_pairs(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels).refuse_cuts()
     return VisionPreferenceCollator(processor=processor, max_length=t.max_length)
