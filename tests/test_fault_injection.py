@@ -8,6 +8,9 @@ windows so kills land inside file writes, inside commit and inside prune. After 
 - ``newest_verified`` returns one, at least as new as the last commit the writer reported;
 - no verified checkpoint that retention must keep was lost;
 - the next start resumes from exactly that checkpoint.
+
+Then the real trainer: killed mid-save at random (synchronous and background saves), and with checkpoint.async_save
+killed by its own test hook (SWIFTSLURM_CKPT_TEST_KILL_AT) at each point of a background save in turn.
 """
 
 from __future__ import annotations
@@ -136,11 +139,13 @@ def train_spec(out: Path, data: Path, steps: int, async_save: bool = False) -> s
                      env={"OMP_NUM_THREADS": "1"})
 
 
-def _start_trainer(plan: Path, delay_s: str | None) -> subprocess.Popen:
+def _start_trainer(plan: Path, delay_s: str | None, kill_at: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k == "SWIFTSLURM_LEDGER" or not k.startswith(("SLURM_", "SUBMITIT_", "MASTER_", "SWIFTSLURM_"))}  # the test's own ledger
     if delay_s:
         env["SWIFTSLURM_CKPT_TEST_DELAY_S"] = delay_s
+    if kill_at:  # "POINT:STEP": the trainer SIGKILLs itself there (checkpoint.commit.crash_point)
+        env["SWIFTSLURM_CKPT_TEST_KILL_AT"] = kill_at
     return subprocess.Popen([sys.executable, "-m", "swiftslurm", "run", "--plan", str(plan)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
@@ -215,3 +220,47 @@ def test_real_trainer_killed_mid_save_resumes_from_a_verified_checkpoint(tmp_pat
     final = ck.newest_verified(out, log=None)
     assert final == ck.final_dir(out, steps) and ck.read_manifest(final).meta["world_size"] == 1
     print(f"real trainer: 2 kills, both mid-save, resumed from checkpoint-{resumed_at}, finished at {steps}")
+
+
+# the points of a background save (checkpoint.async_save), in the order it passes them: the state copied to host
+# memory; the first file written; every file written; every file hashed and synced; the manifest written; the rename
+ASYNC_POINTS = ("snapshot", "writing", "written", "fsynced", "manifest", "renamed")
+
+
+@pytest.mark.slow
+def test_an_async_save_killed_at_each_of_its_points_leaves_a_verified_newest_checkpoint_to_resume_from(tmp_path):
+    """The real trainer (one CPU rank, checkpoint.async_save) SIGKILLs itself (the test hook) at one point of a
+    background save, point after point, each life resuming from what the last one left. Before the rename the save is
+    not a checkpoint: the one before it stays the newest verified; from the rename on it is the newest. After every
+    kill every visible checkpoint verifies, and the last start finishes from the newest."""
+    import tomllib
+
+    from swiftslurm.plan import make_plan, write_plan
+    from swiftslurm.spec import parse_spec
+
+    steps = 40
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    toml = train_spec(out, root / "examples/data/alpaca_demo.jsonl", steps, async_save=True)
+    plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
+    resumed_at = 0
+    for point in ASYNC_POINTS:
+        killed = resumed_at + 4  # this life's second save: its first (resumed_at + 2) commits in the background before it
+        proc = _start_trainer(plan, delay_s=None, kill_at=f"{point}:{killed}")
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == -signal.SIGKILL, f"{point}: the trainer was not killed there ({proc.returncode}):\n" \
+            + err.decode(errors="replace")[-3000:]
+        for ckpt in ck.list_checkpoints(out):
+            assert ck.verify(ckpt).ok, f"{point}: {ckpt.name} is visible but does not verify"
+        newest = ck.newest_verified(out, log=None)
+        expected = killed if point == "renamed" else killed - 2
+        assert newest is not None and ck.step_of(newest) == expected, (point, newest)
+        if point != "renamed":  # the save the kill cut short: still under its staging name, never a checkpoint
+            assert ck.staging_dir(out, killed).is_dir() and not ck.final_dir(out, killed).exists(), point
+        resumed_at = expected
+    proc = _start_trainer(plan, delay_s=None)
+    _, err = proc.communicate(timeout=300)
+    text = err.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert f"checkpoint-{resumed_at}" in text, "the last start did not say it resumed from the newest verified checkpoint"
+    assert ck.newest_verified(out, log=None) == ck.final_dir(out, steps)

@@ -14,7 +14,7 @@ See docs/checkpoints.md.
 
 from . import savetime
 from .best import best_checkpoint, point_best
-from .commit import atomic_write_text, collect_rank_hashes, commit, hash_own_files, prepare_staging, publish_rank_hashes
+from .commit import atomic_write_text, collect_rank_hashes, commit, crash_point, hash_own_files, prepare_staging, publish_rank_hashes
 from .discover import list_checkpoints, newest_verified, prune
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, algo_name, hash_files, read_manifest
 from .names import final_dir, staging_dir, step_of
@@ -38,6 +38,7 @@ __all__ = [
     "atomic_write_text",
     "collect_rank_hashes",
     "commit",
+    "crash_point",
     "final_dir",
     "hash_files",
     "hash_own_files",

@@ -24,8 +24,11 @@ from .cache import remember_verified
 from .manifest import MANIFEST_NAME, Manifest, algo_name, hash_files, library_versions, walk_files
 from .names import DELETING_PREFIX, LATEST_NAME, owner_rank, staging_dir, step_of
 
-# Test hook: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit.
+# Test hooks: seconds to sleep between the steps of a commit, to widen the window a SIGKILL can hit; and "POINT:STEP",
+# a SIGKILL of this process at that point of that step's save (``crash_point``: the commit's own points and the
+# background save's, tests/test_fault_injection.py sweeps them)
 DELAY_ENV = "SWIFTSLURM_CKPT_TEST_DELAY_S"
+KILL_ENV = "SWIFTSLURM_CKPT_TEST_KILL_AT"
 
 
 def prepare_staging(output_dir: Path | str, step: int) -> Path:
@@ -41,6 +44,14 @@ def _test_delay() -> None:
     delay = os.environ.get(DELAY_ENV)
     if delay:
         time.sleep(float(delay))
+
+
+def crash_point(name: str, step: int | None) -> None:
+    """The test hook's SIGKILL (``KILL_ENV``) when it names this point of this step's save; nothing otherwise."""
+    if os.environ.get(KILL_ENV) == f"{name}:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hash_own_files(staging: Path | str, rank: int, algo: str, workers: int = 4) -> dict[str, dict]:
@@ -116,12 +127,14 @@ def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, has
     step = step_of(final)
     meta = dict(meta)
     step = int(meta.get("step", step if step is not None else -1))
+    crash_point("fsynced", step)  # every file hashed and on disk, no manifest
     meta.setdefault("step", step)
     meta.setdefault("versions", dict(library_versions()))
     meta.setdefault("committed_at", time.time())
     manifest = Manifest(step=step, algo=algo, files=files, meta=meta)
     atomic_write_text(staging / MANIFEST_NAME, manifest.to_json())
     _test_delay()
+    crash_point("manifest", step)  # the manifest written, still under the staging name
 
     if final.exists():  # a damaged or superseded copy of this step: move it aside, drop it after the swap
         aside = final.with_name(f"{DELETING_PREFIX}{final.name}.{os.getpid()}")
@@ -131,6 +144,7 @@ def commit(staging: Path | str, final: Path | str, *, algo: str, meta: dict, has
     os.rename(staging, final)
     fsync_path(final.parent, directory=True)
     _test_delay()
+    crash_point("renamed", step)  # committed under its name, ``latest`` not yet moved
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     _point_latest(final)

@@ -306,6 +306,7 @@ class SwiftTrainer(Trainer):
         meta, best = self._save_meta(step), self._best_step()
         if staged is not None:
             stall = time.perf_counter() - start
+            ck.crash_point("snapshot", step)  # the state copied off the training's path, nothing of it written yet
             self.saves.submit(lambda: self._finish_in_background(staged, staging, step, meta, best, start, stall))
             self.log({"checkpoint_stall_s": stall, "checkpoint_copy_s": staged.copy_s, "checkpoint_wait_s": waited,
                       "checkpoint_staged_mb": staged.nbytes / 2**20})
@@ -372,9 +373,10 @@ class SwiftTrainer(Trainer):
         every rank's, commits and prunes. Returns the figures to log (the training thread logs them)."""
         t0 = time.perf_counter()
         try:
-            staged.write_all()
+            staged.write_all(lambda: ck.crash_point("writing", step))  # after the first file: a half-written staging dir
         finally:
             staged.drop()
+        ck.crash_point("written", step)  # every file written, none hashed
         phases: dict[str, float] = {"write": time.perf_counter() - t0}
         t_hash = time.perf_counter()
         rank = self.args.process_index

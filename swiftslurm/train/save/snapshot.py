@@ -305,17 +305,22 @@ class StagedWrites:
     def nbytes(self) -> int:
         return sum(w.snap.nbytes for w in self.pending)
 
-    def write_all(self) -> None:
+    def write_all(self, after_first: Callable[[], None] | None = None) -> None:
+        """Write every snapshot, in order; ``after_first`` runs once the first is written (a test's crash point)."""
+        first = True
         while self.pending:
             write = self.pending.pop(0)
             self.wanted += write.snap.wanted
             if write.fn is None:
                 write.snap.save(write.path, write.zipfile)
-                continue
-            try:
-                write.fn(write.snap.obj)
-            finally:
-                write.snap.release()
+            else:
+                try:
+                    write.fn(write.snap.obj)
+                finally:
+                    write.snap.release()
+            if first and after_first is not None:
+                after_first()
+            first = False
 
     def prepare_next(self) -> float:
         """Pin the buffers these snapshots lacked, for the next save (after this one's commit); the seconds it took."""
