@@ -15,6 +15,7 @@ killed by its own test hook (SWIFTSLURM_CKPT_TEST_KILL_AT) at each point of a ba
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -264,3 +265,37 @@ def test_an_async_save_killed_at_each_of_its_points_leaves_a_verified_newest_che
     assert proc.returncode == 0, text[-3000:]
     assert f"checkpoint-{resumed_at}" in text, "the last start did not say it resumed from the newest verified checkpoint"
     assert ck.newest_verified(out, log=None) == ck.final_dir(out, steps)
+
+
+@pytest.mark.slow
+def test_a_walltime_signal_during_a_background_write_commits_it_and_the_stops_own_save_before_exiting(tmp_path):
+    """checkpoint.async_save, one CPU rank: the walltime signal (USR2, as Slurm's --signal sends it) lands while a
+    background save is being written (each commit held 3 x 1 s by the test hook). The trainer commits that save, then
+    its own stop save, and only then ends (75: the local executor cannot requeue; on Slurm it requeues,
+    tests/test_pt.py): both verify, and the stop record names the last."""
+    import tomllib
+
+    from swiftslurm.plan import make_plan, write_plan
+    from swiftslurm.spec import parse_spec
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    toml = train_spec(out, root / "examples/data/alpaca_demo.jsonl", 40, async_save=True)
+    plan = write_plan(make_plan(parse_spec(toml), tomllib.loads(toml), base_dir=str(tmp_path), source="fault.toml"))
+    proc = _start_trainer(plan, delay_s="1.0")
+    try:
+        _wait_for_commit_after(out, 0, proc, timeout_s=180)
+        in_flight = ck.step_of(_wait_for_a_save_in_progress(out, proc, timeout_s=120).name.removeprefix(".staging-"))
+        os.kill(proc.pid, signal.SIGUSR2)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err.decode(errors="replace")
+    assert proc.returncode == 75 and "walltime stop: saving at step" in text, text[-3000:]
+    (stop,) = json.loads((out / "requeues.json").read_text())
+    assert stop["global_step"] >= in_flight, (stop, in_flight)
+    for step in sorted({in_flight, stop["global_step"]}):
+        assert ck.final_dir(out, step).is_dir() and ck.verify(ck.final_dir(out, step)).ok, step
+    assert ck.newest_verified(out, log=None) == ck.final_dir(out, stop["global_step"])
+    assert not any(p.name.startswith(".staging-") for p in out.iterdir())  # nothing left half-saved
