@@ -361,3 +361,34 @@ def test_records_with_images_for_a_text_model_are_refused_never_trained_without_
     # a hub id validate cannot read: the node's text path refuses the record as it tokenizes it
     with pytest.raises(DataError, match="line 2: a record with images, and train.model takes text only"):
         load_dataset([str(data)], build_tokenizer(), 128)
+
+
+@pytest.mark.parametrize("task,rec", [
+    ("pt", {"text": "<image> a red square", "images": ["img/ok.png"]}),
+    ("kto", {"prompt": "<image>What is shown?", "completion": "red", "label": True, "images": ["img/ok.png"]}),
+    ("grpo", {"prompt": "<image>What is shown?", "images": ["img/ok.png"]}),
+])
+def test_a_text_only_tasks_record_with_images_is_refused_at_validate(tmp_path, task, rec):
+    extra = {"reward_funcs": ["length"], "reward_length_target": 16, "num_generations": 2, "per_device_train_batch_size": 2,
+             "max_completion_length": 16} if task == "grpo" else {"per_device_train_batch_size": 2} if task == "kto" else {}
+    path = spec(tmp_path, dataset(tmp_path, rec), task=task, **extra)
+    path.write_text(path.read_text().replace('model = "tiny-vl"', 'model = "tiny-llama"'))
+    code, out = swiftslurm("validate", str(path), cwd=tmp_path)
+    flat = " ".join(out.split())
+    assert code == 2 and out.count("error:") == 1, out
+    assert f"d.jsonl, line 1: a record with images, and train.task = '{task}' trains on text only" in flat, out
+
+
+def test_records_with_images_that_reach_a_text_model_or_task_on_the_node_are_refused():
+    """A hub model validate could not read: TRL's tasks refuse the records as they load them (trl_task)."""
+    from swiftslurm.spec import parse_spec
+    from swiftslurm.train.data.records import DataError as NodeDataError
+    from swiftslurm.train.tasks.trl_task import refuse_images_here
+    from swiftslurm.train.tinymodel import build_processing
+
+    job = parse_spec('[job]\nname = "x"\n[train]\nmodel = "org/some-model"\ndataset = ["d.jsonl"]\ntask = "dpo"\n')
+    with pytest.raises(NodeDataError, match="train.model = 'org/some-model' takes text only"):
+        refuse_images_here(job, build_processing("tiny-llama"), "dpo")
+    with pytest.raises(NodeDataError, match="train.task = 'rm' trains on text only"):
+        refuse_images_here(job, build_processing("tiny-vl"), "rm")
+    refuse_images_here(job, build_processing("tiny-vl"), "dpo")  # a processor that takes images: nothing to refuse

@@ -118,6 +118,18 @@ def image_paths(record: Mapping[str, Any], data_file: str | Path, where: str = "
     return out
 
 
+def refuse_images(record: Any, data_file: str | Path, where: str, task: str) -> None:
+    """A record with images in the data of ``task``, which trains on text only (PT, KTO, GRPO, RM): refused, never
+    trained without its images (DataError naming the file and line)."""
+    if not (isinstance(record, dict) and record.get("images")):
+        return
+    from ...tasks import TASKS
+
+    able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
+    raise DataError(f"{_at(data_file, where)}: a record with images, and train.task = {task!r} trains on text only",
+                    f"images {record['images']}"[:120], f"use task = {able} with a vision-language model, or drop the images")
+
+
 def _pillow() -> Any:
     try:
         from PIL import Image

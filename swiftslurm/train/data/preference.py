@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from .images import IMAGE_PLACEHOLDER, ImageScan, Scanned, image_paths
+from .images import IMAGE_PLACEHOLDER, ImageScan, Scanned, image_paths, refuse_images
 from .records import of_one_form
 from .tokens import ROLES, DataError, read_records
 
@@ -124,10 +124,8 @@ def count_records(t) -> Scanned:
         form = check_record(path, where, rec)
         scan.check(rec, path, where)
         scan.refuse_for_text(t.model, path, where)
-        if rec.get("images") and not TASKS[t.task].images:
-            able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
-            raise DataError(f"{path}, {where}: a record with images, and train.task = {t.task!r} trains on text only",
-                            f"images {rec['images']}"[:120], f"use task = {able} with a vision-language model, or drop the images")
+        if not TASKS[t.task].images:
+            refuse_images(rec, path, where, t.task)
         return form
 
     count = sum(1 for _ in of_one_form(list(t.dataset), check, str, FORMAT_HINT, "preference"))

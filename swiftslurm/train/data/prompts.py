@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from .images import refuse_images
 from .tokens import ROLES, DataError, read_records
 
 FORMAT_HINT = ('each record is {"prompt": str} or {"prompt": [{"role", "content"}, ...]} or {"messages": [...]}, '
@@ -44,6 +45,7 @@ def prompt_of(path: Path, where: str, rec: Any) -> tuple[str, Any]:
         raise _bad(path, where, "a record must be a JSON object", type(rec).__name__)
     if "prompt" in rec and "messages" in rec:
         raise _bad(path, where, "both 'prompt' and 'messages': one of them is the prompt", f"keys {sorted(rec)[:6]}")
+    refuse_images(rec, path, where, "grpo")
     if "prompt" in rec:
         value = rec["prompt"]
         if isinstance(value, str):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from .images import refuse_images
 from .records import DataError, count_checked, read_records
 
 KIND = "text"
@@ -33,6 +34,7 @@ def check_record(path: Path, where: str, rec: Any) -> str:
         raise DataError(f"{path}, {where}: a record must be a JSON object", type(rec).__name__, HINT)
     if "text" not in rec:
         raise DataError(f"{path}, {where}: no 'text' field", f"keys {sorted(rec)[:6]}", HINT)
+    refuse_images(rec, path, where, "pt")
     if not isinstance(rec["text"], str):
         raise DataError(f"{path}, {where}: 'text' must be a string", f"{type(rec['text']).__name__}: {repr(rec['text'])[:60]}", HINT)
     return rec["text"]

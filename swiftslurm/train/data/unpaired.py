@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from .images import refuse_images
 from .preference import _form
 from .records import of_one_form
 from .tokens import DataError, read_records
@@ -38,6 +39,7 @@ def check_record(path: Path, where: str, rec: Any) -> tuple[str, bool]:
     if missing:
         hint = " (a chosen/rejected pair is task = \"dpo\" or \"rm\" data)" if "chosen" in rec else ""
         raise _bad(path, where, f"missing {', '.join(repr(k) for k in missing)}{hint}", f"keys {sorted(rec)[:6]}")
+    refuse_images(rec, path, where, "kto")
     if not isinstance(rec["label"], bool):
         raise _bad(path, where, "'label' must be true (desirable) or false (undesirable)", repr(rec["label"])[:80])
     try:

@@ -36,7 +36,27 @@ class TRLTask:
         ensure_chat_template(tok)
         with args.main_process_first(local=False, desc=self.reading):
             dataset = load(list(spec.train.dataset), Path(output_dir) / CACHE_DIR)
+        if "images" in dataset.column_names:  # validate refuses these where it can tell (a hub model it cannot read)
+            refuse_images_here(spec, tok, self.name)
         return dataset, None  # TRL's own collator pads each micro-batch
+
+
+def refuse_images_here(spec: JobSpec, tok: Any, task: str) -> None:
+    """Records with images reached a task that trains on text only, or a model whose processing class takes no images
+    (a DataError, not TRL's ValueError mid-start-up): never trained without their images."""
+    from ...tasks import TASKS
+    from ..data.records import DataError
+    from ..data.tokens import TEXT_MODEL_HINT
+    from ..vision import is_multimodal
+
+    files = f"train.dataset = {list(spec.train.dataset)}"[:160]
+    if not TASKS[task].images:
+        able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
+        raise DataError(f"records with images, and train.task = {task!r} trains on text only", files,
+                        f"use task = {able} with a vision-language model, or drop the images")
+    if not is_multimodal(tok):
+        raise DataError(f"records with images, and train.model = {spec.train.model!r} takes text only "
+                        f"({type(tok).__name__})", files, TEXT_MODEL_HINT)
 
 
 def reference_and_adapter(spec: JobSpec, cuda: bool, attn: str, model: Any = None) -> tuple[Any, Any]:
