@@ -118,16 +118,24 @@ def image_paths(record: Mapping[str, Any], data_file: str | Path, where: str = "
     return out
 
 
-def refuse_images(record: Any, data_file: str | Path, where: str, task: str) -> None:
-    """A record with images in the data of ``task``, which trains on text only (PT, KTO, GRPO, RM): refused, never
-    trained without its images (DataError naming the file and line)."""
-    if not (isinstance(record, dict) and record.get("images")):
-        return
+TEXT_MODEL_HINT = ("set train.model to a vision-language model (its processor takes images; `tiny-vl` is the built-in "
+                   "one), or drop the records' images")
+
+
+def text_task_hint() -> str:
+    """The way out for records with images in a task that trains on text only."""
     from ...tasks import TASKS
 
     able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
-    raise DataError(f"{_at(data_file, where)}: a record with images, and train.task = {task!r} trains on text only",
-                    f"images {record['images']}"[:120], f"use task = {able} with a vision-language model, or drop the images")
+    return f"use task = {able} with a vision-language model, or drop the images"
+
+
+def refuse_images(record: Any, data_file: str | Path, where: str, task: str) -> None:
+    """A record with images in the data of ``task``, which trains on text only (PT, KTO, GRPO, RM): refused, never
+    trained without its images (DataError naming the file and line)."""
+    if isinstance(record, dict) and record.get("images"):
+        raise DataError(f"{_at(data_file, where)}: a record with images, and train.task = {task!r} trains on text only",
+                        f"images {record['images']}"[:120], text_task_hint())
 
 
 def _pillow() -> Any:
@@ -275,8 +283,7 @@ class ImageScan:
         """A record with images (the one just checked) for a model known to take text only (``text_only``)."""
         if self.records == 1 and text_only(model):
             raise DataError(f"{_at(data_file, where)}: a record with images, and train.model = {model!r} takes text only",
-                            "its first record with images", "set train.model to a vision-language model (its processor "
-                            "takes images; `tiny-vl` is the built-in one), or drop the records' images")
+                            "its first record with images", TEXT_MODEL_HINT)
 
     def facts(self) -> ImageFacts | None:
         """What the scan found, or None for a dataset without images."""

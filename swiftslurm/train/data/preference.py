@@ -78,10 +78,22 @@ def check_record(path: Path, where: str, rec: Any) -> str:
 
 def check_files(paths: list[str]) -> tuple[int, str]:
     """(record count, form) of every file together; the first malformed record, or a second form, raises."""
-    count, form = 0, ""
-    for checked in of_one_form(paths, check_record, str, FORMAT_HINT, "preference"):
+    return _check_all(paths)[:2]
+
+
+def _check_all(paths: list[str]) -> tuple[int, str, bool]:
+    """``check_files``, and whether any record names images (one pass over the files)."""
+    count, form, images = 0, "", False
+
+    def check(path: Path, where: str, rec: Any) -> str:
+        nonlocal images
+        checked = check_record(path, where, rec)
+        images = images or bool(rec.get("images"))
+        return checked
+
+    for checked in of_one_form(paths, check, str, FORMAT_HINT, "preference"):
         count, form = count + 1, checked  # one form throughout
-    return count, form
+    return count, form, images
 
 
 def _rows(paths: list[str], digests: list[str], with_images: bool = False) -> Iterator[dict[str, Any]]:
@@ -93,11 +105,6 @@ def _rows(paths: list[str], digests: list[str], with_images: bool = False) -> It
             yield row
 
 
-def has_images(paths: list[str]) -> bool:
-    """Whether any record of the dataset names images (checked records: ``check_files`` ran)."""
-    return any(rec.get("images") for path in paths for _, rec in _records(path) if isinstance(rec, dict))
-
-
 def load(paths: list[str], cache_dir: str | Path):
     """A ``datasets.Dataset`` of the checked records (only prompt/chosen/rejected, and ``images`` when the dataset
     names some: each record's image paths, resolved), in file order, written as Arrow under ``cache_dir`` (shared by
@@ -107,9 +114,9 @@ def load(paths: list[str], cache_dir: str | Path):
 
     from .cache import dataset_digest
 
-    check_files(paths)
+    with_images = _check_all(paths)[2]
     digests = [dataset_digest(p, cache_dir) for p in paths]
-    kwargs = {"paths": list(paths), "digests": digests, "with_images": has_images(paths)}
+    kwargs = {"paths": list(paths), "digests": digests, "with_images": with_images}
     return Dataset.from_generator(_rows, gen_kwargs=kwargs, cache_dir=str(cache_dir))
 
 

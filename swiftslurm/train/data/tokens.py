@@ -151,6 +151,8 @@ def checked_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
     for path in paths:
         for line, rec in read_records(path):
             if isinstance(rec, dict) and rec.get("images"):
+                from .images import TEXT_MODEL_HINT
+
                 raise DataError(f"{path}, {line}: a record with images, and train.model takes text only",
                                 f"images {rec['images']}"[:120], TEXT_MODEL_HINT)
             yield check_record(Path(path), line, rec)
@@ -160,10 +162,6 @@ def scan(paths: list[str]) -> int:
     """Every record of every file checked, nothing tokenized (the scan of ``validate``): the record count.
     A dataset without any record is a DataError too (training it would fail)."""
     return count_checked(checked_records(paths), paths)
-
-
-TEXT_MODEL_HINT = ("set train.model to a vision-language model (its processor takes images; `tiny-vl` is the built-in "
-                   "one), or drop the records' images")
 
 
 def no_example_error(paths: list[str], dropped: int) -> DataError:

@@ -252,13 +252,20 @@ class VisionCollator:
         return out
 
 
+def templated(processor: Any) -> Any:
+    """The processor's tokenizer, holding the chat template (the processor's own where the tokenizer has none): the
+    labels' spans and the pairs' text come from the tokenizer's rendering."""
+    tok = processor.tokenizer
+    if tok.chat_template is None and getattr(processor, "chat_template", None):
+        tok.chat_template = processor.chat_template
+    ensure_chat_template(tok)
+    return tok
+
+
 def vision_data(spec: JobSpec, processor: Any) -> tuple[VisionDataset, VisionCollator]:
     """(train dataset, collator) of ``spec.train.dataset`` for a vision-language model's ``processor``."""
     t = spec.train
-    tok = processor.tokenizer
-    if tok.chat_template is None and getattr(processor, "chat_template", None):
-        tok.chat_template = processor.chat_template  # the labels' spans come from the tokenizer's rendering
-    ensure_chat_template(tok)
+    tok = templated(processor)
     dataset = VisionDataset(read_conversations(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels)
     if t.dataset_scan:  # a record the cut would refuse mid-run, refused before the first step (refuse_cuts)
         dataset.refuse_cuts()
@@ -278,10 +285,7 @@ def preference_collator(processor: Any, t: Any) -> Any:
     from trl.data_utils import apply_chat_template
     from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 
-    tok = processor.tokenizer
-    if tok.chat_template is None and getattr(processor, "chat_template", None):
-        tok.chat_template = processor.chat_template
-    ensure_chat_template(tok)
+    tok = templated(processor)
     if tok.pad_token is None:  # TRL's own collator path does the same
         tok.pad_token = tok.eos_token
     placeholder = placeholder_of(processor)

@@ -45,15 +45,13 @@ def refuse_images_here(spec: JobSpec, tok: Any, task: str) -> None:
     """Records with images reached a task that trains on text only, or a model whose processing class takes no images
     (a DataError, not TRL's ValueError mid-start-up): never trained without their images."""
     from ...tasks import TASKS
+    from ..data.images import TEXT_MODEL_HINT, text_task_hint
     from ..data.records import DataError
-    from ..data.tokens import TEXT_MODEL_HINT
     from ..vision import is_multimodal
 
     files = f"train.dataset = {list(spec.train.dataset)}"[:160]
     if not TASKS[task].images:
-        able = ", ".join(repr(n) for n, row in TASKS.items() if row.images)
-        raise DataError(f"records with images, and train.task = {task!r} trains on text only", files,
-                        f"use task = {able} with a vision-language model, or drop the images")
+        raise DataError(f"records with images, and train.task = {task!r} trains on text only", files, text_task_hint())
     if not is_multimodal(tok):
         raise DataError(f"records with images, and train.model = {spec.train.model!r} takes text only "
                         f"({type(tok).__name__})", files, TEXT_MODEL_HINT)
