@@ -386,7 +386,7 @@ def test_records_with_images_that_reach_a_text_model_or_task_on_the_node_are_ref
     from swiftslurm.train.tasks.trl_task import refuse_images_here
     from swiftslurm.train.tinymodel import build_processing
 
-    job = parse_spec('[job]\nname = "x"\n[train]\nmodel = "org/some-model"\ndataset = ["d.jsonl"]\ntask = "dpo"\n')
+    job = parse_spec('[job]\nname = "x"\n[train]\nmodel = "org/some-model"\ndataset = ["pairs.jsonl"]\ntask = "dpo"\n')
     with pytest.raises(NodeDataError, match="train.model = 'org/some-model' takes text only"):
         refuse_images_here(job, build_processing("tiny-llama"), "dpo")
     with pytest.raises(NodeDataError, match="train.task = 'rm' trains on text only"):
