@@ -57,7 +57,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The suite runs in parallel workers (pytest-xdist, `make test`), a file to a worker, so the waiting of the Slurm
 # tests (the queue, walltime signals, hang limits) overlaps the CPU-bound tests. Files start slowest first (the
 # per-file times of tests/DURATIONS.txt, the last CI rehearsal), so no long file starts last. A test that must
-# have the machine to itself (it sets a cluster node down, which kills every job on it; or it times the machine)
+# have the machine to itself (it sets a cluster node down, which kills every job on it; it reconfigures slurmctld,
+# which holds the jobs being launched; or it times the machine)
 # is marked `alone`: it takes the machine lock exclusively, every other test takes it shared.
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "DURATIONS.txt")
 
