@@ -221,6 +221,22 @@ def test_squeue_with_and_without_r_captured_on_22_05():
     assert sorted(recs) == ["32_0", "32_1", "32_2", "32_3", "33"] and {r.state for r in recs.values()} == {"CANCELLED"}
 
 
+def test_a_task_slurm_holds_is_told_from_one_that_waits_for_resources():
+    recs = slurm.parse_squeue(read("22.05/squeue_launch_failed_held.txt"))
+    assert recs["2295_1"].reason == "launch failed requeued held"
+    assert slurm.held_reason(recs["2295_1"]) == "launch failed requeued held: its start failed on the node and Slurm held it"
+    assert slurm.held_reason(recs["2507"]).startswith("job requeued in held state: ")
+    assert slurm.held_reason(recs["2508"]) is None  # PartitionConfig: it will never start either, but no release helps
+    held_user = slurm.parse_squeue(read("22.05/squeue_held.txt"))["33"]
+    assert slurm.held_reason(held_user).startswith("JobHeldUser: ")
+    # the reason of a job that already runs (a stale word) holds nothing; sacct's records carry no reason
+    assert slurm.held_reason(slurm.JobRecord("1", "RUNNING", reason="JobHeldUser")) is None
+    assert slurm.held_reason(slurm.JobRecord("1", "REQUEUE_HOLD")) is not None
+    # squeue's live reason survives the merge with sacct's record of the same job
+    acc = slurm.parse_sacct("2295_1|PENDING|0:0|None assigned|00:00:00|Unknown|Unknown|sgrp\n")
+    assert slurm.merge_records(acc, recs)["2295_1"].reason == "launch failed requeued held"
+
+
 @pytest.mark.parametrize("name", ["22.05/scontrol_show_job_o.txt", "22.05/scontrol_show_job.txt"])
 def test_scontrol_show_job_captured(name):
     (job,) = slurm.parse_scontrol_job(read(name))

@@ -267,6 +267,31 @@ exit 1
 
 
 @pytest.mark.slurm
+def test_wait_ends_on_a_task_slurm_holds_and_says_how_to_go_on(tmp_path):
+    """A held task never starts by itself (`--hold` here; on a cluster, "launch failed requeued held"): --wait ends
+    and says so instead of waiting for ever, and the job stays queued for the user's release."""
+    (tmp_path / "s.toml").write_text(spec_text("out", ["true"], extra='extra_sbatch = ["--hold"]', name="held"))
+    proc = cli("submit", "s.toml", "--executor", "slurm", "--wait", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (jid,) = load_submission(str(tmp_path / "out")).job_ids
+    try:
+        assert "1 of 1 task(s) did not complete: task 0 HELD" in proc.stdout, proc.stdout
+        assert (f"task 0: held by Slurm (JobHeldUser: held by its user (`scontrol hold`, or sbatch --hold)); "
+                f"`scontrol release {jid}` lets it run, `swiftslurm cancel {tmp_path / 'out'}` ends it") in proc.stdout, proc.stdout
+        (task,) = json.loads(cli("status", "out", "--json", cwd=tmp_path).stdout)["tasks"]
+        assert task["state"] == "HELD" and task["held"].startswith("held by Slurm (JobHeldUser"), task
+        shown = cli("status", "out", cwd=tmp_path).stdout
+        assert "HELD" in shown and "task 0: held by Slurm (JobHeldUser" in shown, shown
+        again = cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path)  # still queued: the dir is still its
+        assert again.returncode != 0 and "active" in again.stdout + again.stderr, again.stdout + again.stderr
+        subprocess.run(["scontrol", "release", jid], check=True, capture_output=True, timeout=30)
+        followed = cli("status", "out", "--follow", cwd=tmp_path)
+        assert followed.returncode == 0 and "all 1 task(s) COMPLETED" in followed.stdout, followed.stdout + followed.stderr
+    finally:
+        subprocess.run(["scancel", "--name=held", jid], capture_output=True, timeout=30)
+
+
+@pytest.mark.slurm
 def test_wait_without_sacct_decides_from_what_the_ranks_left(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()

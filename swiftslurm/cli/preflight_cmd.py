@@ -73,8 +73,10 @@ def preflight_command(console: Console, plan: Plan, executor: str, json_file: Pa
         raise
     waiting = {k: v for k, v in states.items() if not slurm.is_final(v) and v != "UNKNOWN"}
     if waiting:
-        _give_up(console, sub, f"gave up after {limit:.0f} s")
+        held = "HELD" in waiting.values()
+        _give_up(console, sub, "Slurm holds it" if held else f"gave up after {limit:.0f} s")
         raise PreflightFailed(
+            "the preflight job was held in the queue by Slurm; it was cancelled" if held else
             f"the preflight job did not finish within {limit:.0f} s; it was cancelled",
             "job state: " + ", ".join(f"task {k} {v}" for k, v in list(waiting.items())[:10]),
             "check the queue (`squeue`, `sinfo`) or the job logs under " + sub.folder,

@@ -103,7 +103,7 @@ def _print_train_summaries(console: Console, sub: Submission, limit: int = 4) ->
 
 def follow(console: Console, sub: Submission, timeout_s: float | None = None, interval_s: float | None = None) -> int:
     """Live progress until every task ends (plain lines off a terminal); 0 only if all COMPLETED, else 1."""
-    from .watch_cmd import FAILED_NOTES, failure_text, follow_progress
+    from .watch_cmd import FAILED_NOTES, failure_text, follow_progress, held_notes
 
     states = follow_progress(console, sub, interval_s=interval_s, timeout_s=timeout_s)
     _print_train_summaries(console, sub)
@@ -111,8 +111,9 @@ def follow(console: Console, sub: Submission, timeout_s: float | None = None, in
     if bad:
         console.print(f"[red]{len(bad)} of {len(states)} task(s) did not complete:[/] " + escape(", ".join(f"task {t} {s}" for t, s in list(bad.items())[:10])),
                       highlight=False)
+        held = held_notes(sub, bad)
         for t in list(bad)[:FAILED_NOTES]:
-            why = failure_text(sub, int(t))  # the rank's recorded reason, else its last real line
+            why = held.get(t) or failure_text(sub, int(t))  # Slurm holds it; else the rank's recorded reason, else its last real line
             if why:
                 console.print(f"  task {t}: {why}", highlight=False, markup=False)
         console.print(f"logs: {sub.folder}  (errors by rank: swiftslurm logs {_q(sub.output_dir)} --errors)" if sub.output_dir else f"logs: {sub.folder}",

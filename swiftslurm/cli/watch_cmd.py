@@ -22,10 +22,10 @@ from rich.text import Text
 from .. import slurm
 from ..checkpoint.manifest import refuse_inside_sealed
 from ..fsutil import check_named_file, write_named_file
-from ..jobs.record import Submission
+from ..jobs.record import Submission, settled
 from ..watch.progress import Progress, Total, Watcher, override_text, rank_by, rank_sweep, total_of
 
-_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan"}
+_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow", "COMPLETING": "cyan", "HELD": "yellow"}
 MAX_ROWS = 40  # a 1000-task array shows its first 40 unfinished (or best) tasks and a count of the rest
 PLAIN_INTERVAL_S = 10.0
 
@@ -283,6 +283,13 @@ def follow_progress(console: Console, sub: Submission, interval_s: float | None 
     return states
 
 
+def held_notes(sub: Submission, states: dict[str, str]) -> dict[str, str]:
+    """Task -> its HELD note, for the tasks ``states`` (a wait's end) has as HELD."""
+    if "HELD" not in states.values():
+        return {}
+    return {str(r.task): r.held for r in sub.statuses() if r.held and states.get(str(r.task)) == "HELD"}
+
+
 def status_view(console: Console, sub: Submission, as_json: bool, sort: str | None = None) -> int:
     rows = progress_rows(sub) if sub.output_dir else Watcher("", []).rows(sub.statuses())
     if sort and rows and not any(sort in r.best_values for r in rows):  # sorted by nothing: say so, and what there is
@@ -317,13 +324,16 @@ def print_failures(console: Console, sub: Submission, tasks: list[int]) -> None:
 
 
 def print_notes(console: Console, rows: list[Progress]) -> None:
-    """Under the table: why a walltime stop was not requeued, and a last save that outgrew signal_grace_s."""
+    """Under the table: why a walltime stop was not requeued, in-job restarts, a task Slurm holds, and a last save
+    that outgrew signal_grace_s."""
     for r in rows:
         where = f"task {r.task}: " if len(rows) > 1 or r.stop_reason else ""
         if r.stop_reason:
             console.print(f"task {r.task}: {r.stop_reason}", highlight=False, markup=False, soft_wrap=True)
         if r.restart_note:
             console.print(f"task {r.task}: {r.restart_note}", highlight=False, markup=False, soft_wrap=True)
+        if r.held:
+            console.print(f"task {r.task}: {r.held}", style="yellow", highlight=False, markup=False, soft_wrap=True)
         if r.last_save and r.last_save.get("advice"):
             console.print(f"warning: {where}{r.last_save['advice']}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
@@ -380,7 +390,7 @@ def logs_command(console: Console, target: str, rank: int | None, node: str | No
     for ln in lines:
         console.print(f"{ln.prefix(many)} {ln.text}", highlight=False, markup=False, soft_wrap=True)
     while follow:
-        done = sub is None or all(slurm.is_final(s.state) or s.state == "UNKNOWN" for s in sub.statuses())
+        done = sub is None or all(settled(s.state) for s in sub.statuses())
         for ln in L.interleave([L.select(lines, rank, node, attempt=key) for lines in reader.new_lines()]):
             console.print(f"{ln.prefix(many)} {ln.text}", highlight=False, markup=False, soft_wrap=True)
         if done and sub is not None:

@@ -41,6 +41,20 @@ class TaskStatus:
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: phases of the last save, grace advice
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
     restart_note: str | None = None  # in-job restarts (restarts.json): how many, the last cause, or why not restarted
+    held: str | None = None  # state HELD: Slurm's reason and what to do; the task waits in the queue for a person
+
+
+def settled(state: str) -> bool:
+    """A task that will not move without a person: ended, lost by Slurm (UNKNOWN), or held in the queue (HELD)."""
+    return slurm.is_final(state) or state in ("UNKNOWN", "HELD")
+
+
+def held_note(job_id: str, reason: str, output_dir: str = "") -> str:
+    """A HELD task in one line: Slurm's reason, and the two ways on."""
+    from ..quoting import shell_quote
+
+    cancel = f"`swiftslurm cancel {shell_quote(output_dir)}`" if output_dir else f"`scancel {job_id}`"
+    return f"held by Slurm ({reason}); `scontrol release {job_id}` lets it run, {cancel} ends it"
 
 
 def _last_save(task_dir: str) -> dict[str, Any] | None:
@@ -192,6 +206,9 @@ class Submission:
                 if left == "FAILED" and self.cancelled:
                     left = "CANCELLED"  # the ranks we cancelled left errors behind
                 rows.append(TaskStatus(index, jid, left or unseen, output_dir=task_dir))
+            elif (why := slurm.held_reason(rec)) is not None:
+                rows.append(TaskStatus(index, jid, "HELD", rec.nodes, rec.restarts, rec.elapsed, task_dir,
+                                       held=held_note(jid, why, self.output_dir)))
             else:
                 rows.append(TaskStatus(index, jid, rec.state, rec.nodes, rec.restarts, rec.elapsed, task_dir))
         return rows
@@ -213,21 +230,22 @@ class Submission:
         """Poll until every task is in a final state (or ``timeout_s`` passed): task index -> state.
 
         On timeout the states are returned as they are (some not final); the job keeps running.
-        A Slurm task that neither sacct nor squeue has listed for UNSEEN_GRACE_S ends the wait as UNKNOWN.
+        A Slurm task that neither sacct nor squeue has listed for UNSEEN_GRACE_S ends the wait as UNKNOWN, and one
+        that Slurm holds in the queue (it starts only once a person releases it) as HELD: ``settled``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             rows = self.statuses()
             if on_update is not None:
                 on_update(rows)
-            if all(slurm.is_final(r.state) or r.state == "UNKNOWN" for r in rows):  # UNKNOWN: Slurm lost it
+            if all(settled(r.state) for r in rows):
                 return {str(r.task): r.state for r in rows}
             if deadline is not None and time.monotonic() >= deadline:
                 return {str(r.task): r.state for r in rows}
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def is_active(self) -> bool:
-        """Some task is pending, running or requeued (UNKNOWN, Slurm lost it, is not active)."""
+        """Some task is pending (held, too), running or requeued (UNKNOWN, Slurm lost it, is not active)."""
         return any(not slurm.is_final(r.state) and r.state != "UNKNOWN" for r in self.statuses())
 
     def cancel(self) -> None:

@@ -156,6 +156,7 @@ class JobRecord:
     elapsed: str = ""
     restarts: int = 0  # earlier runs of this job id (requeues)
     name: str = ""  # job name: after a cluster reset job ids restart at 1, so an id alone is not enough
+    reason: str = ""  # squeue's reason (%r) for a live job: why it is pending ("Resources", "JobHeldAdmin", ...)
 
 
 def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> dict[str, JobRecord]:
@@ -207,8 +208,28 @@ def parse_squeue(text: str) -> dict[str, JobRecord]:
             continue
         name = cells[5] if len(cells) > 5 else ""
         for jid in expand_job_ids(cells[0].strip()):
-            out[jid] = JobRecord(jid, normalize_state(cells[1]), "", cells[2].strip(), cells[3].strip(), name=name)
+            out[jid] = JobRecord(jid, normalize_state(cells[1]), "", cells[2].strip(), cells[3].strip(), name=name,
+                                 reason=cells[4].strip() if len(cells) > 4 else "")
     return out
+
+
+# Pending reasons (squeue %r) of a job that stays in the queue until a person acts: it never starts by itself.
+# "launch failed requeued held": the job's start failed on its node (or met a `scontrol reconfigure`) and Slurm held it.
+HELD_REASONS = {
+    "launch failed requeued held": "its start failed on the node and Slurm held it",
+    "JobHeldAdmin": "an administrator holds it",
+    "JobHeldUser": "held by its user (`scontrol hold`, or sbatch --hold)",
+    "JobHoldMaxRequeue": "held after Slurm requeued it the most times it may",
+    "job requeued in held state": "requeued in held state (`scontrol requeuehold`)",
+}
+
+
+def held_reason(rec: JobRecord) -> str | None:
+    """Why a pending job is held (its squeue reason in words), or None: a held job waits for `scontrol release`."""
+    if rec.state == "REQUEUE_HOLD":
+        return f"REQUEUE_HOLD: {HELD_REASONS['job requeued in held state']}"
+    words = HELD_REASONS.get(rec.reason) if rec.state == "PENDING" else None
+    return f"{rec.reason}: {words}" if words else None
 
 
 def merge_records(sacct: dict[str, JobRecord], squeue: dict[str, JobRecord]) -> dict[str, JobRecord]:
@@ -219,7 +240,8 @@ def merge_records(sacct: dict[str, JobRecord], squeue: dict[str, JobRecord]) -> 
         if acc is None:
             out[jid] = live
         elif not is_final(acc.state) or acc.restarts:
-            out[jid] = JobRecord(jid, live.state, acc.exit_code, live.nodes or acc.nodes, live.elapsed or acc.elapsed, acc.restarts, acc.name or live.name)
+            out[jid] = JobRecord(jid, live.state, acc.exit_code, live.nodes or acc.nodes, live.elapsed or acc.elapsed, acc.restarts,
+                                 acc.name or live.name, live.reason)
     return out
 
 
