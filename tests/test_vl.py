@@ -109,6 +109,28 @@ def test_a_preference_pair_whose_cut_falls_into_its_prompts_image_is_refused_bef
     assert batch["input_ids"].shape[1] == 128 and int((batch["input_ids"] == image).sum()) == 2 * 4
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-vl"])
+def test_a_models_processing_class_is_read_from_its_dir_once(tmp_path, monkeypatch, name):
+    """A vision-language dir gives its processor; a text model's gives its tokenizer, which AutoProcessor has already
+    read (a 150k-token vocabulary is not parsed twice at every rank's start)."""
+    import transformers
+
+    from swiftslurm.train.tinymodel import build_processing
+    from swiftslurm.train.vision import is_multimodal, load_processing, tokenizer_of
+
+    saved = build_processing(name)
+    saved.save_pretrained(tmp_path)
+    reads: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: reads.append(str(a[0])) or real(cls, *a, **k)))
+    loaded = load_processing(str(tmp_path), local_only=True)
+    assert is_multimodal(loaded) == (name == "tiny-vl") and type(loaded) is type(saved)
+    assert tokenizer_of(loaded).get_vocab() == tokenizer_of(saved).get_vocab()
+    assert tokenizer_of(loaded).chat_template == tokenizer_of(saved).chat_template
+    assert len(reads) == 1, reads  # AutoProcessor's own: the tokenizer (or the processor's) is read once
+
+
 def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(processor):
     from swiftslurm.train.vision import VisionUnsupported, fit_spec
 

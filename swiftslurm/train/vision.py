@@ -64,14 +64,14 @@ def tokenizer_of(processing: Any) -> Any:
 def load_processing(name: str, local_only: bool) -> Any:
     """``name``'s processor when it has an image processor, else its tokenizer (transformers' Auto classes). A
     processor that needs a package this node lacks (Qwen2-VL's needs torchvision) raises ImportError naming it."""
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase
 
     try:
         processor = AutoProcessor.from_pretrained(name, local_files_only=local_only)
     except (OSError, ValueError, KeyError):  # no processor files: a text model's tokenizer alone
         processor = None
-    if is_multimodal(processor):
-        return processor
+    if is_multimodal(processor) or isinstance(processor, PreTrainedTokenizerBase):
+        return processor  # a text model's AutoProcessor answer is its tokenizer: not loaded a second time
     return AutoTokenizer.from_pretrained(name, local_files_only=local_only)
 
 
