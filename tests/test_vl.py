@@ -5,7 +5,9 @@
   record whose max_length cut would fall into an image is refused naming its line;
 - DPO pairs: a pair whose cut at max_length would fall into its prompt's image is refused before the first step; TRL's
   cut keeps the prompt's images;
-- the spec as trained: packing off (the default) with the reason; a task that does not train images refused;
+- packing: a packed row gives each sample the logits it gets alone, its images in row order; the rows are packed from
+  each record's length counted ahead, and a model whose positions are per sequence trains padded batches, the reason
+  in the log; a task that does not train images refused;
   LoRA adapts the language model's projections only, never the vision tower's;
 - one-process runs (tests/one_process_runs.py: real DeepSpeed ZeRO-2 on the CPU): LoRA trains, the loss falls; full
   fine-tuning with ``freeze_projector = false`` trains the projector and the language model, never the vision tower;
@@ -48,7 +50,7 @@ def processor():
 def test_a_sample_is_trained_on_the_answer_only_with_its_images_tokens_masked(processor):
     from swiftslurm.train.data.vision import vision_data
 
-    dataset, collate = vision_data(vl_spec(), processor)
+    dataset, collate = vision_data(vl_spec(packing=False), processor)
     tok, image = processor.tokenizer, processor.tokenizer.convert_tokens_to_ids("<image>")
     two = dataset[12]  # "<image> then <image>: which colours?" -> "red, then green."
     assert tok.decode([t for t, lab in zip(two["input_ids"], two["labels"], strict=True) if lab != -100]) == "red, then green.</s>\n"
@@ -58,6 +60,50 @@ def test_a_sample_is_trained_on_the_answer_only_with_its_images_tokens_masked(pr
     assert tuple(batch["pixel_values"].shape) == (3, 3, 28, 28)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (3, len(two["input_ids"]))
     assert int(batch["attention_mask"][0].sum()) == len(dataset[0]["input_ids"])
+
+
+def test_a_packed_row_gives_each_sample_the_logits_it_gets_alone_with_its_images_in_row_order(processor):
+    """Three samples (one image, two images, none) in rows of 256 tokens, against each sample alone in a padded batch:
+    the same logits at every token, so no sample attends to another or takes another's image features."""
+    import torch
+
+    from swiftslurm.train.data.vision import vision_data
+    from swiftslurm.train.tinymodel import build_model
+
+    model = build_model(len(processor.tokenizer), 256, 42, name="tiny-vl").eval()
+    rows, pack = vision_data(vl_spec(max_length=256), processor, model)
+    alone, pad = vision_data(vl_spec(max_length=256, packing=False), processor)
+    picked = [0, 12, 18]
+    assert [len(alone[i].get("pixel_values", ())) for i in picked] == [1, 2, 0]
+    batch = pack([[rows.samples[i] for i in picked]])
+    assert tuple(batch["pixel_values"].shape) == (3, 3, 28, 28) and "attention_mask" not in batch
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], pixel_values=batch["pixel_values"]).logits[0]
+        at = 0
+        for i in picked:
+            one = pad([alone[i]])
+            n = one["input_ids"].shape[1]
+            assert batch["input_ids"][0, at:at + n].equal(one["input_ids"][0])
+            by_itself = model(**one).logits[0]
+            assert (packed[at:at + n] - by_itself).abs().max().item() < 1e-5, i
+            at += n
+
+
+def test_the_rows_are_packed_from_each_records_length_counted_ahead_of_decoding_its_images(processor):
+    from swiftslurm.train.data.packing import REAL_TOKENS
+    from swiftslurm.train.data.records import DataError
+    from swiftslurm.train.data.vision import vision_data
+
+    rows, pack = vision_data(vl_spec(), processor)  # max_length 128: 19 records, 4 tokens an image
+    assert rows.samples.counted == [len(rows.samples[i]["input_ids"]) for i in range(len(rows.samples))]
+    assert sorted(j for r in range(len(rows)) for j in rows.row(r)) == list(range(19)) and len(rows) < 19
+    batch = pack([rows[r] for r in range(len(rows))])
+    assert batch["input_ids"].shape == (len(rows), 128) and int(batch[REAL_TOKENS].sum()) == sum(rows.samples.counted)
+    images = sum(len(rows.samples[j].get("pixel_values", ())) for r in range(len(rows)) for j in rows.row(r))
+    assert len(batch["pixel_values"]) == images == 24
+    rows.samples.counted[0] += 1  # a processor that disagrees with its own count: refused, never an overflowing row
+    with pytest.raises(DataError, match=r"vl_demo\.jsonl, line 1: the processor gave \d+ tokens where its count said \d+"):
+        rows.samples[0]
 
 
 def test_images_are_brought_within_the_pixel_bounds_before_the_processor():
@@ -76,16 +122,17 @@ def test_a_cut_into_an_images_tokens_is_refused_naming_the_record(tmp_path, proc
     data = tmp_path / "long.jsonl"
     ask = lambda text: [{"role": "user", "content": "x" * 140 + text}, {"role": "assistant", "content": "red"}]  # noqa: E731
     data.write_text(json.dumps({"messages": ask("")}) + "\n" + json.dumps({"messages": ask("<image>"), "images": [str(RED)]}) + "\n")
-    with pytest.raises(DataError, match=r"long\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
-        vision_data(vl_spec(dataset=[str(data)]), processor)  # at start-up, before the first step
-    dataset, _ = vision_data(vl_spec(dataset=[str(data)], dataset_scan=False), processor)  # unscanned: when it is loaded
+    for packing in (True, False):  # packed rows count every record ahead; padded batches scan them
+        with pytest.raises(DataError, match=r"long\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
+            vision_data(vl_spec(dataset=[str(data)], packing=packing), processor)  # at start-up, before the first step
+    dataset, _ = vision_data(vl_spec(dataset=[str(data)], dataset_scan=False, packing=False), processor)  # unscanned: when loaded
     assert len(dataset[0]["input_ids"]) == 128  # text only: its tail cut, as for text models
     with pytest.raises(DataError, match=r"long\.jsonl, line 2: 1\d\d tokens with its images, .*would cut into an image's 4"):
         dataset[1]
     fits = tmp_path / "fits.jsonl"  # the same record with a shorter question: nothing refused, at start-up or loaded
     fits.write_text(json.dumps({"messages": [{"role": "user", "content": "x" * 40 + "<image>"},
                                              {"role": "assistant", "content": "red"}], "images": [str(RED)]}) + "\n")
-    dataset, _ = vision_data(vl_spec(dataset=[str(fits)]), processor)
+    dataset, _ = vision_data(vl_spec(dataset=[str(fits)], packing=False), processor)
     assert dataset.refuse_cuts() == 1 and len(dataset[0]["input_ids"]) <= 128
 
 
@@ -131,11 +178,17 @@ def test_a_models_processing_class_is_read_from_its_dir_once(tmp_path, monkeypat
     assert len(reads) == 1, reads  # AutoProcessor's own: the tokenizer (or the processor's) is read once
 
 
-def test_packing_is_turned_off_with_its_reason_and_other_tasks_are_refused(processor):
+def test_packing_stays_on_for_llava_and_is_turned_off_with_its_reason_for_per_sequence_positions(processor):
     from swiftslurm.train.vision import VisionUnsupported, fit_spec
 
     spec, why = fit_spec(vl_spec(), processor)
-    assert spec.train.packing is False and "packing off for this vision-language model" in (why or "")
+    assert spec.train.packing is True and why is None  # LLaVA: 1-D positions
+    # Qwen2-VL's processor needs torchvision, which this machine's torch cannot load: a stand-in of its class name
+    qwen = type("Qwen2_5_VLProcessor", (), {"image_processor": object(), "tokenizer": processor.tokenizer,
+                                             "_get_num_multimodal_tokens": lambda self, **k: None})()
+    spec, why = fit_spec(vl_spec(), qwen)
+    assert spec.train.packing is False and "packing off for this vision-language model (Qwen2_5_VLProcessor)" in (why or "")
+    assert fit_spec(vl_spec(packing=False), qwen) == (vl_spec(packing=False), None)
     # tiny-vl with KTO is refused at validate already (spec/vision_rules.py); a hub VL model is known by its processor
     # on the node: the same spec unvalidated, as the node sees a model whose type validate could not read
     sft = vl_spec()
@@ -163,7 +216,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     rows = {json.loads(ln[len("PRESET "):])["preset"]: json.loads(ln[len("PRESET "):]) for ln in proc.stdout.splitlines()
             if ln.startswith("PRESET ")}
     assert proc.returncode == 0 and all(r["ok"] for r in rows.values()) and len(rows) == 2, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "packing off for this vision-language model" in proc.stdout + proc.stderr
+    assert "; packing on: " in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]  # LLaVA packs
     return out, rows
 
 
@@ -222,14 +275,14 @@ def test_the_lora_export_loads_with_its_processor_equals_base_plus_adapter_and_g
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_the_tiny_vlm_on_two_nodes_stopped_at_walltime_resumes_to_the_uninterrupted_losses(tmp_path, slurm_cluster):
-    """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning, the vision tower frozen, packing on as by
+    """test_resume's spec (2 nodes x 1 rank, ZeRO-2, full fine-tuning, the vision tower frozen, packed rows as by
     default) with the tiny VLM on the demo's images, beside an uninterrupted run; the walltime signal at step 8 or
     later. The checkpoint records the spec as written (packing on), which the resume compares against."""
     from test_resume import requeued_beside_reference
 
     req_out = requeued_beside_reference(tmp_path, "vl", 24, 8, data=DATA, train={"model": "tiny-vl", "image_max_pixels": 3136})
     logs = [p.read_text(errors="replace") for p in (req_out / "logs").rglob("*") if p.is_file() and p.suffix in (".err", ".log")]
-    assert any("packing off for this vision-language model" in text for text in logs)
+    assert any("; packing on: " in text for text in logs)
 
 
 def test_an_eval_split_keeps_each_records_images_where_its_data_file_put_them(tmp_path):

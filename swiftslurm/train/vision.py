@@ -4,13 +4,13 @@ A model is vision-language when its processing class is a processor with an imag
 ``load_processing`` asks transformers' ``AutoProcessor`` first and keeps its answer only then, else the tokenizer.
 The tiny one, ``tiny-vl``, is built in code (``tinymodel.py``). From there, behind the seams the trainer already has:
 
-- ``fit_spec``: the task must train images (``swiftslurm/tasks.py``, ``images``; SFT only for now); packing is turned
-  off with its reason for the log (each sample's image tokens and multimodal positions are its own), and sequence
-  parallel is refused (its shards would split an image's tokens from the features placed on them);
+- ``fit_spec``: the task must train images (``swiftslurm/tasks.py``, ``images``); packing stays on for a model whose
+  positions allow it (``PACKS``) and is turned off with its reason for the log otherwise, and sequence parallel is
+  refused (its shards would split an image's tokens from the features placed on them);
 - ``model_class``: the transformers Auto class (``AutoModelForImageTextToText``);
 - ``freeze``: the vision tower (``train.freeze_vision``) and the projector (``train.freeze_projector``) kept out of
   training; a LoRA run trains adapters on the language model only (``lora_targets``), the rest frozen by peft;
-- ``data/vision.py``: the records with images, decoded as the loader asks, and their padded batches.
+- ``data/vision.py``: the records with images, decoded as the loader asks, and their packed rows or padded batches.
 
 The vision tower is the model's image encoder (``get_encoder(modality="image")``, transformers 5); the projector the
 first module of ``PROJECTORS`` the model has.
@@ -30,8 +30,13 @@ if TYPE_CHECKING:
 # the module between the vision tower and the language model, by the names transformers gives it (LLaVA and most
 # others; Qwen2-VL's merger sits inside its vision tower)
 PROJECTORS = ("multi_modal_projector", "visual.merger", "mm_projector", "connector")
-UNPACKED = ("off for this vision-language model: each sample's image tokens and multimodal positions stay its own, so "
-            "its micro-batches are padded (train.packing applies to text models)")
+# Processors whose models train packed rows (train.packing): the language model takes 1-D positions, restarted per
+# sample, and the image features are placed at the image tokens in the order they come. Each has its own token count
+# (``_get_num_multimodal_tokens``), which the rows are packed by (data/vision.py). Not here: Qwen2-VL and Qwen2.5-VL,
+# whose 3-D rotary positions are computed per sequence from its image grid, and every processor not yet checked.
+PACKS = {"LlavaProcessor": "LLaVA"}
+UNPACKED = ("off for this vision-language model ({name}): its multimodal positions are computed per sequence, so its "
+            "micro-batches are padded (packed here: " + ", ".join(PACKS.values()) + ")")
 
 
 class VisionUnsupported(SwiftSlurmError):
@@ -84,7 +89,8 @@ def model_class(processing: Any, score_head: bool) -> str:
 
 def fit_spec(spec: JobSpec, processing: Any) -> tuple[JobSpec, str | None]:
     """(the spec this run trains with, the line the log gives it): a text model's spec as it is; a vision-language
-    model's with packing off (and the reason), or VisionUnsupported where the task or parallelism cannot take it."""
+    model's as it is where it packs (``packs``), else with packing off (and the reason), or VisionUnsupported where
+    the task or parallelism cannot take it."""
     if not is_multimodal(processing):
         return spec, None
     t = spec.train
@@ -96,9 +102,15 @@ def fit_spec(spec: JobSpec, processing: Any) -> tuple[JobSpec, str | None]:
     if spec.parallel.sequence_parallel > 1:
         raise VisionUnsupported("sequence parallel does not train vision-language models", found,
                                 "set parallel.sequence_parallel = 1 (an image's tokens must stay on one rank)")
-    if not t.packing:
+    if not t.packing or packs(processing):
         return spec, None
-    return spec.model_copy(update={"train": t.model_copy(update={"packing": False})}), f"packing {UNPACKED}"
+    return (spec.model_copy(update={"train": t.model_copy(update={"packing": False})}),
+            f"packing {UNPACKED.format(name=type(processing).__name__)}")
+
+
+def packs(processing: Any) -> bool:
+    """This vision-language processor's model trains packed rows (``PACKS``)."""
+    return type(processing).__name__ in PACKS and hasattr(processing, "_get_num_multimodal_tokens")
 
 
 def is_vision_language(model: Any) -> bool:

@@ -14,10 +14,18 @@ is refused (DataError naming the record): ``validate``'s scan holds each record'
 at start-up ``refuse_cuts`` finds such a record before the first step (its text tokenized, each image's tokens counted
 from its header's size by the processor), where ``train.dataset_scan`` is on; otherwise when it is loaded.
 
-Not here, and why: packing (multimodal positions: each sample's image tokens, and Qwen2-VL's 3-D rotary positions,
-belong to their own sample; ``vision.fit_spec`` turns it off with the reason in the log), and a tokenisation cache:
-the processor runs per sample as its images are decoded, which costs about what the image decoding costs and needs
-no cache to survive a requeue.
+Packing (``train.packing``, the text path's ``packing.PackedDataset``) where the model's positions allow it
+(``vision.PACKS``: LLaVA's language model takes 1-D positions, and its image features are placed at the image tokens
+in the order they come): each record's length is counted before the first step (``VisionDataset.lengths``: its text
+tokenized, each image's tokens from its header's size), the rows are packed from those counts, and
+``VisionPackingCollator`` gives a row its samples' tokens with their positions from 0 (no attention mask: transformers
+keeps the samples apart by their positions, as for text) and every image of the batch's samples, in row order. A
+processor whose sample then has another length than its count is refused (DataError): a row could overflow. Other
+models (Qwen2-VL's 3-D rotary positions are computed per sequence from its image grid) train padded micro-batches,
+the reason in the log (``vision.fit_spec``).
+
+Not here, and why: a tokenisation cache: the processor runs per sample as its images are decoded, which costs about
+what the image decoding costs and needs no cache to survive a requeue.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...sizing.vision import resized
 from .images import IMAGE_PLACEHOLDER, BadImage, bad_image, image_paths, image_size, load_image
+from .packing import PackedDataset, PackingCollator
 from .records import DataError, read_records
 from .tokens import IGNORE_INDEX, check_record, encode, ensure_chat_template
 
@@ -128,6 +137,7 @@ class VisionDataset:
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.image_token_id = int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
         self.placeholder = placeholder_of(processor)
+        self.counted: list[int] | None = None  # ``lengths``: each sample's tokens as counted ahead (packing holds them)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -154,7 +164,12 @@ class VisionDataset:
         for key, value in out.items():  # the processor's other outputs: per token (a mask) or per image (pixels)
             if key != "input_ids":
                 sample[key] = value[0].tolist() if _per_token(value, len(ids)) else value
-        return self._cut(rec, sample)
+        sample = self._cut(rec, sample)
+        if self.counted is not None and len(sample["input_ids"]) != self.counted[i]:
+            raise DataError(f"{rec.data_file}, {rec.where}: the processor gave {len(sample['input_ids'])} tokens where its "
+                            f"count said {self.counted[i]}, so the packed rows do not hold", type(self.processor).__name__,
+                            "set train.packing = false for this model, and report it")
+        return sample
 
     def _messages(self, rec: Conversation) -> list[dict[str, Any]]:
         """The record's messages with each ``<image>`` written as this processor's placeholder."""
@@ -186,42 +201,55 @@ class VisionDataset:
         return DataError(f"{rec.data_file}, {rec.where}: {length} tokens with its images, and train.max_length = "
                          f"{self.max_length} would cut into an image's {image_tokens} token(s)", f"images {list(rec.raw)}"[:160], HINT)
 
+    def _expanded(self, rec: Conversation, count: Any) -> int:
+        """``rec``'s tokens with its images expanded, counted without decoding an image: its text tokenized, each
+        image's tokens from its header's size brought within the pixel bounds, through the processor's own count
+        (``count``: ``_get_num_multimodal_tokens``). A record whose ``max_length`` cut would fall into an image's tokens
+        is refused as ``_cut`` refuses it when loaded (DataError naming it), one without an assistant token as
+        ``__getitem__`` does."""
+        sizes = []
+        for k, path in enumerate(rec.images):
+            try:
+                width, height = image_size(path)
+            except BadImage as exc:
+                raise bad_image(rec.data_file, rec.where, k + 1, rec.raw[k], path, exc) from None
+            width, height = within_bounds(width, height, self.min_pixels, self.max_pixels) or (width, height)
+            sizes.append([height, width])
+        tokens = list(count(image_sizes=sizes).num_image_tokens) if sizes else []
+        plain = encode("messages", self._messages(rec), self.processor.tokenizer, UNBOUNDED)
+        if plain is None:
+            raise DataError(f"{rec.data_file}, {rec.where}: no assistant token to train on", "", "check the record")
+        length = end = 0  # the expanded sequence's length, and where its last image's tokens end
+        pending = list(tokens)
+        for t in plain["input_ids"]:
+            if t == self.image_token_id and pending:
+                length += pending.pop(0)
+                end = length
+            else:
+                length += 1
+        if end > self.max_length:
+            raise self._cut_error(rec, length, sum(tokens))
+        return length
+
     def refuse_cuts(self) -> int:
-        """Before the first step: the first record whose ``max_length`` cut would fall into an image's tokens, refused as
-        ``_cut`` refuses it when loaded (DataError naming it). Each image's tokens come from its header's size, brought
-        within the pixel bounds, through the processor's own count (``_get_num_multimodal_tokens``); a processor without
-        one leaves the check to ``_cut``. Returns the records checked."""
+        """Before the first step: the first record whose ``max_length`` cut would fall into an image's tokens, refused
+        (``_expanded``); a processor without its own token count leaves the check to ``_cut``. Returns the records
+        checked."""
         count = getattr(self.processor, "_get_num_multimodal_tokens", None)
         if count is None:
             return 0
-        checked = 0
         for rec in self.records:
-            if not rec.images:
-                continue
-            sizes = []
-            for k, path in enumerate(rec.images):
-                try:
-                    width, height = image_size(path)
-                except BadImage as exc:
-                    raise bad_image(rec.data_file, rec.where, k + 1, rec.raw[k], path, exc) from None
-                width, height = within_bounds(width, height, self.min_pixels, self.max_pixels) or (width, height)
-                sizes.append([height, width])
-            tokens = list(count(image_sizes=sizes).num_image_tokens)
-            plain = encode("messages", self._messages(rec), self.processor.tokenizer, UNBOUNDED)
-            checked += 1
-            if plain is None:  # no assistant token: __getitem__ names it
-                continue
-            length = end = 0  # the expanded sequence's length, and where its last image's tokens end
-            pending = list(tokens)
-            for t in plain["input_ids"]:
-                if t == self.image_token_id and pending:
-                    length += pending.pop(0)
-                    end = length
-                else:
-                    length += 1
-            if end > self.max_length:
-                raise self._cut_error(rec, length, sum(tokens))
-        return checked
+            if rec.images:
+                self._expanded(rec, count)
+        return sum(1 for rec in self.records if rec.images)
+
+    def lengths(self) -> list[int]:
+        """Each sample's tokens as ``__getitem__`` will give them (after the ``max_length`` cut), counted ahead for the
+        packed rows (``_expanded``; the refusals of ``refuse_cuts`` on the way); held, and each loaded sample held to
+        its count. Needs the processor's own count (``vision.PACKS`` lists only processors that have one)."""
+        count = self.processor._get_num_multimodal_tokens
+        self.counted = [min(self._expanded(rec, count), self.max_length) for rec in self.records]
+        return self.counted
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -252,6 +280,21 @@ class VisionCollator:
         return out
 
 
+class VisionPackingCollator(PackingCollator):
+    """Packed rows of vision-language samples: the text path's rows (``PackingCollator``: tokens, labels, positions
+    from 0 per sample, no attention mask) and every image tensor of the batch's samples concatenated in row order, the
+    order their image tokens come in the rows."""
+
+    def __call__(self, batch: list[list[dict[str, Any]]]) -> dict[str, Any]:
+        import torch
+
+        out = super().__call__(batch)
+        samples = [ex for row in batch for ex in row]
+        for key in sorted({k for ex in samples for k, v in ex.items() if not isinstance(v, list)}):
+            out[key] = torch.cat([ex[key] for ex in samples if key in ex])
+        return out
+
+
 def templated(processor: Any) -> Any:
     """The processor's tokenizer, holding the chat template (the processor's own where the tokenizer has none): the
     labels' spans and the pairs' text come from the tokenizer's rendering."""
@@ -262,11 +305,22 @@ def templated(processor: Any) -> Any:
     return tok
 
 
-def vision_data(spec: JobSpec, processor: Any) -> tuple[VisionDataset, VisionCollator]:
-    """(train dataset, collator) of ``spec.train.dataset`` for a vision-language model's ``processor``."""
+def vision_data(spec: JobSpec, processor: Any, model: Any = None, attn: str = "sdpa") -> tuple[Any, Any]:
+    """(train dataset, collator) of ``spec.train.dataset`` for a vision-language model's ``processor``: packed rows
+    where ``train.packing`` is on (``vision.fit_spec`` left it on only for a model that packs; ``model`` then trains
+    without a KV cache, ``attn`` picks the rows' form as for text), else padded micro-batches."""
     t = spec.train
     tok = templated(processor)
     dataset = VisionDataset(read_conversations(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels)
+    if t.packing:
+        from ..kernels import choose as kernels
+        from .packing import prepare_model
+
+        if model is not None:
+            prepare_model(model)
+        rows = PackedDataset(dataset, t.max_length, t.seed)  # counts every record (VisionDataset.lengths), refusals on the way
+        return rows, VisionPackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"),
+                                           boundaries=attn == kernels.VARLEN)
     if t.dataset_scan:  # a record the cut would refuse mid-run, refused before the first step (refuse_cuts)
         dataset.refuse_cuts()
     return dataset, VisionCollator(tok.pad_token_id)

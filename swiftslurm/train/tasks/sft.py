@@ -57,7 +57,7 @@ class SFTTask:
         if is_multimodal(tok):
             from ..data.vision import vision_data
 
-            return vision_data(spec, tok)
+            return vision_data(spec, tok, model, attn)
         return _data(spec, args, tok, model, attn, output_dir, self.name)
 
     def describe_data(self, spec: JobSpec, dataset) -> str:
