@@ -125,6 +125,25 @@ def test_image_paths_and_placeholders_are_the_contract_the_trainer_reads(tmp_pat
         load_image(tmp_path / "t.png")
 
 
+def test_a_phone_photo_stored_turned_is_read_and_counted_upright(tmp_path):
+    """A JPEG stored 80 x 40 (red above, blue below) whose EXIF orientation (6) says to show it turned a quarter
+    clockwise, as a phone writes a portrait photo: its size is 40 x 80 for validate's count and the trainer's bounds,
+    and the trainer sees it upright, red on the right (transformers' own load_image turns it the same way)."""
+    from swiftslurm.train.data.images import image_size
+
+    stored = Image.new("RGB", (80, 40), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 80, 20))
+    exif = stored.getexif()
+    exif[0x0112] = 6
+    path = tmp_path / "portrait.jpg"
+    stored.save(path, "JPEG", exif=exif.tobytes(), quality=95)
+    assert image_size(path) == (40, 80) and (check_image(path).width, check_image(path).height) == (40, 80)
+    shown = load_image(path)
+    assert shown.size == (40, 80)
+    red, blue = shown.getpixel((35, 40)), shown.getpixel((5, 40))
+    assert red[0] > 200 > red[2] and blue[2] > 200 > blue[0], (red, blue)
+
+
 def test_tokens_an_image_takes_follow_qwen2_vl_resizing():
     assert PIXELS_PER_IMAGE_TOKEN == 28 * 28
     assert image_tokens(84, 56, 1, 3136) == 2  # transformers' Qwen2-VL processor at max_pixels 3136 (notes, round 4)

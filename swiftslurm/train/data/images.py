@@ -185,13 +185,27 @@ def _decode(image: Image, path: Path) -> None:
                        "the file is damaged or truncated; write it again") from None
 
 
+EXIF_ORIENTATION = 0x0112  # 5..8: the picture is stored turned a quarter (a phone's portrait JPEG): width and height swap
+
+
+def upright_size(image: Image) -> tuple[int, int]:
+    """(width, height) of ``image`` as it is shown: its EXIF orientation applied, read from the header (``load_image``
+    turns the pixels the same way, as transformers' own ``load_image`` does)."""
+    width, height = image.size
+    try:
+        turned = image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+    except Exception:  # noqa: BLE001 -- a damaged EXIF block: the image as stored
+        turned = False
+    return (height, width) if turned else (width, height)
+
+
 def check_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int = MAX_DECODE_PIXELS) -> ImageInfo:
     """``path`` is an image that training can use: a regular file of at most ``max_bytes``, one of
     ``SUPPORTED_FORMATS``, at most ``max_pixels`` pixels, decoded whole (a JPEG at 1/8 scale: every byte of its stream
     is still read). BadImage: why (the caller names the record); DataError when Pillow is missing."""
     p = Path(path)
     with _open(p, max_bytes, max_pixels) as image:
-        info = ImageInfo(str(image.format), *image.size)
+        info = ImageInfo(str(image.format), *upright_size(image))
         if image.format == "JPEG":
             image.draft("RGB", (max(1, info.width // 8), max(1, info.height // 8)))
         _decode(image, p)
@@ -199,15 +213,22 @@ def check_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int
 
 
 def image_size(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int = MAX_DECODE_PIXELS) -> tuple[int, int]:
-    """(width, height) from the image's header, through the same checks, nothing decoded. BadImage: why."""
-    return _open(Path(path), max_bytes, max_pixels).size
+    """(width, height) from the image's header (``upright_size``), through the same checks, nothing decoded."""
+    return upright_size(_open(Path(path), max_bytes, max_pixels))
 
 
 def load_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int = MAX_DECODE_PIXELS) -> Image:
-    """The image at ``path`` as an RGB Pillow image, through the checks of ``check_image`` (BadImage: why)."""
+    """The image at ``path`` as an RGB Pillow image shown upright (its EXIF orientation applied), through the checks
+    of ``check_image`` (BadImage: why)."""
+    from PIL import ImageOps
+
     p = Path(path)
     image = _open(p, max_bytes, max_pixels)
     _decode(image, p)
+    try:
+        image = ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 -- a damaged EXIF block: the image as stored (upright_size says the same)
+        pass
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
