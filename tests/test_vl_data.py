@@ -208,6 +208,24 @@ def _alpaca_with_images(d: Path) -> dict:
     return {"instruction": "<image> describe", "output": "a square", "images": ["img/ok.png"]}
 
 
+def parts(*content: dict) -> dict:
+    """A record in TRL's and the hub datasets' form: the user's content a list of parts, the answer one text part."""
+    return {"messages": [{"role": "user", "content": list(content)},
+                         {"role": "assistant", "content": [{"type": "text", "text": "A square."}]}], "images": ["img/ok.png"]}
+
+
+def _inline_image_part(d: Path) -> dict:
+    return parts({"type": "image", "image": "img/ok.png"}, {"type": "text", "text": "What is shown?"})
+
+
+def _image_url_part(d: Path) -> dict:
+    return parts({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, {"type": "text", "text": "What?"})
+
+
+def _image_part_out_of_order(d: Path) -> dict:
+    return parts({"type": "image", "index": 1, "text": None}, {"type": "text", "text": "What is shown?"})
+
+
 BAD_RECORDS = [  # (what makes the second record of the dataset, the words of its one message)
     (_missing, "image 1 ('img/gone.png') does not exist"),
     (_not_an_image, "image 1 ('img/notes.png') is not a PNG, JPEG, WEBP, GIF or BMP image"),
@@ -220,6 +238,9 @@ BAD_RECORDS = [  # (what makes the second record of the dataset, the words of it
     (_absolute_missing, "does not exist"),
     (_url, "image 1 is a URL, not a local file"),
     (_alpaca_with_images, "a record with images must be in the messages form"),
+    (_inline_image_part, "an image part holding its image (image) is not taken"),
+    (_image_url_part, "a content part of type 'image_url' is not taken"),
+    (_image_part_out_of_order, "image part 1 says index 1"),
 ]
 
 
@@ -232,6 +253,24 @@ def test_a_bad_image_record_is_one_message_naming_file_and_line(tmp_path, make, 
     assert f"{data}, line 2: " in out and words in out, out
     if make is _absolute_missing:
         assert str(tmp_path / "data" / "nowhere" / "abs.png") in out, out
+
+
+def test_content_parts_are_read_as_the_placeholder_form_and_train_the_same_tokens(tmp_path):
+    """TRL's vision form (a columnar file gives every part every key, nulls included, and an image part its index)
+    validates, and its sample is the <image> form's, token for token and pixel for pixel."""
+    from swiftslurm.train.data.vision import VisionDataset, read_conversations
+    from swiftslurm.train.tinymodel import build_processing
+
+    text = dataset(tmp_path, record(["img/ok.png"]))
+    form = tmp_path / "data" / "parts.jsonl"
+    form.write_text(json.dumps(parts({"type": "image", "index": 0, "text": None},
+                                     {"type": "text", "index": None, "text": "What is shown?"})) + "\n")
+    code, out = swiftslurm("validate", str(spec(tmp_path, form)), cwd=tmp_path)
+    assert code == 0 and "images: 1 in 1 record(s) checked" in out, out
+    processor = build_processing("tiny-vl")
+    one, other = (VisionDataset(read_conversations([str(p)]), processor, 128, 784, 3136)[0] for p in (text, form))
+    assert one["input_ids"] == other["input_ids"] and one["labels"] == other["labels"]
+    assert one["pixel_values"].equal(other["pixel_values"])
 
 
 def test_an_image_over_max_length_is_refused_at_the_bound_and_per_record(tmp_path):

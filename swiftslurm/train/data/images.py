@@ -38,12 +38,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ...fsutil import MIB, Unreadable, read_bytes
 from ...sizing.vision import MAX_ASPECT, ImageFacts, fitting_max_pixels, image_bound_problem, image_tokens, text_only
-from .records import DataError
+from .records import IMAGE_PLACEHOLDER, DataError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_PLACEHOLDER = "<image>"
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's format names
 IMAGE_CAP = 64 * MIB  # bytes of one image file: a photo is a few MiB; more is not an image to train on
 MAX_DECODE_PIXELS = 64 * MIB  # pixels of one image (8192 x 8192): more is refused from the header, never decoded

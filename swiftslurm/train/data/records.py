@@ -15,6 +15,10 @@ Formats, by name:
   shards, read in order). A ``DatasetDict`` directory is refused with its splits named: give the
   split's directory (``data/train``).
 
+One reading is not of the file format but of every conversational record, here so that every reader sees it: a
+message whose ``content`` is a list of parts (TRL's and the hub datasets' vision form) is read as the text form,
+its text parts joined and each ``{"type": "image"}`` part an ``<image>`` placeholder, in order (``text_content``).
+
 Memory: nothing holds the whole dataset. JSONL is read line by line; parquet and arrow batch by
 batch (arrow files are memory-mapped); a JSON array is parsed element by element from the file's text
 (so that one format holds the file's text, not its records). A null in a columnar file is an absent
@@ -39,6 +43,8 @@ from typing import Any, Callable, Generator, Iterable, Iterator
 from ...errors import SwiftSlurmError
 from ...fsutil import CONFIG_CAP, LINE_CAP, MAX_DEPTH, json_depth, open_regular, read_json
 
+IMAGE_PLACEHOLDER = "<image>"  # an image's place in a message's text (images.py holds the rest of the contract)
+CONVERSATION_KEYS = ("messages", "prompt", "chosen", "rejected", "completion")  # where a record holds messages
 JSON_LINES = (".jsonl", ".ndjson")
 FORMATS = "JSONL (.jsonl), JSON (.json), parquet (.parquet), arrow (.arrow) or a datasets.save_to_disk directory"
 BATCH_ROWS = 1024
@@ -61,7 +67,56 @@ def bad_json(path: Path, where: str, msg: str, found: str = "") -> DataError:
 
 
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """(where, record) for every record of one dataset file or ``save_to_disk`` directory, in order."""
+    """(where, record) for every record of one dataset file or ``save_to_disk`` directory, in order; messages with
+    content parts read as text (``text_content``)."""
+    for where, rec in _file_records(path):
+        yield where, text_content(rec, path, where)
+
+
+def text_content(rec: Any, path: str | Path, where: str) -> Any:
+    """``rec`` with every message of its conversations (``CONVERSATION_KEYS``) whose content is a list of parts
+    written as the text form: ``[{"type": "image"}, {"type": "text", "text": "What is it?"}]`` -> ``"<image>What is
+    it?"`` (chat templates join the parts the same way). A part may carry its other keys as null (a columnar file
+    gives every part every key) and an image part its ``index`` in the record's ``images``, in order. A part of
+    another type, or an image part holding its image inline, is a DataError naming the record. ``rec`` as it is when
+    nothing is a list of parts."""
+    if not isinstance(rec, dict) or not any(_has_parts(rec.get(key)) for key in CONVERSATION_KEYS):
+        return rec
+    images = [0]  # image parts seen, over the record's messages in order
+    return {**rec, **{key: [_text_message(m, path, where, images) for m in rec[key]]
+                      for key in CONVERSATION_KEYS if _has_parts(rec.get(key))}}
+
+
+def _has_parts(messages: Any) -> bool:
+    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
+def _text_message(message: Any, path: str | Path, where: str, images: list[int]) -> Any:
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    return {**message, "content": "".join(_part_text(part, path, where, images) for part in message["content"])}
+
+
+def _part_text(part: Any, path: str | Path, where: str, images: list[int]) -> str:
+    hint = ('content parts are {"type": "text", "text": "..."} and {"type": "image"} (the image\'s path in the '
+            'record\'s "images", in order); or write content as a string with one <image> an image')
+    kind = part.get("type") if isinstance(part, dict) else None
+    extra = sorted(k for k, v in part.items() if v is not None and k not in ("type", "text", "index")) if isinstance(part, dict) else []
+    if kind == "text" and isinstance(part.get("text"), str) and not extra:
+        return part["text"]
+    if kind == "image" and part.get("text") is None and not extra:
+        index = part.get("index")
+        if index is not None and index != images[0]:
+            raise DataError(f"{path}, {where}: image part {images[0] + 1} says index {index!r}", repr(part)[:120],
+                            "image parts take the record's images in order: drop index, or put the images in that order")
+        images[0] += 1
+        return IMAGE_PLACEHOLDER
+    what = (f"an image part holding its image ({', '.join(extra)})" if kind == "image" else
+            f"a content part of type {kind!r}" if isinstance(part, dict) else "a content part that is not an object")
+    raise DataError(f"{path}, {where}: {what} is not taken", repr(part)[:120], hint)
+
+
+def _file_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     p = Path(path)
     if p.is_dir():  # row indices run on over the shards, as in the loaded dataset: p, row index N = dataset[N]
         start = 0
