@@ -45,13 +45,32 @@ def dataset(root: Path, *records: dict) -> Path:
     return path
 
 
-def spec(root: Path, data: Path, **train: object) -> Path:
-    """A CPU spec of the tiny vision-language model on ``data`` (absolute), with ``train`` keys added."""
+def spec(root: Path, data: Path, model: str = "tiny-vl", **train: object) -> Path:
+    """A CPU spec of the tiny vision-language model (or ``model``) on ``data`` (absolute), with ``train`` keys added."""
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
     path = root / "job.toml"
     path.write_text(f'[job]\noutput_dir = "{root / "out"}"\n[slurm]\nnodes = 1\ntasks_per_node = 1\n'
-                    f'[train]\nmodel = "tiny-vl"\ndataset = ["{data}"]\n{extra}[preflight]\nchecks = []\n')
+                    f'[train]\nmodel = {json.dumps(model)}\ndataset = ["{data}"]\n{extra}[preflight]\nchecks = []\n')
     return path
+
+
+def model_dir(root: Path, kind: str) -> str:
+    """A local model directory holding only a config.json (what validate and plan read): Qwen2-VL-2B's shape, or
+    LLaVA-1.5-7B's (a CLIP tower on 336 x 336 images in 14 x 14 patches)."""
+    configs = {
+        "qwen2_vl": {"model_type": "qwen2_vl", "vision_config": {"embed_dim": 1280, "depth": 32}, "hidden_size": 1536,
+                     "num_hidden_layers": 28, "vocab_size": 151936, "intermediate_size": 8960, "num_attention_heads": 12,
+                     "num_key_value_heads": 2},
+        "llava": {"model_type": "llava", "vision_feature_select_strategy": "default",
+                  "vision_config": {"image_size": 336, "patch_size": 14, "hidden_size": 1024, "num_hidden_layers": 24,
+                                    "intermediate_size": 4096},
+                  "text_config": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32064,
+                                  "num_attention_heads": 32, "intermediate_size": 11008}},
+    }
+    d = root / kind
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(configs[kind]))
+    return str(d)
 
 
 def swiftslurm(*args: str, cwd: Path) -> tuple[int, str]:
@@ -150,6 +169,18 @@ def test_tokens_an_image_takes_follow_qwen2_vl_resizing():
     assert max_image_tokens(768 * 768) == 752 and image_tokens(768, 768, 32 * 32, 768 * 768) == 27 * 27  # sides 756
     assert image_tokens(4000, 3000, 32 * 32, 768 * 768) <= 752  # scaled down into the bound
     assert image_tokens(10, 10, 56 * 56, 768 * 768) == 4  # scaled up to image_min_pixels
+
+
+def test_a_llava_config_says_its_fixed_count_and_any_other_keeps_qwen2_vls_bound():
+    from swiftslurm.sizing.vision import QWEN_RULE, llava_rule, token_rule
+
+    clip = {"image_size": 336, "patch_size": 14}
+    assert llava_rule({"model_type": "llava", "vision_config": clip}, "c").fixed == 576  # the CLS feature dropped
+    assert llava_rule({"model_type": "llava", "vision_config": clip, "vision_feature_select_strategy": "full"}, "c").fixed == 577
+    assert llava_rule({"model_type": "qwen2_vl", "vision_config": clip}, "c") is None
+    assert llava_rule({"model_type": "llava", "vision_config": {"image_size": "336"}}, "c") is None  # unreadable: no claim
+    assert token_rule("Qwen/Qwen2-VL-2B-Instruct") == QWEN_RULE == token_rule("/no/such/dir")
+    assert token_rule("tiny-vl").tokens(4000, 3000, 784, 3136) == 4
 
 
 # ------------------------------------------------------------------ each bad record: one message, file and line
@@ -275,9 +306,16 @@ def test_content_parts_are_read_as_the_placeholder_form_and_train_the_same_token
 
 def test_an_image_over_max_length_is_refused_at_the_bound_and_per_record(tmp_path):
     data = dataset(tmp_path, record(["img/ok.png"]))
-    out = refused(tmp_path, data, max_length=512)  # 768 x 768 pixels: 752 tokens
+    qwen = model_dir(tmp_path / "models", "qwen2_vl")
+    out = refused(tmp_path, data, model=qwen, max_length=512)  # 768 x 768 pixels: 752 tokens
     assert "train.image_max_pixels = 589,824 lets one image take up to 752 tokens" in out, out
     assert "train.max_length = 512" in out and "lower train.image_max_pixels to at most 401,408" in out, out
+    # LLaVA resizes every image to its one square: its count, whatever image_max_pixels says
+    out = refused(tmp_path, data, model=model_dir(tmp_path / "models", "llava"), max_length=512)
+    assert "every image takes 576 tokens" in out and "LLaVA, every image 336 x 336 pixels in 14 x 14 patches" in out, out
+    assert "raise train.max_length to at least 577" in out, out
+    code, out = swiftslurm("validate", str(spec(tmp_path, data, max_length=512)), cwd=tmp_path)  # tiny-vl: 4 tokens
+    assert code == 0 and "each takes 4 tokens (every image 28 x 28 pixels" in out, out
 
     for name in ("a", "b", "c"):
         Image.new("RGB", (100, 100)).save(tmp_path / "data" / "img" / f"{name}.png")  # 4 tokens each at 6,272 pixels
@@ -335,7 +373,7 @@ def test_without_pillow_a_dataset_with_images_is_refused_with_the_extra_to_insta
 
 def test_plan_shows_the_image_token_bound_and_memory_only_for_a_dataset_with_images(tmp_path):
     data = dataset(tmp_path, record(["img/ok.png", "img/ok.png"]), record([]))
-    job = spec(tmp_path, data, per_device_train_batch_size=2)
+    job = spec(tmp_path, data, model=model_dir(tmp_path / "models", "qwen2_vl"), per_device_train_batch_size=2)
     code, out = swiftslurm("plan", "--json", str(job), cwd=tmp_path)
     assert code == 0, out
     images = json.loads(out)["images"]["0"]
@@ -344,6 +382,11 @@ def test_plan_shows_the_image_token_bound_and_memory_only_for_a_dataset_with_ima
     assert images["vision_activation_bytes"] > images["dataset_vision_activation_bytes"] > 0, images
     code, text = swiftslurm("plan", str(job), cwd=tmp_path)
     assert code == 0 and "tokens per image" in text and "vision tower activations" in text, text
+    # tiny-vl (LLaVA): 4 tokens an image, whatever its size, so the bound is what this dataset takes
+    code, out = swiftslurm("plan", "--json", str(spec(tmp_path, data, per_device_train_batch_size=2)), cwd=tmp_path)
+    images = json.loads(out)["images"]["0"]
+    assert images["tokens_per_image_min"] == images["tokens_per_image_max"] == 4 and images["pixels_per_token"] is None
+    assert images["image_tokens_per_micro_batch"] == images["dataset_image_tokens_per_micro_batch"] == 2 * 2 * 4, images
 
     text_data = dataset(tmp_path / "text", record([]))
     code, out = swiftslurm("plan", "--json", str(spec(tmp_path / "text", text_data)), cwd=tmp_path)

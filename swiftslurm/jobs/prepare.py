@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import Problem, SpecError
 from ..plan import ArrayLimits, Plan, make_plan
 from ..sizing.check import layout_of
-from ..sizing.vision import ImageFacts, ImagePlan, image_plan, read_tower
+from ..sizing.vision import ImageFacts, ImagePlan, image_plan, read_tower, token_rule
 from ..slurm.render import render_all
 from ..slurm.scriptcheck import script_problems, setup_problems
 from ..spec import JobSpec, load_raw, load_spec, require_training
@@ -182,8 +182,11 @@ def scan_data(plan: Plan) -> DataScan:
         if facts is not None:
             seen[(t.task, tuple(t.dataset))] = (bounds, facts)
             images[task.index] = _image_plan(task.spec, facts)
+            shown = images[task.index]
+            takes = (f"each takes {shown.tokens_max:,} tokens ({shown.rule.source.split(': ', 1)[-1]})" if shown.rule.fixed is not None
+                     else f"one takes up to {shown.tokens_max:,} tokens (train.image_max_pixels)")
             notes.append(f"images: {facts.images:,} in {facts.records:,} record(s) checked, up to {facts.max_per_record} a "
-                         f"record; one takes up to {images[task.index].tokens_max:,} tokens (train.image_max_pixels)")
+                         f"record; {takes}")
     return DataScan(notes, images)
 
 
@@ -191,7 +194,7 @@ def _image_plan(spec: JobSpec, facts: ImageFacts) -> ImagePlan:
     t = spec.train
     return image_plan(facts, min_pixels=t.image_min_pixels, max_pixels=t.image_max_pixels, max_length=t.max_length,
                       micro_batch=t.per_device_train_batch_size, freeze_vision=t.freeze_vision,
-                      half_precision=t.bf16 or t.fp16, tower=read_tower(t.model))
+                      half_precision=t.bf16 or t.fp16, tower=read_tower(t.model), rule=token_rule(t.model))
 
 
 def check_reward_files(source: str, reward_funcs: list[str]) -> None:

@@ -4,9 +4,10 @@ Tokens: a Qwen2-VL-like processor resizes an image so that its sides are multipl
 [min_pixels, max_pixels] (``smart_resize`` in transformers' ``image_processing_qwen2_vl.py``), cuts it into 14 x 14
 patches for the vision tower and merges each 2 x 2 of them into one language-model token: (h / 14)(w / 14) / 4
 tokens. An image therefore takes at most ``max_pixels // PIXELS_PER_IMAGE_TOKEN`` tokens of the sequence, and those
-tokens count against ``train.max_length`` like text. Processors of fixed resolution (LLaVA's CLIP: one square
-image, ``(size / patch)^2`` tokens) take a constant instead; the bound here is what ``train.image_max_pixels``
-promises, whatever the model.
+tokens count against ``train.max_length`` like text. Processors of fixed resolution (LLaVA's CLIP: every image
+resized to one square, ``(size / patch)^2`` tokens, a patch a token) take a constant instead. ``token_rule`` says
+which a spec's model follows (``TokenRule``): LLaVA where the plan can tell (the built-in ``tiny-vl``, a local
+directory whose config.json says ``llava``), else Qwen2-VL's, the bound ``train.image_max_pixels`` promises.
 
 Memory: the image tokens are inside ``max_length``, so the language model's activations (``memory.py``) already
 count them. What they do not count is the vision tower, which runs over the patches (4 a token) before the
@@ -47,29 +48,86 @@ def resized(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[
 
 
 def image_tokens(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-    """Language-model tokens one image of ``width`` x ``height`` pixels takes in the sequence."""
+    """Language-model tokens one image of ``width`` x ``height`` pixels takes in the sequence (Qwen2-VL's resizing)."""
     w, h = resized(width, height, min_pixels, max_pixels)
     return w * h // PIXELS_PER_IMAGE_TOKEN
 
 
 def max_image_tokens(max_pixels: int) -> int:
-    """The most tokens one image takes at ``train.image_max_pixels`` (at least one)."""
+    """The most tokens one image takes at ``train.image_max_pixels`` (at least one; Qwen2-VL's resizing)."""
     return max(1, max_pixels // PIXELS_PER_IMAGE_TOKEN)
 
 
-def image_bound_problem(max_pixels: int, max_length: int) -> str | None:
-    """Why one image at ``max_pixels`` cannot fit a sample of ``max_length`` tokens, or None when it can."""
-    tokens = max_image_tokens(max_pixels)
-    if tokens <= max_length:
+@dataclass(frozen=True)
+class TokenRule:
+    """How many language-model tokens an image takes for one model: Qwen2-VL's resizing (``fixed`` None: the pixel
+    bounds decide), or a fixed count (LLaVA: every image resized to one square). ``source`` says which and why."""
+
+    fixed: int | None = None
+    patches_per_token: int = PATCHES_PER_TOKEN  # vision-tower patches behind one token (the tower's activations)
+    source: str = (f"{PIXELS_PER_IMAGE_TOKEN} pixels a token: {PATCH_SIDE} x {PATCH_SIDE} patches merged {MERGE_SIDE} x "
+                   f"{MERGE_SIDE}, Qwen2-VL-like")
+
+    def tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+        return self.fixed if self.fixed is not None else image_tokens(width, height, min_pixels, max_pixels)
+
+    def most(self, max_pixels: int) -> int:
+        return self.fixed if self.fixed is not None else max_image_tokens(max_pixels)
+
+    def fewest(self, min_pixels: int, max_pixels: int) -> int:
+        return self.fixed if self.fixed is not None else max(1, math.ceil(min(min_pixels, max_pixels) / PIXELS_PER_IMAGE_TOKEN))
+
+    def bound_problem(self, max_pixels: int, max_length: int) -> tuple[str, str] | None:
+        """(why, hint) when one image cannot fit a sample of ``max_length`` tokens, or None when it can."""
+        tokens = self.most(max_pixels)
+        if tokens <= max_length:
+            return None
+        if self.fixed is not None:
+            return (f"every image takes {tokens:,} tokens ({self.source}), more than train.max_length = {max_length:,}: "
+                    "truncation would cut the image's tokens off", f"raise train.max_length to at least {tokens + 1:,}")
+        return (f"train.image_max_pixels = {max_pixels:,} lets one image take up to {tokens:,} tokens "
+                f"({PIXELS_PER_IMAGE_TOKEN} pixels a token), more than train.max_length = {max_length:,}: truncation would "
+                "cut the image's tokens off",
+                f"lower train.image_max_pixels to at most {max_length * PIXELS_PER_IMAGE_TOKEN:,}, or raise train.max_length")
+
+
+QWEN_RULE = TokenRule()
+LLAVA_TYPES = ("llava",)  # config.json model_type of the LLaVA-1.5 form: one square crop, a patch a token
+TINY_VL_TOKENS = 4  # tiny-vl (train/tinymodel.py): 28 x 28 pixels in 14 x 14 patches, the CLS feature dropped
+
+
+def llava_rule(config: dict[str, Any], where: str) -> TokenRule | None:
+    """LLaVA's fixed count from a config.json (``model_type`` "llava": ``(image_size / patch_size)^2`` patches, one more
+    with ``vision_feature_select_strategy = "full"``, which keeps the CLS feature), or None for another model."""
+    vc = config.get("vision_config")
+    if config.get("model_type") not in LLAVA_TYPES or not isinstance(vc, dict):
         return None
-    return (f"train.image_max_pixels = {max_pixels:,} lets one image take up to {tokens:,} tokens "
-            f"({PIXELS_PER_IMAGE_TOKEN} pixels a token), more than train.max_length = {max_length:,}: truncation would "
-            "cut the image's tokens off")
+    side, patch = vc.get("image_size"), vc.get("patch_size")
+    if not (isinstance(side, int) and isinstance(patch, int) and 0 < patch <= side):
+        return None
+    tokens = (side // patch) ** 2 + (1 if config.get("vision_feature_select_strategy") == "full" else 0)
+    return TokenRule(tokens, 1, f"{where}: LLaVA, every image {side} x {side} pixels in {patch} x {patch} patches, a patch a token")
 
 
-def fitting_max_pixels(max_length: int) -> int:
-    """The largest ``image_max_pixels`` whose image fits ``max_length`` tokens (for hints)."""
-    return max_length * PIXELS_PER_IMAGE_TOKEN
+def token_rule(model: str | None) -> TokenRule:
+    """The ``TokenRule`` of ``train.model``: the built-in ``tiny-vl``'s, a local LLaVA directory's (``llava_rule``),
+    else Qwen2-VL's (a hub id, or a config that says otherwise or cannot be read). Reads config.json through
+    ``fsutil.read_json``."""
+    import os
+
+    from ..fsutil import CONFIG_CAP, Unreadable, read_json
+
+    if model == "tiny-vl":
+        return TokenRule(TINY_VL_TOKENS, 1, "tiny-vl: every image 28 x 28 pixels in 14 x 14 patches, a patch a token")
+    if model and os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        try:
+            config = read_json(path, CONFIG_CAP, wide_ints=True)
+        except (OSError, Unreadable):
+            return QWEN_RULE
+        if isinstance(config, dict):
+            return llava_rule(config, path) or QWEN_RULE
+    return QWEN_RULE
 
 
 @dataclass(frozen=True)
@@ -191,6 +249,7 @@ class ImagePlan:
     data_vision_bytes: int  # over data_tokens' patches
     trained: bool  # the vision tower trains (train.freeze_vision = false)
     tower: VisionTower
+    rule: TokenRule = QWEN_RULE
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows for the plan's text view."""
@@ -198,9 +257,9 @@ class ImagePlan:
         return [
             ("images", f"{f.images:,} in {f.records:,} record(s), up to {f.max_per_record} a record; largest "
                        f"{f.largest[0]} x {f.largest[1]} pixels"),
-            ("tokens per image", f"{self.tokens_min:,} to {self.tokens_max:,} (train.image_min_pixels = {self.min_pixels:,} "
-                                 f"to image_max_pixels = {self.max_pixels:,}, {PIXELS_PER_IMAGE_TOKEN} pixels a token: "
-                                 f"{PATCH_SIDE} x {PATCH_SIDE} patches merged {MERGE_SIDE} x {MERGE_SIDE}, Qwen2-VL-like)"),
+            ("tokens per image", (f"{self.tokens_max:,} ({self.rule.source})" if self.rule.fixed is not None else
+                                  f"{self.tokens_min:,} to {self.tokens_max:,} (train.image_min_pixels = {self.min_pixels:,} "
+                                  f"to image_max_pixels = {self.max_pixels:,}, {self.rule.source})")),
             ("image tokens per micro-batch", f"up to {self.bound_tokens:,} at image_max_pixels ({self.micro_batch} record(s) x "
                                              f"{f.max_per_record} image(s) x {self.tokens_max:,}, at most max_length); "
                                              f"{self.data_tokens:,} with this dataset's images. Part of the "
@@ -208,12 +267,13 @@ class ImagePlan:
             ("vision tower activations", f"{gib(self.vision_bytes)} per rank at image_max_pixels, "
                                          f"{gib(self.data_vision_bytes)} with this dataset's images; not in the total above ("
                                          + ("trained: every layer's" if self.trained else "frozen: one layer's at a time")
-                                         + f", {PATCHES_PER_TOKEN} patches a token; {self.tower.source})"),
+                                         + f", {self.rule.patches_per_token} patch(es) a token; {self.tower.source})"),
         ]
 
     def to_json(self) -> dict[str, Any]:
         return {**self.facts.to_json(), "image_min_pixels": self.min_pixels, "image_max_pixels": self.max_pixels,
-                "pixels_per_token": PIXELS_PER_IMAGE_TOKEN, "tokens_per_image_min": self.tokens_min,
+                "pixels_per_token": None if self.rule.fixed is not None else PIXELS_PER_IMAGE_TOKEN,
+                "image_tokens_rule": self.rule.source, "tokens_per_image_min": self.tokens_min,
                 "tokens_per_image_max": self.tokens_max, "image_tokens_per_micro_batch": self.bound_tokens,
                 "dataset_image_tokens_per_micro_batch": self.data_tokens, "vision_activation_bytes": self.vision_bytes,
                 "dataset_vision_activation_bytes": self.data_vision_bytes, "vision_tower_trained": self.trained,
@@ -221,14 +281,14 @@ class ImagePlan:
 
 
 def image_plan(facts: ImageFacts, *, min_pixels: int, max_pixels: int, max_length: int, micro_batch: int,
-               freeze_vision: bool, half_precision: bool, tower: VisionTower = ASSUMED_TOWER) -> ImagePlan:
-    """The plan's view of a dataset's images under one task's settings."""
-    tokens_max = max_image_tokens(max_pixels)
+               freeze_vision: bool, half_precision: bool, tower: VisionTower = ASSUMED_TOWER,
+               rule: TokenRule = QWEN_RULE) -> ImagePlan:
+    """The plan's view of a dataset's images under one task's settings (``rule``: the model's ``token_rule``)."""
+    tokens_max = rule.most(max_pixels)
     bound = micro_batch * min(facts.max_per_record * tokens_max, max_length)
     data = micro_batch * facts.max_tokens_per_record
-    acts = lambda tokens: vision_activation_bytes(tower, tokens * PATCHES_PER_TOKEN, not freeze_vision,  # noqa: E731
+    acts = lambda tokens: vision_activation_bytes(tower, tokens * rule.patches_per_token, not freeze_vision,  # noqa: E731
                                                   half_precision)
-    return ImagePlan(facts, min_pixels, max_pixels, max_length, micro_batch,
-                     tokens_min=max(1, math.ceil(min(min_pixels, max_pixels) / PIXELS_PER_IMAGE_TOKEN)),
+    return ImagePlan(facts, min_pixels, max_pixels, max_length, micro_batch, tokens_min=rule.fewest(min_pixels, max_pixels),
                      tokens_max=tokens_max, bound_tokens=bound, data_tokens=data, vision_bytes=acts(bound),
-                     data_vision_bytes=acts(data), trained=not freeze_vision, tower=tower)
+                     data_vision_bytes=acts(data), trained=not freeze_vision, tower=tower, rule=rule)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ...fsutil import MIB, Unreadable, read_bytes
-from ...sizing.vision import MAX_ASPECT, ImageFacts, fitting_max_pixels, image_bound_problem, image_tokens, text_only
+from ...sizing.vision import MAX_ASPECT, QWEN_RULE, ImageFacts, TokenRule, text_only
 from .records import IMAGE_PLACEHOLDER, DataError
 
 if TYPE_CHECKING:
@@ -245,6 +245,7 @@ class ImageScan:
     max_length: int
     min_pixels: int
     max_pixels: int
+    rule: TokenRule = QWEN_RULE  # the model's (sizing.vision.token_rule)
     seen: dict[Path, ImageInfo] = field(default_factory=dict)
     records: int = 0
     images: int = 0
@@ -274,7 +275,7 @@ class ImageScan:
                 except BadImage as exc:
                     raise bad_image(data_file, where, i, raw, path, exc) from None
                 self.seen[path] = info
-            tokens += image_tokens(info.width, info.height, self.min_pixels, self.max_pixels)
+            tokens += self.rule.tokens(info.width, info.height, self.min_pixels, self.max_pixels)
             if info.width * info.height > self.largest[0] * self.largest[1]:
                 self.largest = (info.width, info.height)
         if tokens > self.max_length:
@@ -288,11 +289,9 @@ class ImageScan:
         self._refuse_stray()
 
     def _check_bound(self, data_file: str | Path, where: str) -> None:
-        bad = image_bound_problem(self.max_pixels, self.max_length)
+        bad = self.rule.bound_problem(self.max_pixels, self.max_length)
         if bad:
-            raise DataError(bad, f"the dataset holds images ({_at(data_file, where)} is its first record with one)",
-                            f"lower train.image_max_pixels to at most {fitting_max_pixels(self.max_length):,}, or raise "
-                            "train.max_length")
+            raise DataError(bad[0], f"the dataset holds images ({_at(data_file, where)} is its first record with one)", bad[1])
 
     def _refuse_stray(self) -> None:
         if self.stray and self.records:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...sizing.vision import token_rule
 from .images import IMAGE_PLACEHOLDER, ImageScan, Scanned, image_paths, refuse_images
 from .records import of_one_form
 from .tokens import ROLES, DataError, read_records
@@ -125,7 +126,7 @@ def count_records(t) -> Scanned:
     (swiftslurm/tasks.py), and the images of pairs that name some (``images.ImageScan``), for a task that takes them."""
     from ...tasks import TASKS
 
-    scan = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels)
+    scan = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels, token_rule(t.model))
 
     def check(path: Path, where: str, rec: Any) -> str:
         form = check_record(path, where, rec)

@@ -211,9 +211,10 @@ class Collator:
 def count_records(t) -> Scanned:
     """``task = "sft"`` at validate: every record of ``t.dataset`` checked (swiftslurm/tasks.py), and the images of
     records that name some (``images.ImageScan``: files, formats, placeholders, tokens against ``t.max_length``)."""
+    from ...sizing.vision import token_rule
     from .images import ImageScan, Scanned
 
-    images = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels)
+    images = ImageScan(t.max_length, t.image_min_pixels, t.image_max_pixels, token_rule(t.model))
 
     def checked() -> Iterator[tuple[str, Any]]:
         for path in t.dataset:
