@@ -282,6 +282,8 @@ def test_wait_ends_on_a_task_slurm_holds_and_says_how_to_go_on(tmp_path):
         assert task["state"] == "HELD" and task["held"].startswith("held by Slurm (JobHeldUser"), task
         shown = cli("status", "out", cwd=tmp_path).stdout
         assert "HELD" in shown and "task 0: held by Slurm (JobHeldUser" in shown, shown
+        doctor = cli("doctor", "out", "--json", cwd=tmp_path)
+        assert doctor.returncode == 6 and [f["code"] for f in json.loads(doctor.stdout)] == ["held"], doctor.stdout + doctor.stderr
         again = cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path)  # still queued: the dir is still its
         assert again.returncode != 0 and "active" in again.stdout + again.stderr, again.stdout + again.stderr
         subprocess.run(["scontrol", "release", jid], check=True, capture_output=True, timeout=30)

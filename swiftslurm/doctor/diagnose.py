@@ -7,14 +7,14 @@ from typing import Callable
 from .evidence import TaskRun
 from .findings import Finding, ordered
 from .rules.hang import hang
-from .rules.jobrules import node_failure, walltime_loop
+from .rules.jobrules import held, node_failure, walltime_loop
 from .rules.logrules import ckpt_missing_keys, cuda_oom, device_mismatch, host_oom, nccl_timeout, startup_hang
 from .rules.metricrules import diverged, nan_grad_norm, router_collapse, speed
 from .rules.restartrules import in_job_restarts
 from .rules.slowrules import straggler
 
 RULES: tuple[Callable[[TaskRun], list[Finding]], ...] = (
-    hang, startup_hang, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
+    hang, startup_hang, held, node_failure, host_oom, cuda_oom, device_mismatch, ckpt_missing_keys, nccl_timeout, nan_grad_norm,
     diverged, router_collapse, walltime_loop, straggler, speed, in_job_restarts,
 )
 

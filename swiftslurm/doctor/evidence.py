@@ -57,6 +57,7 @@ class TaskRun:
     restarts: int = 0
     executor: str = ""  # "slurm" | "local" (the submission's), "" unknown
     flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its flight-recorder dump (frtrace)
+    held: str = ""  # state HELD: Slurm's reason and the ways on (jobs/record.held_note)
 
     @property
     def all_lines(self) -> list[Line]:

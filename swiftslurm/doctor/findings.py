@@ -10,6 +10,7 @@ from typing import Any
 CODES = (
     "hang",  # no step progress for K x the median step time; names the rank(s) the others wait for
     "startup_hang",  # a rank ended by the start-up watch (train/health/startup.py): stuck before training, e.g. on a build lock
+    "held",  # Slurm holds the job in the queue (launch failed requeued held, an admin's or the user's hold): it never starts alone
     "node_failure",  # a node lost, a rank killed by a signal, a failed preflight
     "host_oom",  # the kernel's OOM killer ended a rank (host memory, not the GPU's)
     "cuda_oom",  # CUDA out of memory

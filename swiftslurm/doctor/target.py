@@ -17,17 +17,18 @@ def runs_of(target: str) -> list[TaskRun]:
     since = sub.submitted_at - SLACK_S if sub is not None and sub.submitted_at else None
     out = []
     for ref in tasks:
-        state, nodes, restarts = states.get(ref.task, ("", "", 0))
+        state, nodes, restarts, held = states.get(ref.task, ("", "", 0, None))
         run = read_task(ref.task, ref.task_dir, ref.folder, ref.job_id, since, state, nodes, restarts)
         run.executor = sub.executor if sub is not None else ""
+        run.held = held or ""
         out.append(run)
     return out
 
 
-def _states(sub: Submission | None) -> dict[int, tuple[str, str, int]]:
+def _states(sub: Submission | None) -> dict[int, tuple[str, str, int, str | None]]:
     if sub is None:
         return {}
     try:
-        return {int(s.task): (s.state, s.nodes, s.restarts) for s in sub.statuses()}
+        return {int(s.task): (s.state, s.nodes, s.restarts, s.held) for s in sub.statuses()}
     except (SwiftSlurmError, OSError, ValueError):
         return {}  # Slurm not answering: the files still tell most

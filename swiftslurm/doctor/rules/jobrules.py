@@ -61,6 +61,22 @@ def preflight_failures(run: TaskRun) -> list[Finding]:
         ("slurm.exclude", "preflight.on_failure"), ev, run.task, (), tuple(blamed))]
 
 
+def held(run: TaskRun) -> list[Finding]:
+    """A task Slurm holds in the queue: it starts only once someone releases it (``slurm.held_reason``)."""
+    if run.state != "HELD":
+        return []
+    launch = "launch failed" in run.held
+    return [Finding(
+        "held", "Slurm holds the job in the queue: " + (run.held or "held"),
+        ("its start failed on a node (the node's slurmd or prolog, or slurmctld reconfigured while it launched), and Slurm "
+         "requeued it held so that it does not fail again at once" if launch else
+         "a hold (an administrator's, the user's `scontrol hold` or sbatch --hold, or too many requeues) keeps it from starting"),
+        "`scontrol release` the job id named to let it run, or cancel it; " + (
+            "if one node keeps failing launches, leave it out (slurm.exclude) and tell the admins" if launch else
+            "ask the admins why, for an administrator's hold"),
+        ("slurm.exclude",) if launch else (), (Evidence("squeue", None, None, "", None, run.held or run.state),), run.task)]
+
+
 def walltime_loop(run: TaskRun) -> list[Finding]:
     stops = [r for r in run.requeues if r.get("outcome") != "requeueing" or r.get("requeued")]
     if len(stops) < WALLTIME_STOPS:
