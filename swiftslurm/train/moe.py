@@ -120,23 +120,20 @@ def config_dropout(model: Any, dropout: float) -> float:
     return 0.0 if model is not None and expert_counts(model.config) is not None else dropout
 
 
-def restore_dropout(model: Any, dropout: float) -> int:
+def restore_dropout(model: Any, dropout: float) -> None:
     """``train.lora_dropout`` on every LoRA projection of ``model`` that peft built without one (``config_dropout``),
-    the parameter-adapted expert weights left without; the number of projections given it."""
+    the parameter-adapted expert weights left without (``adapted`` says where it applies, in the log)."""
     if not dropout:
-        return 0
+        return
     import torch
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    given = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer) or isinstance(module, ParamWrapper):
             continue
         for name, drop in list(module.lora_dropout.items()):
             if isinstance(drop, torch.nn.Identity):
                 module.lora_dropout[name] = torch.nn.Dropout(p=dropout)
-                given += 1
-    return given
 
 
 def is_router(module: Any) -> bool:
