@@ -89,6 +89,79 @@ def test_a_packed_row_gives_each_sample_the_logits_it_gets_alone_with_its_images
             at += n
 
 
+def tiny_qwen(family: str):
+    """A 2-layer Qwen2-VL or Qwen2.5-VL built from a config (its processor needs torchvision, which cannot load here):
+    images are 14 x 14-pixel patches, 2 x 2 merged into one token, with 3-D rotary positions (mrope)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=300, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        config, cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+    else:
+        config, cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    torch.manual_seed(0)
+    return cls(config(text_config=text, vision_config=vision, image_token_id=290, video_token_id=291,
+                      vision_start_token_id=292, vision_end_token_id=293)).eval()
+
+
+def qwen_sample(seed: int, before: int, grids: list[list[int]], after: int) -> dict:
+    """A sample as VisionDataset gives it for Qwen2-VL: text, then per image <|vision_start|>, its t*h*w/4 image
+    tokens, <|vision_end|> and some text; its pixel rows (3 x 2 x 14 x 14 values a patch) and image_grid_thw."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, pixels = torch.randint(3, 280, (before,), generator=g).tolist(), []
+    for t, h, w in grids:
+        ids += [292] + [290] * (t * h * w // 4) + [293] + torch.randint(3, 280, (3,), generator=g).tolist()
+        pixels.append(torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=g))
+    ids += torch.randint(3, 280, (after,), generator=g).tolist()
+    sample: dict = {"input_ids": ids, "labels": ids}
+    if grids:
+        sample.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
+    return sample
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_a_packed_qwen2_vl_row_gives_each_sample_the_logits_its_own_3d_positions_give(family):
+    """Qwen2-VL's rotary positions run over an image's grid (temporal, height, width): a packed row carries each
+    sample's own (the model's get_rope_index, per sample) after the text positions; the same logits as each sample
+    alone, where the model computes its positions itself."""
+    import torch
+
+    from swiftslurm.train.data.packing import prepare_model
+    from swiftslurm.train.data.vision import VisionPackingCollator, rope_index
+
+    model = tiny_qwen(family)
+    prepare_model(model)  # no KV cache, as vision_data leaves a model that trains packed rows
+    samples = [qwen_sample(1, 5, [[1, 4, 4]], 7), qwen_sample(2, 3, [], 6), qwen_sample(3, 2, [[1, 4, 8], [1, 4, 4]], 4)]
+    rope = rope_index(model, 290)
+    assert rope is not None and rope_index(build_llava(), 4) is None
+    for flatten in (False, True):  # a flash kernel reads one flattened row
+        batch = VisionPackingCollator(64, 0, flatten=flatten, rope=rope)([samples[:2], samples[2:]])
+        assert batch["position_ids"].shape == ((4, 1, 128) if flatten else (4, 2, 64)) and "attention_mask" not in batch
+        with torch.no_grad():
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], pixel_values=batch["pixel_values"],
+                           image_grid_thw=batch["image_grid_thw"]).logits.reshape(-1, 300)
+            starts = [0, 21, 64]  # row 1: samples 0 and 1 (21 + 9 tokens), row 2: sample 2
+            for start, ex in zip(starts, samples, strict=True):
+                ids = torch.tensor([ex["input_ids"]])
+                alone = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=ex.get("pixel_values"),
+                              image_grid_thw=ex.get("image_grid_thw"), mm_token_type_ids=(ids == 290).int()).logits[0]
+                assert (packed[start:start + len(alone)] - alone).abs().max().item() < 1e-5, (family, flatten, start)
+
+
+def build_llava():
+    from swiftslurm.train.tinymodel import build_model
+
+    return build_model(300, 128, 0, name="tiny-vl")
+
+
 def test_the_rows_are_packed_from_each_records_length_counted_ahead_of_decoding_its_images(processor):
     from swiftslurm.train.data.packing import REAL_TOKENS
     from swiftslurm.train.data.records import DataError
@@ -178,17 +251,21 @@ def test_a_models_processing_class_is_read_from_its_dir_once(tmp_path, monkeypat
     assert len(reads) == 1, reads  # AutoProcessor's own: the tokenizer (or the processor's) is read once
 
 
-def test_packing_stays_on_for_llava_and_is_turned_off_with_its_reason_for_per_sequence_positions(processor):
+def test_packing_stays_on_for_the_models_it_is_checked_on_and_is_turned_off_with_its_reason_elsewhere(processor):
     from swiftslurm.train.vision import VisionUnsupported, fit_spec
 
     spec, why = fit_spec(vl_spec(), processor)
     assert spec.train.packing is True and why is None  # LLaVA: 1-D positions
-    # Qwen2-VL's processor needs torchvision, which this machine's torch cannot load: a stand-in of its class name
-    qwen = type("Qwen2_5_VLProcessor", (), {"image_processor": object(), "tokenizer": processor.tokenizer,
-                                             "_get_num_multimodal_tokens": lambda self, **k: None})()
-    spec, why = fit_spec(vl_spec(), qwen)
-    assert spec.train.packing is False and "packing off for this vision-language model (Qwen2_5_VLProcessor)" in (why or "")
-    assert fit_spec(vl_spec(packing=False), qwen) == (vl_spec(packing=False), None)
+
+    # Qwen2-VL's processor needs torchvision, which this machine's torch cannot load: stand-ins of processor classes
+    def like(name: str):
+        return type(name, (), {"image_processor": object(), "tokenizer": processor.tokenizer,
+                               "_get_num_multimodal_tokens": lambda self, **k: None})()
+
+    assert fit_spec(vl_spec(), like("Qwen2_5_VLProcessor"))[0].train.packing is True  # per-sample 3-D positions
+    spec, why = fit_spec(vl_spec(), like("Gemma3Processor"))
+    assert spec.train.packing is False and "packing off for this vision-language model (Gemma3Processor)" in (why or "")
+    assert fit_spec(vl_spec(packing=False), like("Gemma3Processor")) == (vl_spec(packing=False), None)
     # tiny-vl with KTO is refused at validate already (spec/vision_rules.py); a hub VL model is known by its processor
     # on the node: the same spec unvalidated, as the node sees a model whose type validate could not read
     sft = vl_spec()

@@ -86,7 +86,7 @@ def plan_lines(plan: dict) -> dict:
             "gradient_checkpointing": train.get("gradient_checkpointing"),
             "gradient_checkpointing_layers": train.get("gradient_checkpointing_layers"),
             "checkpointing_why": (m.get("gradient_checkpointing") or {}).get("why"),
-            "images": (plan.get("images") or {}).get("0"), "packing_in_spec": train.get("packing"),  # off at run time for Qwen2-VL; LLaVA packs
+            "images": (plan.get("images") or {}).get("0"), "packing_in_spec": train.get("packing"),  # packed rows: LLaVA, Qwen2-VL, Qwen2.5-VL
             "attn_implementation": train.get("attn_implementation")}
 
 

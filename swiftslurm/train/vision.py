@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 # the module between the vision tower and the language model, by the names transformers gives it (LLaVA and most
 # others; Qwen2-VL's merger sits inside its vision tower)
 PROJECTORS = ("multi_modal_projector", "visual.merger", "mm_projector", "connector")
-# Processors whose models train packed rows (train.packing): the language model takes 1-D positions, restarted per
-# sample, and the image features are placed at the image tokens in the order they come. Each has its own token count
-# (``_get_num_multimodal_tokens``), which the rows are packed by (data/vision.py). Not here: Qwen2-VL and Qwen2.5-VL,
-# whose 3-D rotary positions are computed per sequence from its image grid, and every processor not yet checked.
-PACKS = {"LlavaProcessor": "LLaVA"}
-UNPACKED = ("off for this vision-language model ({name}): its multimodal positions are computed per sequence, so its "
-            "micro-batches are padded (packed here: " + ", ".join(PACKS.values()) + ")")
+# Processors whose models train packed rows (train.packing): the image features are placed at the image tokens in the
+# order they come, and each sample's positions restart in its row: 1-D (LLaVA), or Qwen2-VL's 3-D rotary positions,
+# computed per sample by the model's own get_rope_index (data/vision.RopeIndex). Each has its own token count
+# (``_get_num_multimodal_tokens``), which the rows are packed by. Not here: every processor not yet checked.
+PACKS = {"LlavaProcessor": "LLaVA", "Qwen2VLProcessor": "Qwen2-VL", "Qwen2_5_VLProcessor": "Qwen2.5-VL"}
+UNPACKED = ("off for this vision-language model ({name}): its positions in a packed row are not checked, so its "
+            "micro-batches are padded (packed: " + ", ".join(PACKS.values()) + ")")
 
 
 class VisionUnsupported(SwiftSlurmError):

@@ -14,15 +14,15 @@ is refused (DataError naming the record): ``validate``'s scan holds each record'
 at start-up ``refuse_cuts`` finds such a record before the first step (its text tokenized, each image's tokens counted
 from its header's size by the processor), where ``train.dataset_scan`` is on; otherwise when it is loaded.
 
-Packing (``train.packing``, the text path's ``packing.PackedDataset``) where the model's positions allow it
-(``vision.PACKS``: LLaVA's language model takes 1-D positions, and its image features are placed at the image tokens
-in the order they come): each record's length is counted before the first step (``VisionDataset.lengths``: its text
-tokenized, each image's tokens from its header's size), the rows are packed from those counts, and
-``VisionPackingCollator`` gives a row its samples' tokens with their positions from 0 (no attention mask: transformers
-keeps the samples apart by their positions, as for text) and every image of the batch's samples, in row order. A
-processor whose sample then has another length than its count is refused (DataError): a row could overflow. Other
-models (Qwen2-VL's 3-D rotary positions are computed per sequence from its image grid) train padded micro-batches,
-the reason in the log (``vision.fit_spec``).
+Packing (``train.packing``, the text path's ``packing.PackedDataset``) for the models of ``vision.PACKS`` (their
+image features are placed at the image tokens in the order they come): each record's length is counted before the
+first step (``VisionDataset.lengths``: its text tokenized, each image's tokens from its header's size), the rows are
+packed from those counts, and ``VisionPackingCollator`` gives a row its samples' tokens with their positions from 0
+(no attention mask: transformers keeps the samples apart by their positions, as for text) and every image of the
+batch's samples, in row order. LLaVA's language model takes those 1-D positions; Qwen2-VL's and Qwen2.5-VL's 3-D
+rotary positions are each sample's own, computed by the model's own ``get_rope_index`` per sample (``RopeIndex``)
+and given after the text positions. A processor whose sample then has another length than its count is refused
+(DataError): a row could overflow. Other models train padded micro-batches, the reason in the log (``vision.fit_spec``).
 
 Not here, and why: a tokenisation cache: the processor runs per sample as its images are decoded, which costs about
 what the image decoding costs and needs no cache to survive a requeue.
@@ -280,10 +280,52 @@ class VisionCollator:
         return out
 
 
+class RopeIndex:
+    """A model's own multimodal positions (``get_rope_index``: Qwen2-VL's 3-D rotary positions, temporal, height and
+    width) for one sample at a time, away from the model: an empty instance of the model's class that holds only its
+    config (the method reads nothing else of it), so the collator can run it in the DataLoader's workers. The
+    positions are transformers' own; tests/test_vl.py holds a packed row's logits to each sample's alone."""
+
+    def __init__(self, module: Any, image_token_id: int) -> None:
+        import torch
+
+        cls: Any = type(module)
+        self.shim = cls.__new__(cls)
+        torch.nn.Module.__init__(self.shim)
+        self.shim.config = module.config
+        self.image_token_id = image_token_id
+
+    def __call__(self, ids: list[int], grids: Any) -> Any:
+        """(3, len(ids)) positions of one sample; ``grids``: its ``image_grid_thw`` (None without images)."""
+        import torch
+
+        if grids is None or not len(grids):
+            return torch.arange(len(ids)).expand(3, -1)
+        t = torch.tensor([ids])
+        positions, _ = self.shim.get_rope_index(t, (t == self.image_token_id).int(), image_grid_thw=grids)
+        return positions[:, 0]
+
+
+def rope_index(model: Any, image_token_id: int) -> RopeIndex | None:
+    """The ``RopeIndex`` of a model whose positions are computed per sequence (a module whose class has
+    ``get_rope_index``, Qwen2-VL's and Qwen2.5-VL's), else None (1-D positions: LLaVA)."""
+    for module in model.modules() if model is not None else ():
+        if callable(getattr(type(module), "get_rope_index", None)) and hasattr(module, "config"):
+            return RopeIndex(module, image_token_id)
+    return None
+
+
 class VisionPackingCollator(PackingCollator):
     """Packed rows of vision-language samples: the text path's rows (``PackingCollator``: tokens, labels, positions
     from 0 per sample, no attention mask) and every image tensor of the batch's samples concatenated in row order, the
-    order their image tokens come in the rows."""
+    order their image tokens come in the rows. ``rope`` (a model with multimodal positions): ``position_ids`` are
+    ``[4, rows, length]``, the text positions first (transformers keeps the samples apart by them) and then each
+    sample's own 3-D positions, as transformers' Qwen2-VL reads packed rows."""
+
+    def __init__(self, max_length: int, pad_id: int, flatten: bool = False, boundaries: bool = False,
+                 rope: RopeIndex | None = None) -> None:
+        super().__init__(max_length, pad_id, flatten, boundaries)
+        self.rope = rope
 
     def __call__(self, batch: list[list[dict[str, Any]]]) -> dict[str, Any]:
         import torch
@@ -292,6 +334,15 @@ class VisionPackingCollator(PackingCollator):
         samples = [ex for row in batch for ex in row]
         for key in sorted({k for ex in samples for k, v in ex.items() if not isinstance(v, list)}):
             out[key] = torch.cat([ex[key] for ex in samples if key in ex])
+        if self.rope is not None:
+            text = out["position_ids"]
+            rows = []
+            for row in batch:
+                parts = [self.rope(ex["input_ids"], ex.get("image_grid_thw")) for ex in row]
+                pad = self.max_length - sum(p.shape[1] for p in parts)
+                rows.append(torch.cat([*parts, torch.arange(pad).expand(3, -1)], 1))
+            multimodal = torch.stack(rows, 1).reshape(3, *text.shape).to(text.dtype)
+            out["position_ids"] = torch.cat([text[None], multimodal])
         return out
 
 
@@ -320,7 +371,7 @@ def vision_data(spec: JobSpec, processor: Any, model: Any = None, attn: str = "s
             prepare_model(model)
         rows = PackedDataset(dataset, t.max_length, t.seed)  # counts every record (VisionDataset.lengths), refusals on the way
         return rows, VisionPackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"),
-                                           boundaries=attn == kernels.VARLEN)
+                                           boundaries=attn == kernels.VARLEN, rope=rope_index(model, dataset.image_token_id))
     if t.dataset_scan:  # a record the cut would refuse mid-run, refused before the first step (refuse_cuts)
         dataset.refuse_cuts()
     return dataset, VisionCollator(tok.pad_token_id)
