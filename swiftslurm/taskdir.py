@@ -31,7 +31,7 @@ The layout (``docs/ARCHITECTURE.md`` has the same list with who writes what)::
     <task dir>/.staging-checkpoint-<step>/     being written; never read as a checkpoint
     <task dir>/resume-source/checkpoint-<N>/   train.resume_from imported on the fly
     <task dir>/universal/                      universal-checkpoint conversions
-    <task dir>/.swiftslurm-cache/              tokenized data, preference data
+    <task dir>/.swiftslurm-cache/              tokenized data, preference data, vision-language token counts
     <task dir>/.swiftslurm-tracker.json        the W&B / MLflow run ids this task's training continues
     <task dir>/wandb/                          W&B's own run dirs (unless WANDB_DIR says elsewhere)
     <job.output_dir>/mlruns/                   the MLflow file store (unless MLFLOW_TRACKING_URI says elsewhere)
@@ -71,6 +71,7 @@ RESUME_SOURCE_DIR = "resume-source"
 UNIVERSAL_DIR = "universal"
 SAVE_LINK_DIR = ".swiftslurm-save"
 TOKEN_CACHE_DIR = ".swiftslurm-cache/tokenized"
+VL_LENGTHS_DIR = ".swiftslurm-cache/vl-lengths"  # packed vision-language rows: each record's token count (data/vision.py)
 PREFERENCE_CACHE_DIR = ".swiftslurm-cache/preference"
 SPLIT_CACHE_DIR = ".swiftslurm-cache/split"  # train.eval_split: the training and eval parts of the records
 TRACKER_FILE = ".swiftslurm-tracker.json"

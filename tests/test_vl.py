@@ -179,6 +179,32 @@ def test_the_rows_are_packed_from_each_records_length_counted_ahead_of_decoding_
         rows.samples[0]
 
 
+def test_the_counts_are_made_once_and_read_back_by_the_other_ranks_and_every_requeue(tmp_path, processor, monkeypatch):
+    from swiftslurm.train.data.vision import VisionDataset, vision_data
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(DATA.read_text().replace('"vl_images/', f'"{DATA.parent}/vl_images/'))  # the images stay where they are
+    counts = tmp_path / "out" / ".swiftslurm-cache" / "vl-lengths"
+    rows, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
+    (written,) = counts.glob("*.i32")
+    assert written.stat().st_size == 4 * 19 and rows.samples.counted == [len(rows.samples[i]["input_ids"]) for i in range(19)]
+
+    def no_count(*a, **k):
+        raise AssertionError("counted again")
+
+    with monkeypatch.context() as m:  # a second rank, or the run requeued: read, not counted
+        m.setattr(VisionDataset, "_expanded", no_count)
+        again, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
+        assert again.samples.counted == rows.samples.counted and again.row(0) == rows.row(0)
+    written.write_bytes(b"\x00" * 4 * 19)  # not one count a record (0 tokens): counted again and replaced
+    vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
+    assert written.read_bytes() != b"\x00" * 4 * 19
+    with data.open("a") as f:  # another dataset: another key, its own counts
+        f.write(data.read_text().splitlines()[0] + "\n")
+    twenty, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
+    assert len(twenty.samples.counted) == 20 and len(list(counts.glob("*.i32"))) == 2
+
+
 def test_images_are_brought_within_the_pixel_bounds_before_the_processor():
     from swiftslurm.train.data.vision import within_bounds
 

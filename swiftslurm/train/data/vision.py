@@ -30,9 +30,10 @@ what the image decoding costs and needs no cache to survive a requeue.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from ...sizing.vision import resized
 from .images import IMAGE_PLACEHOLDER, BadImage, bad_image, image_paths, image_size, load_image
@@ -245,11 +246,60 @@ class VisionDataset:
 
     def lengths(self) -> list[int]:
         """Each sample's tokens as ``__getitem__`` will give them (after the ``max_length`` cut), counted ahead for the
-        packed rows (``_expanded``; the refusals of ``refuse_cuts`` on the way); held, and each loaded sample held to
-        its count. Needs the processor's own count (``vision.PACKS`` lists only processors that have one)."""
-        count = self.processor._get_num_multimodal_tokens
-        self.counted = [min(self._expanded(rec, count), self.max_length) for rec in self.records]
+        packed rows (``_expanded``; the refusals of ``refuse_cuts`` on the way), or the counts ``counted_lengths``
+        read back; held, and each loaded sample held to its count. Needs the processor's own count (``vision.PACKS``
+        lists only processors that have one)."""
+        if self.counted is None:
+            count = self.processor._get_num_multimodal_tokens
+            self.counted = [min(self._expanded(rec, count), self.max_length) for rec in self.records]
         return self.counted
+
+    def counts_key(self, paths: list[str], counts_dir: str | Path) -> str:
+        """What the counts depend on: the data files' bytes (``cache.dataset_digest``), the tokenizer, the processor
+        and its image settings, ``max_length`` and the pixel bounds. Not the images' bytes: an image changed in place
+        is found when it is loaded (``__getitem__`` holds each sample to its count)."""
+        import hashlib
+        import json
+
+        from .cache import dataset_digest, tokenizer_fingerprint
+
+        image_processor: Any = getattr(self.processor, "image_processor", None)
+        body = {"format": COUNTS_FORMAT, "files": [dataset_digest(p, counts_dir) for p in paths],
+                "tokenizer": tokenizer_fingerprint(self.processor.tokenizer), "processor": type(self.processor).__name__,
+                "images": image_processor.to_json_string() if hasattr(image_processor, "to_json_string") else "",
+                "placeholder": self.placeholder, "max_length": self.max_length, "pixels": [self.min_pixels, self.max_pixels]}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+COUNTS_FORMAT = 1
+
+
+def counted_lengths(dataset: VisionDataset, paths: list[str], counts_dir: str | Path) -> list[int]:
+    """``dataset.lengths()``, read from ``counts_dir`` (the task dir's ``taskdir.VL_LENGTHS_DIR``) where a run wrote the
+    counts of the same data (``counts_key``), else counted and written there (``<key>.i32``: int32, one a record,
+    written whole under a temporary name and renamed). A file under the name that is not one count a record (another
+    size, a count outside 1..max_length) is counted again and replaced. Callers run rank 0 first
+    (``main_process_first``): one rank counts, the others and every requeue read."""
+    import numpy as np
+
+    from ...fsutil import Unreadable, atomic_write_bytes, read_bytes
+
+    path = Path(counts_dir) / f"{dataset.counts_key(paths, counts_dir)}.i32"
+    n = len(dataset.records)
+    try:
+        found = np.frombuffer(read_bytes(path, 4 * n), dtype="<i4")
+    except (FileNotFoundError, Unreadable):
+        found = None
+    if found is not None and len(found) == n and n and int(found.min()) >= 1 and int(found.max()) <= dataset.max_length:
+        dataset.counted = found.tolist()
+        return dataset.counted
+    counts = dataset.lengths()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, np.asarray(counts, dtype="<i4").tobytes())
+    except OSError:
+        pass  # the next start counts again: slower, never wrong
+    return counts
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -356,10 +406,13 @@ def templated(processor: Any) -> Any:
     return tok
 
 
-def vision_data(spec: JobSpec, processor: Any, model: Any = None, attn: str = "sdpa") -> tuple[Any, Any]:
+def vision_data(spec: JobSpec, processor: Any, model: Any = None, attn: str = "sdpa", counts_dir: str | Path | None = None,
+                first: Callable[[], ContextManager[Any]] = nullcontext) -> tuple[Any, Any]:
     """(train dataset, collator) of ``spec.train.dataset`` for a vision-language model's ``processor``: packed rows
     where ``train.packing`` is on (``vision.fit_spec`` left it on only for a model that packs; ``model`` then trains
-    without a KV cache, ``attn`` picks the rows' form as for text), else padded micro-batches."""
+    without a KV cache, ``attn`` picks the rows' form as for text), else padded micro-batches. ``counts_dir``: where
+    the packed rows' counts are kept (``counted_lengths``), ``first`` the context that runs rank 0 first (the
+    TrainingArguments' ``main_process_first``)."""
     t = spec.train
     tok = templated(processor)
     dataset = VisionDataset(read_conversations(list(t.dataset)), processor, t.max_length, t.image_min_pixels, t.image_max_pixels)
@@ -369,6 +422,9 @@ def vision_data(spec: JobSpec, processor: Any, model: Any = None, attn: str = "s
 
         if model is not None:
             prepare_model(model)
+        if counts_dir is not None:
+            with first():
+                counted_lengths(dataset, list(t.dataset), counts_dir)
         rows = PackedDataset(dataset, t.max_length, t.seed)  # counts every record (VisionDataset.lengths), refusals on the way
         return rows, VisionPackingCollator(t.max_length, tok.pad_token_id, flatten=attn.startswith("flash_attention"),
                                            boundaries=attn == kernels.VARLEN, rope=rope_index(model, dataset.image_token_id))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...taskdir import TOKEN_CACHE_DIR as CACHE_DIR  # under output_dir: a requeue finds the tokens there
+from ...taskdir import VL_LENGTHS_DIR
 from ..build import _apply_lora, training_arguments
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class SFTTask:
         if is_multimodal(tok):
             from ..data.vision import vision_data
 
-            return vision_data(spec, tok, model, attn)
+            return vision_data(spec, tok, model, attn, Path(output_dir) / VL_LENGTHS_DIR,
+                               lambda: args.main_process_first(local=False, desc="counting the vision-language records"))
         return _data(spec, args, tok, model, attn, output_dir, self.name)
 
     def describe_data(self, spec: JobSpec, dataset) -> str:
