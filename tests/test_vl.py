@@ -196,9 +196,17 @@ def test_the_counts_are_made_once_and_read_back_by_the_other_ranks_and_every_req
         m.setattr(VisionDataset, "_expanded", no_count)
         again, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
         assert again.samples.counted == rows.samples.counted and again.row(0) == rows.row(0)
+    real = written.read_bytes()
     written.write_bytes(b"\x00" * 4 * 19)  # not one count a record (0 tokens): counted again and replaced
     vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
-    assert written.read_bytes() != b"\x00" * 4 * 19
+    assert written.read_bytes() == real
+    elsewhere = tmp_path / "elsewhere.i32"  # a link under the name, to counts that would fit: not read, not written
+    elsewhere.write_bytes((b"\x01" + b"\x00" * 3) * 19)
+    written.unlink()
+    written.symlink_to(elsewhere)
+    linked, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)
+    assert linked.samples.counted == rows.samples.counted and not written.is_symlink() and written.read_bytes() == real
+    assert elsewhere.read_bytes() == (b"\x01" + b"\x00" * 3) * 19
     with data.open("a") as f:  # another dataset: another key, its own counts
         f.write(data.read_text().splitlines()[0] + "\n")
     twenty, _ = vision_data(vl_spec(dataset=[str(data)]), processor, counts_dir=counts)

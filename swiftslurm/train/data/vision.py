@@ -278,7 +278,8 @@ def counted_lengths(dataset: VisionDataset, paths: list[str], counts_dir: str | 
     """``dataset.lengths()``, read from ``counts_dir`` (the task dir's ``taskdir.VL_LENGTHS_DIR``) where a run wrote the
     counts of the same data (``counts_key``), else counted and written there (``<key>.i32``: int32, one a record,
     written whole under a temporary name and renamed). A file under the name that is not one count a record (another
-    size, a count outside 1..max_length) is counted again and replaced. Callers run rank 0 first
+    size, a count outside 1..max_length), or a link, is counted again and replaced (a link itself, never what it
+    points to). Callers run rank 0 first
     (``main_process_first``): one rank counts, the others and every requeue read."""
     import numpy as np
 
@@ -287,7 +288,7 @@ def counted_lengths(dataset: VisionDataset, paths: list[str], counts_dir: str | 
     path = Path(counts_dir) / f"{dataset.counts_key(paths, counts_dir)}.i32"
     n = len(dataset.records)
     try:
-        found = np.frombuffer(read_bytes(path, 4 * n), dtype="<i4")
+        found = np.frombuffer(read_bytes(path, 4 * n, follow_symlinks=False), dtype="<i4")
     except (FileNotFoundError, Unreadable):
         found = None
     if found is not None and len(found) == n and n and int(found.min()) >= 1 and int(found.max()) <= dataset.max_length:
