@@ -24,8 +24,9 @@ rotary positions are each sample's own, computed by the model's own ``get_rope_i
 and given after the text positions. A processor whose sample then has another length than its count is refused
 (DataError): a row could overflow. Other models train padded micro-batches, the reason in the log (``vision.fit_spec``).
 
-Not here, and why: a tokenisation cache: the processor runs per sample as its images are decoded, which costs about
-what the image decoding costs and needs no cache to survive a requeue.
+Not here, and why: a cache of the processed samples (only the packed rows' counts are kept, ``counted_lengths``): the
+processor runs per sample as its images are decoded, which costs about what the image decoding costs and needs no
+cache to survive a requeue.
 """
 
 from __future__ import annotations
@@ -279,8 +280,7 @@ def counted_lengths(dataset: VisionDataset, paths: list[str], counts_dir: str | 
     counts of the same data (``counts_key``), else counted and written there (``<key>.i32``: int32, one a record,
     written whole under a temporary name and renamed). A file under the name that is not one count a record (another
     size, a count outside 1..max_length), or a link, is counted again and replaced (a link itself, never what it
-    points to). Callers run rank 0 first
-    (``main_process_first``): one rank counts, the others and every requeue read."""
+    points to). Callers run rank 0 first (``main_process_first``): one rank counts, the others and every requeue read."""
     import numpy as np
 
     from ...fsutil import Unreadable, atomic_write_bytes, read_bytes
