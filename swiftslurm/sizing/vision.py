@@ -111,23 +111,11 @@ def llava_rule(config: dict[str, Any], where: str) -> TokenRule | None:
 
 def token_rule(model: str | None) -> TokenRule:
     """The ``TokenRule`` of ``train.model``: the built-in ``tiny-vl``'s, a local LLaVA directory's (``llava_rule``),
-    else Qwen2-VL's (a hub id, or a config that says otherwise or cannot be read). Reads config.json through
-    ``fsutil.read_json``."""
-    import os
-
-    from ..fsutil import CONFIG_CAP, Unreadable, read_json
-
+    else Qwen2-VL's (a hub id, or a config that says otherwise or cannot be read: ``local_config``)."""
     if model == "tiny-vl":
         return TokenRule(TINY_VL_TOKENS, 1, "tiny-vl: every image 28 x 28 pixels in 14 x 14 patches, a patch a token")
-    if model and os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-        try:
-            config = read_json(path, CONFIG_CAP, wide_ints=True)
-        except (OSError, Unreadable):
-            return QWEN_RULE
-        if isinstance(config, dict):
-            return llava_rule(config, path) or QWEN_RULE
-    return QWEN_RULE
+    found = local_config(model)
+    return (llava_rule(*found) if found else None) or QWEN_RULE
 
 
 @dataclass(frozen=True)
@@ -176,23 +164,28 @@ def vision_activation_bytes(tower: VisionTower, patches: int, trained: bool, hal
     return one_layer * (tower.depth if trained else 1)
 
 
-def read_tower(model: str | None) -> VisionTower:
-    """The vision tower of a local model directory's config.json, else ``ASSUMED_TOWER`` (a hub id, a built-in tiny
-    model, a config without ``vision_config`` or one that cannot be read: the estimate says it assumed). Reads the
-    file, through ``fsutil.read_json``."""
+def local_config(model: str | None) -> tuple[dict[str, Any], str] | None:
+    """(config.json, its path) of ``model`` when it is a local directory whose config.json reads as a JSON object
+    (through ``fsutil.read_json``), else None: a hub id, a built-in tiny model, a file that cannot be read."""
     import os
 
     from ..fsutil import CONFIG_CAP, Unreadable, read_json
 
-    if model and os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-        try:
-            tower = tower_from_config(read_json(path, CONFIG_CAP, wide_ints=True), path)
-        except (OSError, Unreadable):
-            tower = None
-        if tower is not None:
-            return tower
-    return ASSUMED_TOWER
+    if not model or not os.path.isdir(model):
+        return None
+    path = os.path.join(model, "config.json")
+    try:
+        config = read_json(path, CONFIG_CAP, wide_ints=True)
+    except (OSError, Unreadable):
+        return None
+    return (config, path) if isinstance(config, dict) else None
+
+
+def read_tower(model: str | None) -> VisionTower:
+    """The vision tower of a local model directory's config.json, else ``ASSUMED_TOWER`` (a hub id, a built-in tiny
+    model, a config without ``vision_config`` or one that cannot be read: the estimate says it assumed)."""
+    found = local_config(model)
+    return (tower_from_config(*found) if found else None) or ASSUMED_TOWER
 
 
 TEXT_ONLY_BUILT_IN = ("tiny-llama", "tiny-moe")  # the built-in models without a vision tower (train/tinymodel.py)
@@ -201,19 +194,10 @@ TEXT_ONLY_BUILT_IN = ("tiny-llama", "tiny-moe")  # the built-in models without a
 def text_only(model: str | None) -> bool:
     """Whether ``model`` is known to take no images: a built-in text model, or a local directory whose readable
     config.json has no ``vision_config`` (a hub id, or a config that cannot be read, is not known: False)."""
-    import os
-
-    from ..fsutil import CONFIG_CAP, Unreadable, read_json
-
     if model in TEXT_ONLY_BUILT_IN:
         return True
-    if not model or not os.path.isdir(model):
-        return False
-    try:
-        config = read_json(os.path.join(model, "config.json"), CONFIG_CAP, wide_ints=True)
-    except (OSError, Unreadable):
-        return False
-    return isinstance(config, dict) and "vision_config" not in config
+    found = local_config(model)
+    return found is not None and "vision_config" not in found[0]
 
 
 @dataclass(frozen=True)
