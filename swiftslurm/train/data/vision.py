@@ -325,10 +325,17 @@ class VisionCollator:
             values = [ex[key] for ex in batch if key in ex]
             if isinstance(values[0], list):
                 out[key] = torch.tensor([v + [fill.get(key, 0)] * (width - len(v)) for v in values], dtype=torch.long)
-        images = sorted({k for ex in batch for k, v in ex.items() if not isinstance(v, list)})
-        for key in images:
-            out[key] = torch.cat([ex[key] for ex in batch if key in ex])
+        out.update(image_tensors(batch))
         return out
+
+
+def image_tensors(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-image tensors of ``samples`` (pixel values, image sizes or grids), each key concatenated in the samples'
+    order: the model places the images' features at its image tokens in that order. Empty without an image."""
+    import torch
+
+    keys = sorted({k for ex in samples for k, v in ex.items() if not isinstance(v, list)})
+    return {key: torch.cat([ex[key] for ex in samples if key in ex]) for key in keys}
 
 
 class RopeIndex:
@@ -382,9 +389,7 @@ class VisionPackingCollator(PackingCollator):
         import torch
 
         out = super().__call__(batch)
-        samples = [ex for row in batch for ex in row]
-        for key in sorted({k for ex in samples for k, v in ex.items() if not isinstance(v, list)}):
-            out[key] = torch.cat([ex[key] for ex in samples if key in ex])
+        out.update(image_tensors([ex for row in batch for ex in row]))
         if self.rope is not None:
             text = out["position_ids"]
             rows = []
