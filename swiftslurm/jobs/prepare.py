@@ -183,7 +183,7 @@ def scan_data(plan: Plan) -> DataScan:
             seen[(t.task, tuple(t.dataset))] = (bounds, facts)
             images[task.index] = _image_plan(task.spec, facts)
             shown = images[task.index]
-            takes = (f"each takes {shown.tokens_max:,} tokens ({shown.rule.source.split(': ', 1)[-1]})" if shown.rule.fixed is not None
+            takes = (f"each takes {shown.tokens_max:,} tokens ({shown.rule.words})" if shown.rule.fixed is not None
                      else f"one takes up to {shown.tokens_max:,} tokens (train.image_max_pixels)")
             notes.append(f"images: {facts.images:,} in {facts.records:,} record(s) checked, up to {facts.max_per_record} a "
                          f"record; {takes}")

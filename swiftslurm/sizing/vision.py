@@ -61,12 +61,18 @@ def max_image_tokens(max_pixels: int) -> int:
 @dataclass(frozen=True)
 class TokenRule:
     """How many language-model tokens an image takes for one model: Qwen2-VL's resizing (``fixed`` None: the pixel
-    bounds decide), or a fixed count (LLaVA: every image resized to one square). ``source`` says which and why."""
+    bounds decide), or a fixed count (LLaVA: every image resized to one square). ``source`` says which and why:
+    ``words``, after ``where`` they were read (a config.json, the built-in model's name) when there is one."""
 
     fixed: int | None = None
     patches_per_token: int = PATCHES_PER_TOKEN  # vision-tower patches behind one token (the tower's activations)
-    source: str = (f"{PIXELS_PER_IMAGE_TOKEN} pixels a token: {PATCH_SIDE} x {PATCH_SIDE} patches merged {MERGE_SIDE} x "
-                   f"{MERGE_SIDE}, Qwen2-VL-like")
+    words: str = (f"{PIXELS_PER_IMAGE_TOKEN} pixels a token: {PATCH_SIDE} x {PATCH_SIDE} patches merged {MERGE_SIDE} x "
+                  f"{MERGE_SIDE}, Qwen2-VL-like")
+    where: str = ""
+
+    @property
+    def source(self) -> str:
+        return f"{self.where}: {self.words}" if self.where else self.words
 
     def tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
         return self.fixed if self.fixed is not None else image_tokens(width, height, min_pixels, max_pixels)
@@ -106,14 +112,14 @@ def llava_rule(config: dict[str, Any], where: str) -> TokenRule | None:
     if not (isinstance(side, int) and isinstance(patch, int) and 0 < patch <= side):
         return None
     tokens = (side // patch) ** 2 + (1 if config.get("vision_feature_select_strategy") == "full" else 0)
-    return TokenRule(tokens, 1, f"{where}: LLaVA, every image {side} x {side} pixels in {patch} x {patch} patches, a patch a token")
+    return TokenRule(tokens, 1, f"LLaVA, every image {side} x {side} pixels in {patch} x {patch} patches, a patch a token", where)
 
 
 def token_rule(model: str | None) -> TokenRule:
     """The ``TokenRule`` of ``train.model``: the built-in ``tiny-vl``'s, a local LLaVA directory's (``llava_rule``),
     else Qwen2-VL's (a hub id, or a config that says otherwise or cannot be read: ``local_config``)."""
     if model == "tiny-vl":
-        return TokenRule(TINY_VL_TOKENS, 1, "tiny-vl: every image 28 x 28 pixels in 14 x 14 patches, a patch a token")
+        return TokenRule(TINY_VL_TOKENS, 1, "every image 28 x 28 pixels in 14 x 14 patches, a patch a token", "tiny-vl")
     found = local_config(model)
     return (llava_rule(*found) if found else None) or QWEN_RULE
 
