@@ -250,8 +250,9 @@ class VisionFields(Table):
     ))
     image_max_pixels: int = Field(768 * 768, ge=1, le=1 << 30, description=(
         'an image larger than this many pixels is scaled down to it: the bound on tokens an image takes in the '
-        "sequence, about pixels / 784 (`plan` shows them and the memory they imply; `validate` refuses a dataset with "
-        'images when one image at this bound takes more than `max_length` tokens)'
+        "sequence, about pixels / 784 (Qwen2-VL; a LLaVA model takes a fixed count, 576 for LLaVA-1.5, whatever this "
+        "says; `plan` shows them and the memory they imply; `validate` refuses a dataset with images when one image "
+        'takes more than `max_length` tokens)'
     ))
 
 
