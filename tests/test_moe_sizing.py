@@ -122,6 +122,55 @@ def test_lora_on_an_moe_model_counts_the_projections_and_says_what_it_leaves_out
     assert e.notes == (mem.MOE_LORA_NOTE,) and e.parts["weights"] == 2 * qwen3.total_params
 
 
+def _saved_per_token(trained: bool, top_k: int, width: int, tokens: int = 256, hidden: int = 64) -> float:
+    """fp32 elements autograd keeps per token for the backward of a one-layer Qwen3-MoE built by transformers (its
+    default experts kernel), the parameters left out; experts frozen under LoRA on the attention unless ``trained``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=hidden, intermediate_size=width, moe_intermediate_size=width, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=top_k, vocab_size=128))
+    if not trained:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept.setdefault(t.untyped_storage().data_ptr(), 0 if t.untyped_storage().data_ptr() in params else t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, 128, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(kept.values()) / tokens / 4
+
+
+@pytest.mark.parametrize("trained,terms", [(True, mem.ROUTED_TRAINED), (False, mem.ROUTED_FROZEN)])
+def test_routed_copies_keep_what_autograd_saves_for_trained_and_frozen_experts(trained, terms):
+    """The estimate's per-copy terms are what transformers' experts really keep: the slope of the saved elements in the
+    expert's width is ``intermediate`` per copy, and in the copies (top-k) ``hidden`` per hidden element (plus the
+    routing's own indices and weights, ~9 bytes a copy at this width: under 0.15 of a hidden element of 64)."""
+    base = _saved_per_token(trained, 2, 32)
+    intermediate = (_saved_per_token(trained, 2, 64) - base) / (2 * 32)  # 2 copies, 32 more wide
+    hidden = (_saved_per_token(trained, 4, 32) - base - 2 * intermediate * 32) / (2 * 64)  # 2 more copies of 64
+    assert intermediate == terms.intermediate
+    assert terms.hidden <= hidden < terms.hidden + 0.15
+
+
+def test_lora_on_the_attention_leaves_the_experts_frozen_and_their_activations_smaller():
+    shape = shape_from_config(OLMOE_1B_7B)
+    settings = lambda train_type, targets: mem.Settings(2, False, False, train_type, 16, targets, True, False, 2048, 80.0, 1)  # noqa: E731
+    one = Layout(1, 1, 1, 1, 1)
+    frozen = mem.estimate(shape, settings("lora", ["q_proj", "k_proj", "v_proj", "o_proj"]), one).parts["activations"]
+    for trained in (settings("lora", "all-linear"), settings("lora", ["q_proj", "down_proj"]), settings("full", "all-linear")):
+        assert mem.experts_trained(trained)
+        # per token, layer and copy: one more hidden row and one more width of the expert, in bf16
+        assert mem.estimate(shape, trained, one).parts["activations"] - frozen == 2 * 2048 * 16 * 8 * (2048 + 1024)
+
+
 def test_plan_json_and_text_show_total_and_active_parameters(tmp_path):
     path = spec_file(tmp_path, 'model = "Qwen/Qwen3-30B-A3B"\ntrain_type = "full"\nbf16 = true\n' + QWEN3_SHAPE_TOML,
                      "expert = 8", "nodes = 1\ngpus_per_node = 8")

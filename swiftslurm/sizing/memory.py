@@ -24,7 +24,8 @@ experts        a mixture-of-experts model's weights, gradients and optimizer sta
                parameters; with ``[parallel] expert`` a rank holds 1/expert of them, and ZeRO shards their states over
                the ranks that hold the same experts, so the sharded states come to the whole model's over the
                partitions either way); its activations count what a token runs through (the top-k experts, the
-               router's logits and probabilities, the routed copies of its hidden state), and ``moe_dispatch`` one
+               router's logits and probabilities, the routed copies of its hidden state; frozen experts, as under
+               LoRA on the attention, keep less than trained ones: ``RoutedTerms``), and ``moe_dispatch`` one
                layer's routing buffers (the permuted tokens; with expert parallel, the all-to-all's send and receive).
 
 ``allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` measures; ``total_bytes`` adds the overhead
@@ -72,10 +73,36 @@ COMPILED_NOTE = ("activations counted for compiled layers (train.compile, or tra
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces: not in max_memory_allocated
 NCCL_BYTES = int(0.5 * GIB)  # NCCL's communicator buffers when world > 1
 FRAGMENTATION = 0.10  # the caching allocator's reserved-but-unused share
-# an MoE layer, per routed copy of a token (experts_per_token of them): the expert's input row and its output row,
-# kept for the backward beside the expert's gate/up/act/product (ACT_INTERMEDIATE_TERMS x the expert's width)
-ROUTED_HIDDEN_TERMS = 2
 ROUTER_BYTES_PER_EXPERT = 8  # per token and expert: the router's logits and its softmax, both fp32 in transformers
+# experts LoRA adapts as weights (peft's target_parameters: "all-linear", or a list naming an expert projection)
+EXPERT_TARGETS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj", "experts", "w1", "w2", "w3")
+
+
+@dataclass(frozen=True)
+class RoutedTerms:
+    """What an MoE layer keeps for the backward per routed copy of a token (experts_per_token of them), in elements:
+    ``hidden`` x hidden_size, ``intermediate`` x the expert's width."""
+
+    hidden: int
+    intermediate: int
+
+
+# Counted with autograd's saved tensors over transformers' grouped-GEMM experts (benchmarks/gpu/moe_saved.py; on the
+# CPU, fp32, hidden 256, 64 experts of 128/256, top-4/8: the slopes are these to 2%). Trained experts (full
+# fine-tuning, or LoRA on their weights) keep the copy's input row and output row and the expert's gate, up, act and
+# product; frozen experts keep what the input's gradient needs: gate and up (one tensor), act, and the output row
+# (the routing weight's gradient), not the input row nor the product that only weight gradients read.
+ROUTED_TRAINED = RoutedTerms(hidden=2, intermediate=4)
+ROUTED_FROZEN = RoutedTerms(hidden=1, intermediate=3)
+
+
+def experts_trained(s: Settings) -> bool:
+    """Whether the routed experts' weights get gradients: full fine-tuning, or LoRA whose targets adapt them
+    (``EXPERT_TARGETS``; "all-linear" does where peft knows the layout, counted so: the larger estimate)."""
+    if s.train_type != "lora":
+        return True
+    targets = [s.lora_targets] if isinstance(s.lora_targets, str) else list(s.lora_targets)
+    return any(t in ("all-linear", "all") or t.split(".")[-1] in EXPERT_TARGETS for t in targets)
 
 
 def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
@@ -216,9 +243,10 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     dropout = tokens * _lora_dropout_bytes(shape, s) // tp
     dense_layer = b * tokens * (attention + inter_terms * shape.intermediate_size // tp) + dropout
     # an MoE layer: the top-k experts and the shared one a token runs through, its routed copies, the router's scores
-    k = shape.experts_per_token
-    moe_layer = b * tokens * (attention + inter_terms * (k * shape.expert_width + shape.shared_expert_intermediate_size) // tp
-                              + ROUTED_HIDDEN_TERMS * k * h) + tokens * ROUTER_BYTES_PER_EXPERT * shape.num_experts + dropout
+    k, routed = shape.experts_per_token, ROUTED_TRAINED if experts_trained(s) else ROUTED_FROZEN
+    moe_layer = b * tokens * (attention + (routed.intermediate * k * shape.expert_width
+                                           + inter_terms * shape.shared_expert_intermediate_size) // tp
+                              + routed.hidden * k * h) + tokens * ROUTER_BYTES_PER_EXPERT * shape.num_experts + dropout
     layers, moe = shape.num_layers, shape.moe_layers
     all_layers = (layers - moe) * dense_layer + moe * moe_layer
     one_layer = moe_layer if moe else dense_layer  # the largest, held again one at a time in the backward
