@@ -227,6 +227,12 @@ def test_a_task_slurm_holds_is_told_from_one_that_waits_for_resources():
     assert slurm.held_reason(recs["2295_1"]) == "launch failed requeued held: its start failed on the node and Slurm held it"
     assert slurm.held_reason(recs["2507"]).startswith("job requeued in held state: ")
     assert slurm.held_reason(recs["2508"]) is None  # PartitionConfig: it will never start either, but no release helps
+    assert slurm.never_starts(recs["2508"]).startswith("PartitionConfig: it asks for more than its partition offers")
+    assert slurm.never_starts(recs["2295_1"]) is None
+    # reasons that other jobs' usage or the nodes' return lift are a wait, not a dead end
+    for reason in ("Resources", "Priority", "ReqNodeNotAvail, UnavailableNodes:node3", "AssocGrpGRES", "QOSGrpCpuLimit"):
+        assert slurm.never_starts(slurm.JobRecord("1", "PENDING", reason=reason)) is None
+    assert slurm.never_starts(slurm.JobRecord("1", "RUNNING", reason="PartitionConfig")) is None
     held_user = slurm.parse_squeue(read("22.05/squeue_held.txt"))["33"]
     assert slurm.held_reason(held_user).startswith("JobHeldUser: ")
     # the reason of a job that already runs (a stale word) holds nothing; sacct's records carry no reason

@@ -294,6 +294,35 @@ def test_wait_ends_on_a_task_slurm_holds_and_says_how_to_go_on(tmp_path):
 
 
 @pytest.mark.slurm
+def test_follow_ends_on_a_job_slurm_will_not_start_as_submitted_and_says_why(tmp_path):
+    """A queued job whose request its partition cannot meet (here: raised past a node's CPUs after validate, as an admin's
+    change of the partition would leave it) stays PENDING for ever with reason PartitionConfig: `status --follow` ends
+    on it as HELD with the reason and the way on, and doctor names it, instead of following it for ever."""
+    (tmp_path / "s.toml").write_text(spec_text("out", ["true"], extra='extra_sbatch = ["--hold"]', name="nostart"))
+    assert cli("submit", "s.toml", "--executor", "slurm", cwd=tmp_path).returncode == 0
+    (jid,) = load_submission(str(tmp_path / "out")).job_ids
+    try:
+        # slurmctld applies the update and the release, and answers both that the partition cannot run the job (exit 1)
+        for change in (["update", f"JobId={jid}", "MinCPUsNode=512"], ["release", jid]):
+            subprocess.run(["scontrol", *change], capture_output=True, timeout=30)
+        queued = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T|%r"], capture_output=True, text=True, timeout=30).stdout
+        assert queued.strip() == "PENDING|PartitionConfig", queued
+        followed = cli("status", "out", "--follow", cwd=tmp_path)
+        assert followed.returncode == 1 and "task 0 HELD" in followed.stdout, followed.stdout + followed.stderr
+        assert (f"task 0: Slurm will not start it as submitted (PartitionConfig: it asks for more than its partition offers "
+                f"(a node's CPUs, memory or GPUs, or more nodes)); `swiftslurm cancel {tmp_path / 'out'}` ends it") in followed.stdout, \
+            followed.stdout
+        doctor = cli("doctor", "out", "--json", cwd=tmp_path)
+        [finding] = json.loads(doctor.stdout)
+        assert finding["code"] == "held" and "slurm.time" in finding["keys"], finding
+        assert cli("cancel", "out", cwd=tmp_path).returncode == 0
+        gone = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=30).stdout
+        assert gone.strip() in ("", "CANCELLED"), gone
+    finally:
+        subprocess.run(["scancel", "--name=nostart", jid], capture_output=True, timeout=30)
+
+
+@pytest.mark.slurm
 def test_wait_without_sacct_decides_from_what_the_ranks_left(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -51,10 +51,19 @@ def settled(state: str) -> bool:
 
 def held_note(job_id: str, reason: str, output_dir: str = "") -> str:
     """A HELD task in one line: Slurm's reason, and the two ways on."""
+    return f"held by Slurm ({reason}); `scontrol release {job_id}` lets it run, {_cancel(job_id, output_dir)} ends it"
+
+
+def never_starts_note(job_id: str, reason: str, output_dir: str = "") -> str:
+    """A HELD task Slurm will not start as submitted (``slurm.never_starts``) in one line: the reason and the ways on."""
+    return (f"Slurm will not start it as submitted ({reason}); {_cancel(job_id, output_dir)} ends it, to submit again "
+            f"with what the partition allows (or `scontrol update JobId={job_id} ...` changes the request in the queue)")
+
+
+def _cancel(job_id: str, output_dir: str) -> str:
     from ..quoting import shell_quote
 
-    cancel = f"`swiftslurm cancel {shell_quote(output_dir)}`" if output_dir else f"`scancel {job_id}`"
-    return f"held by Slurm ({reason}); `scontrol release {job_id}` lets it run, {cancel} ends it"
+    return f"`swiftslurm cancel {shell_quote(output_dir)}`" if output_dir else f"`scancel {job_id}`"
 
 
 def _last_save(task_dir: str) -> dict[str, Any] | None:
@@ -209,6 +218,9 @@ class Submission:
             elif (why := slurm.held_reason(rec)) is not None:
                 rows.append(TaskStatus(index, jid, "HELD", rec.nodes, rec.restarts, rec.elapsed, task_dir,
                                        held=held_note(jid, why, self.output_dir)))
+            elif (why := slurm.never_starts(rec)) is not None:
+                rows.append(TaskStatus(index, jid, "HELD", rec.nodes, rec.restarts, rec.elapsed, task_dir,
+                                       held=never_starts_note(jid, why, self.output_dir)))
             else:
                 rows.append(TaskStatus(index, jid, rec.state, rec.nodes, rec.restarts, rec.elapsed, task_dir))
         return rows
@@ -231,7 +243,8 @@ class Submission:
 
         On timeout the states are returned as they are (some not final); the job keeps running.
         A Slurm task that neither sacct nor squeue has listed for UNSEEN_GRACE_S ends the wait as UNKNOWN, and one
-        that Slurm holds in the queue (it starts only once a person releases it) as HELD: ``settled``.
+        that Slurm holds in the queue (it starts only once a person releases it, or changes a request Slurm will not start
+        as it is) as HELD: ``settled``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

@@ -224,11 +224,40 @@ HELD_REASONS = {
 }
 
 
+# Pending reasons of a job Slurm will not start as it was submitted: it waits until the job, or its partition, QOS or
+# account, is changed by a person, so a wait for it would never end. "PartitionConfig" is captured from the test
+# cluster (tests/data/slurm/22.05/squeue_launch_failed_held.txt: a job asking more CPUs than a node of its partition
+# has); the others are Slurm's documented codes for limits a job's own request breaks (not ones that other jobs' usage
+# lifts: ``AssocGrp*``, ``QOSGrp*``, ``Resources`` and ``ReqNodeNotAvail`` pass by themselves).
+NEVER_STARTS = {
+    "PartitionConfig": "it asks for more than its partition offers (a node's CPUs, memory or GPUs, or more nodes)",
+    "BadConstraints": "no node has the features or the mix of resources it asks for",
+    "PartitionTimeLimit": "its time limit is over its partition's MaxTime",
+    "DependencyNeverSatisfied": "a job it depends on ended so that its dependency can never be met",
+    "InvalidAccount": "its account is not valid, or not allowed on its partition",
+    "InvalidQOS": "its QOS is not valid, or not allowed on its partition",
+    "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's MaxWall",
+    "AssocMaxWallDurationPerJobLimit": "its time limit is over its association's MaxWall",
+    "QOSMaxNodePerJobLimit": "it asks for more nodes than its QOS allows a job",
+    "AssocMaxNodesPerJobLimit": "it asks for more nodes than its association allows a job",
+    "QOSMaxCpuPerJobLimit": "it asks for more CPUs than its QOS allows a job",
+    "AssocMaxCpuPerJobLimit": "it asks for more CPUs than its association allows a job",
+    "QOSMaxGRESPerJob": "it asks for more GPUs (GRES) than its QOS allows a job",
+    "QOSMaxMemoryPerJob": "it asks for more memory than its QOS allows a job",
+}
+
+
 def held_reason(rec: JobRecord) -> str | None:
     """Why a pending job is held (its squeue reason in words), or None: a held job waits for `scontrol release`."""
     if rec.state == "REQUEUE_HOLD":
         return f"REQUEUE_HOLD: {HELD_REASONS['job requeued in held state']}"
     words = HELD_REASONS.get(rec.reason) if rec.state == "PENDING" else None
+    return f"{rec.reason}: {words}" if words else None
+
+
+def never_starts(rec: JobRecord) -> str | None:
+    """Why a pending job will not start as submitted (its squeue reason in words, ``NEVER_STARTS``), or None."""
+    words = NEVER_STARTS.get(rec.reason) if rec.state == "PENDING" else None
     return f"{rec.reason}: {words}" if words else None
 
 

@@ -61,20 +61,33 @@ def preflight_failures(run: TaskRun) -> list[Finding]:
         ("slurm.exclude", "preflight.on_failure"), ev, run.task, (), tuple(blamed))]
 
 
+# what keeps a HELD task in the queue (the words of its note, jobs/record.py) -> (cause, fix, spec keys)
+HOLDS = {
+    "launch failed": (
+        "its start failed on a node (the node's slurmd or prolog, or slurmctld reconfigured while it launched), and Slurm "
+        "requeued it held so that it does not fail again at once",
+        "`scontrol release` the job id named to let it run, or cancel it; if one node keeps failing launches, leave it out "
+        "(slurm.exclude) and tell the admins", ("slurm.exclude",)),
+    "will not start it as submitted": (
+        "the job asks for what its partition, QOS or account does not allow (the reason names which): Slurm keeps it "
+        "pending until the request or the limit changes, which `validate` checks against the partition as it was then",
+        "cancel it and submit again within the limit (slurm.time, slurm.gpus_per_node, slurm.cpus_per_task, slurm.mem, "
+        "slurm.nodes), or ask the admins; `scontrol update` can lower the request of the queued job",
+        ("slurm.time", "slurm.gpus_per_node", "slurm.cpus_per_task", "slurm.mem", "slurm.nodes")),
+    "": (
+        "a hold (an administrator's, the user's `scontrol hold` or sbatch --hold, or too many requeues) keeps it from starting",
+        "`scontrol release` the job id named to let it run, or cancel it; ask the admins why, for an administrator's hold", ()),
+}
+
+
 def held(run: TaskRun) -> list[Finding]:
-    """A task Slurm holds in the queue: it starts only once someone releases it (``slurm.held_reason``)."""
+    """A task Slurm keeps in the queue until a person acts: a hold (``slurm.held_reason``) or a request it will not
+    start as it is (``slurm.never_starts``)."""
     if run.state != "HELD":
         return []
-    launch = "launch failed" in run.held
-    return [Finding(
-        "held", "Slurm holds the job in the queue: " + (run.held or "held"),
-        ("its start failed on a node (the node's slurmd or prolog, or slurmctld reconfigured while it launched), and Slurm "
-         "requeued it held so that it does not fail again at once" if launch else
-         "a hold (an administrator's, the user's `scontrol hold` or sbatch --hold, or too many requeues) keeps it from starting"),
-        "`scontrol release` the job id named to let it run, or cancel it; " + (
-            "if one node keeps failing launches, leave it out (slurm.exclude) and tell the admins" if launch else
-            "ask the admins why, for an administrator's hold"),
-        ("slurm.exclude",) if launch else (), (Evidence("squeue", None, None, "", None, run.held or run.state),), run.task)]
+    cause, fix, keys = next(v for words, v in HOLDS.items() if words in run.held)
+    return [Finding("held", "Slurm keeps the job in the queue: " + (run.held or "held"), cause, fix, keys,
+                    (Evidence("squeue", None, None, "", None, run.held or run.state),), run.task)]
 
 
 def walltime_loop(run: TaskRun) -> list[Finding]:
