@@ -163,6 +163,26 @@ def test_a_phone_photo_stored_turned_is_read_and_counted_upright(tmp_path):
     assert red[0] > 200 > red[2] and blue[2] > 200 > blue[0], (red, blue)
 
 
+def test_a_16_bit_grayscale_png_keeps_its_greys_and_transparency_is_white_as_transformers_makes_it(tmp_path):
+    """Pillow's own RGB conversion clips a 16-bit grayscale image at 255 (mid-grey 32768 comes out white); the trainer
+    scales it to 8 bits. A transparent pixel comes out white, as transformers' convert_to_rgb composites it (a plain
+    conversion would show the colour stored under it)."""
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+
+    Image.fromarray(np.array([[0, 32768], [65535, 16384]], dtype=np.uint16)).save(tmp_path / "depth.png")
+    assert Image.open(tmp_path / "depth.png").mode == "I;16"
+    grey = load_image(tmp_path / "depth.png")
+    assert [grey.getpixel(xy) for xy in ((0, 0), (1, 0), (0, 1), (1, 1))] == [(0, 0, 0), (127, 127, 127), (255, 255, 255), (63, 63, 63)]
+    clear = Image.new("RGBA", (2, 1), (255, 0, 0, 255))
+    clear.putpixel((1, 0), (0, 0, 255, 0))  # blue, fully transparent
+    clear.save(tmp_path / "clear.png")
+    shown = load_image(tmp_path / "clear.png")
+    assert [shown.getpixel((0, 0)), shown.getpixel((1, 0))] == [(255, 0, 0), (255, 255, 255)]
+    theirs = convert_to_rgb(Image.open(tmp_path / "clear.png"), return_numpy=True).reshape(-1, 3).tolist()
+    assert list(shown.getdata()) == [tuple(px) for px in theirs]
+
+
 def test_tokens_an_image_takes_follow_qwen2_vl_resizing():
     assert PIXELS_PER_IMAGE_TOKEN == 28 * 28
     assert image_tokens(84, 56, 1, 3136) == 2  # transformers' Qwen2-VL processor at max_pixels 3136 (notes, round 4)

@@ -228,7 +228,23 @@ def load_image(path: str | Path, *, max_bytes: int = IMAGE_CAP, max_pixels: int 
         image = ImageOps.exif_transpose(image)
     except Exception:  # noqa: BLE001 -- a damaged EXIF block: the image as stored (upright_size says the same)
         pass
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return _rgb(image)
+
+
+def _rgb(image: Image) -> Image:
+    """``image`` in RGB as transformers' processors make it (``convert_to_rgb``): transparency composited over white.
+    A 16-bit grayscale image (PNG, TIFF: Pillow's modes ``I;16*`` and ``I``) is scaled to 8 bits first: Pillow's own
+    conversion clips its values at 255, which turns anything but the darkest 0.4% of its range white."""
+    from PIL import Image as PILImage
+
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I;16") or image.mode == "I":
+        image = image.convert("I").point(lambda v: v * (1 / 257)).convert("L")  # 0..65535 -> 0..255
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        over = PILImage.new("RGBA", image.size, (255, 255, 255, 255))
+        return PILImage.alpha_composite(over, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
 
 
 def bad_image(data_file: str | Path, where: str, index: int, raw: Any, path: Path, exc: BadImage) -> DataError:
