@@ -62,7 +62,7 @@ def estimate_layer(cfg: dict, trained_experts: bool, liger: bool, b: int) -> int
     h, w, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     hidden_terms = m.ACT_HIDDEN_TERMS_LIGER if liger else m.ACT_HIDDEN_TERMS
     attention = hidden_terms * h + 2 * cfg["num_key_value_heads"] * cfg["head_dim"] + m.RESIDUAL_TERMS * h
-    routed = m.ROUTED_TRAINED if trained_experts else m.ROUTED_FROZEN
+    routed = m.routed_terms("qwen3_moe", liger, trained_experts)
     return b * (attention + k * (routed.intermediate * w + routed.hidden * h)) + m.ROUTER_BYTES_PER_EXPERT * cfg["num_experts"]
 
 

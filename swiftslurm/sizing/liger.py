@@ -29,6 +29,12 @@ KNOWN = frozenset({
     "qwen3_vl_moe_text", "qwen3_vl_text", "smollm3", "smolvlm",
 })
 
+# the MoE types whose experts Liger's SwiGLU patch replaces with its fused experts (``LigerExperts``: the
+# ``apply_liger_kernel_to_*`` functions of liger-kernel 0.8.5 that set it, under transformers 5); other MoE types it
+# patches (gpt_oss, llama4) keep the model's own experts
+FUSED_EXPERT_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4v_moe", "hunyuan_v1_moe", "mixtral", "qwen3_5_moe", "qwen3_moe",
+                                "qwen3_next", "qwen3_vl_moe"})
+
 
 def table_keys(source: str) -> frozenset[str] | None:
     """The string keys of ``MODEL_TYPE_TO_APPLY_LIGER_FN = {...}`` in ``source``; None when it has no such dict."""

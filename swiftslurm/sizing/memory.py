@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import liger
 from .layout import Layout
 from .shape import ModelShape, lora_projections
 from .tasks import extra_trainable, head_params_delta, logits_per_token, sequences_per_sample
@@ -94,6 +95,19 @@ class RoutedTerms:
 # (the routing weight's gradient), not the input row nor the product that only weight gradients read.
 ROUTED_TRAINED = RoutedTerms(hidden=2, intermediate=4)
 ROUTED_FROZEN = RoutedTerms(hidden=1, intermediate=3)
+# Liger's fused experts (``LigerExperts``, where its SwiGLU patch replaces the model's experts: liger.FUSED_EXPERT_TYPES)
+# keep each copy's gate/up output and nothing else per copy (the layer's input row is the norm's output, already
+# counted), trained or frozen: ``LigerFusedMoEFunction`` saves x, the weights, the pre-activation and the routing's
+# int32 indices (14 bytes a copy, left out).
+ROUTED_LIGER = RoutedTerms(hidden=0, intermediate=2)
+
+
+def routed_terms(model_type: str | None, liger_layers: bool, trained: bool) -> RoutedTerms:
+    """What an MoE layer keeps per routed copy: Liger's fused experts where they replace the model's, else transformers'
+    experts, trained (``experts_trained``) or frozen."""
+    if liger_layers and model_type in liger.FUSED_EXPERT_TYPES:
+        return ROUTED_LIGER
+    return ROUTED_TRAINED if trained else ROUTED_FROZEN
 
 
 def experts_trained(s: Settings) -> bool:
@@ -243,7 +257,7 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     dropout = tokens * _lora_dropout_bytes(shape, s) // tp
     dense_layer = b * tokens * (attention + inter_terms * shape.intermediate_size // tp) + dropout
     # an MoE layer: the top-k experts and the shared one a token runs through, its routed copies, the router's scores
-    k, routed = shape.experts_per_token, ROUTED_TRAINED if experts_trained(s) else ROUTED_FROZEN
+    k, routed = shape.experts_per_token, routed_terms(shape.model_type, s.liger_layers, experts_trained(s))
     moe_layer = b * tokens * (attention + (routed.intermediate * k * shape.expert_width
                                            + inter_terms * shape.shared_expert_intermediate_size) // tp
                               + routed.hidden * k * h) + tokens * ROUTER_BYTES_PER_EXPERT * shape.num_experts + dropout
