@@ -57,6 +57,19 @@ def test_lora_dropout_goes_to_the_projections_and_not_to_the_expert_weights_peft
     assert wrappers and all(type(w.lora_dropout["default"]).__name__ == "Identity" for w in wrappers)  # the experts: none
 
 
+def test_the_banner_names_liger_s_fused_experts_where_its_swiglu_will_replace_them():
+    """Liger's SwiGLU patch swaps a Qwen3-MoE's experts for its fused ones after the model loads (the Trainer applies
+    it): the banner says so instead of the config's grouped_mm; a model type Liger leaves its experts keeps its own."""
+    from swiftslurm.train import moe
+    from swiftslurm.train.tinymodel import build_model
+
+    model = build_model(260, 128, 0, name="tiny-moe")
+    assert "experts: grouped_mm" in moe.configure(model, None).banner()
+    assert "experts: Liger's fused experts" in moe.configure(model, None, liger_swiglu=True).banner()
+    model.config.model_type = "gpt_oss"  # Liger patches gpt-oss but keeps its experts
+    assert "experts: grouped_mm" in moe.configure(model, None, liger_swiglu=True).banner()
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_tiny_moe_on_two_nodes_stopped_at_walltime_resumes_to_the_uninterrupted_losses(tmp_path, slurm_cluster):

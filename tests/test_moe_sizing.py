@@ -269,6 +269,7 @@ def test_liger_fused_experts_are_counted_as_the_h100_run_measured_them():
     assert mem.routed_terms("qwen3_moe", True, False) == mem.ROUTED_LIGER
     e = mem.estimate(shape, s, Layout(1, 1, 1, 4, 1))
     assert -0.05 <= e.allocated_bytes / mem.GIB / 26.7 - 1 <= 0.12, e.parts
+    assert any("Liger's RMSNorm, RoPE and SwiGLU and its fused experts" in n for n in e.notes), e.notes
     eager = mem.estimate(shape, dataclasses.replace(s, liger_layers=False), Layout(1, 1, 1, 4, 1))
     assert eager.allocated_bytes / mem.GIB / 26.7 - 1 > 0.25
     assert mem.routed_terms("gpt_oss", True, False) == mem.ROUTED_FROZEN  # Liger leaves gpt-oss's experts its own

@@ -344,8 +344,10 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
         elif not exact:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
     if s.liger_layers:
-        notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU (use_liger_kernel = true, or \"auto\" where "
-                     "liger-kernel is installed), which keep fewer tensors than the model's own")
+        fused = shape.is_moe and routed_terms(shape.model_type, True, False) is ROUTED_LIGER
+        notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU" + (" and its fused experts" if fused else "")
+                     + " (use_liger_kernel = true, or \"auto\" where liger-kernel is installed), which keep fewer tensors "
+                     "than the model's own")
     elif s.compiled:
         notes.append(COMPILED_NOTE)
     weights, states, step, cpu = _model_states(shape, s, layout, trainable)

@@ -26,7 +26,9 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
 # what transformers' experts implementation (chosen at load: grouped_mm where torch can dispatch it) means
 EXPERT_KERNELS = {"grouped_mm": "grouped_mm (transformers' default: one grouped GEMM per layer over every expert)",
                   "batched_mm": "batched_mm (one batched GEMM per layer)",
-                  "eager": "eager (a Python loop over the experts: torch could not dispatch grouped_mm here)"}
+                  "eager": "eager (a Python loop over the experts: torch could not dispatch grouped_mm here)",
+                  "liger": "Liger's fused experts (its SwiGLU patch replaces the model's: Triton kernels for gate/up with "
+                           "SwiGLU and for down, keeping only each routed copy's gate/up output for the backward)"}
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,12 @@ def expert_counts(config: Any) -> tuple[int, int] | None:
 DEFAULT_AUX_LOSS_COEF = 0.001  # Qwen3-MoE's and Mixtral's configs' own
 
 
-def configure(model: Any, coef: float | None) -> MoeFacts | None:
+def configure(model: Any, coef: float | None, liger_swiglu: bool = False) -> MoeFacts | None:
     """Turn the router's auxiliary loss on for an MoE model (``coef``: ``train.router_aux_loss_coef``; None: the
-    config's own, else ``DEFAULT_AUX_LOSS_COEF``; 0: off); None for a dense model."""
+    config's own, else ``DEFAULT_AUX_LOSS_COEF``; 0: off); None for a dense model. ``liger_swiglu``: the trainer will
+    apply Liger's SwiGLU, which replaces the experts of the types in ``sizing.liger.FUSED_EXPERT_TYPES``."""
+    from ..sizing.liger import FUSED_EXPERT_TYPES
+
     counts = expert_counts(model.config)
     if counts is None:
         return None
@@ -83,7 +88,8 @@ def configure(model: Any, coef: float | None) -> MoeFacts | None:
         if hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = coef
         inner = getattr(inner, "model", None) if getattr(inner, "model", None) is not inner else None
-    kernel = getattr(model.config, "_experts_implementation", None)
+    kernel = "liger" if liger_swiglu and getattr(text, "model_type", None) in FUSED_EXPERT_TYPES else \
+        getattr(model.config, "_experts_implementation", None)
     return MoeFacts(*counts, aux_loss_coef=coef, routers=sum(1 for m in model.modules() if is_router(m)),
                     kernel=kernel if isinstance(kernel, str) else None)
 

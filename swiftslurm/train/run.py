@@ -278,7 +278,8 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         kern.attn, kern.attn_why = fitted
     kern.liger, kern.liger_why = kernels.fit_liger_to_model(spec.train.use_liger_kernel, kern.liger, kern.liger_why,
                                                             getattr(model.config, "model_type", None))
-    routed = moe.configure(model, spec.train.router_aux_loss_coef)  # an MoE: the router's auxiliary loss on
+    # an MoE: the router's auxiliary loss on; the banner names the experts' kernel (Liger's SwiGLU may replace them)
+    routed = moe.configure(model, spec.train.router_aux_loss_coef, bool(kern.liger and kern.liger.get("swiglu")))
     if routed is not None and dist.rank == 0:
         log.warning("mixture of experts: %s", routed.banner())
     parallel.check_model(spec, model)
