@@ -344,7 +344,7 @@ def estimate(shape: ModelShape, s: Settings, layout: Layout) -> MemoryEstimate:
         elif not exact:
             notes.append("lora_target_modules names no standard projection: LoRA counted on every linear layer (an upper bound)")
     if s.liger_layers:
-        fused = shape.is_moe and routed_terms(shape.model_type, True, False) is ROUTED_LIGER
+        fused = shape.is_moe and shape.model_type in liger.FUSED_EXPERT_TYPES
         notes.append("activations counted with Liger's RMSNorm, RoPE and SwiGLU" + (" and its fused experts" if fused else "")
                      + " (use_liger_kernel = true, or \"auto\" where liger-kernel is installed), which keep fewer tensors "
                      "than the model's own")

@@ -251,13 +251,17 @@ def held_reason(rec: JobRecord) -> str | None:
     """Why a pending job is held (its squeue reason in words), or None: a held job waits for `scontrol release`."""
     if rec.state == "REQUEUE_HOLD":
         return f"REQUEUE_HOLD: {HELD_REASONS['job requeued in held state']}"
-    words = HELD_REASONS.get(rec.reason) if rec.state == "PENDING" else None
-    return f"{rec.reason}: {words}" if words else None
+    return _pending_reason(rec, HELD_REASONS)
 
 
 def never_starts(rec: JobRecord) -> str | None:
     """Why a pending job will not start as submitted (its squeue reason in words, ``NEVER_STARTS``), or None."""
-    words = NEVER_STARTS.get(rec.reason) if rec.state == "PENDING" else None
+    return _pending_reason(rec, NEVER_STARTS)
+
+
+def _pending_reason(rec: JobRecord, table: dict[str, str]) -> str | None:
+    """A pending job's squeue reason with its words in ``table`` ("reason: words"), or None."""
+    words = table.get(rec.reason) if rec.state == "PENDING" else None
     return f"{rec.reason}: {words}" if words else None
 
 
