@@ -371,3 +371,18 @@ def test_what_lora_dropout_keeps_depends_on_the_forward():
     assert acts(full) == acts(replace(full, lora_dropout=0.0))  # no adapter, no dropout copy
     kernels = (ROOT / "swiftslurm" / "train" / "kernels" / "lora_dropout.py").read_text()  # imports Triton: read, not imported
     assert f"\nMAX_RANK = {mem.FUSED_DROPOUT_MAX_RANK} " in kernels
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "all", ["all-linear"], ["q_proj", "all"]])
+def test_every_spelling_of_all_linear_counts_every_projection_and_the_experts(targets):
+    from swiftslurm.sizing.shape import LINEAR_NAMES, lora_projections
+
+    assert lora_projections(targets) == (set(LINEAR_NAMES), True)
+    assert mem.experts_trained(settings(train_type="lora", lora_targets=targets))
+
+
+def test_a_list_of_attention_projections_leaves_the_experts_frozen():
+    from swiftslurm.sizing.shape import lora_projections
+
+    assert lora_projections(["self_attn.q_proj", "v_proj"]) == ({"q_proj", "v_proj"}, True)
+    assert not mem.experts_trained(settings(train_type="lora", lora_targets=["q_proj", "v_proj"]))

@@ -40,7 +40,7 @@ from typing import Any
 
 from . import liger
 from .layout import Layout
-from .shape import ModelShape, lora_projections
+from .shape import ModelShape, lora_projections, target_names
 from .tasks import extra_trainable, head_params_delta, logits_per_token, sequences_per_sample
 
 GIB = 1 << 30
@@ -115,8 +115,8 @@ def experts_trained(s: Settings) -> bool:
     (``EXPERT_TARGETS``; "all-linear" does where peft knows the layout, counted so: the larger estimate)."""
     if s.train_type != "lora":
         return True
-    targets = [s.lora_targets] if isinstance(s.lora_targets, str) else list(s.lora_targets)
-    return any(t in ("all-linear", "all") or t.split(".")[-1] in EXPERT_TARGETS for t in targets)
+    listed = target_names(s.lora_targets)
+    return listed is None or any(t.split(".")[-1] in EXPERT_TARGETS for t in listed)
 
 
 def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,

@@ -21,15 +21,23 @@ from ..fsutil import CONFIG_CAP, Unreadable, read_json
 
 # the projections peft's "all-linear" picks in a Llama-like decoder (never lm_head)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the words ``lora_target_modules`` takes for "every linear layer" (peft's, and the short form users write)
+ALL_LINEAR = frozenset({"all-linear", "all"})
+
+
+def target_names(targets: str | list[str]) -> list[str] | None:
+    """``lora_target_modules`` as a list of module names, or None where it means every linear layer (``ALL_LINEAR``)."""
+    if isinstance(targets, str):
+        return None if targets in ALL_LINEAR else [targets]
+    return None if any(t in ALL_LINEAR for t in targets) else list(targets)
 
 
 def lora_projections(targets: str | list[str]) -> tuple[set[str], bool]:
     """(the projections of LINEAR_NAMES that ``lora_target_modules`` adapts, exact): "all-linear" (or "all") is every
     one; a list counts the names it shares with LINEAR_NAMES (a module name ending in one, like "self_attn.q_proj",
     counts too). A list naming none of them (custom modules) is taken as every projection: exact is then False."""
-    if isinstance(targets, str):
-        targets = list(LINEAR_NAMES) if targets in ("all-linear", "all") else [targets]
-    names = {n for n in LINEAR_NAMES for t in targets if t == n or t.endswith("." + n)}
+    listed = target_names(targets)
+    names = {n for n in LINEAR_NAMES for t in (LINEAR_NAMES if listed is None else listed) if t == n or t.endswith("." + n)}
     return (names, True) if names else (set(LINEAR_NAMES), False)
 
 

@@ -22,6 +22,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SwiftSlurmError
+from ..sizing.shape import target_names
 from ..tasks import TASKS
 
 if TYPE_CHECKING:
@@ -157,6 +158,6 @@ def lora_targets(model: Any, targets: str | list[str]) -> str | list[str]:
         return targets
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if name.startswith(language + ".") and isinstance(m, torch.nn.Linear)}
-    wanted = sorted(names) if targets in ("all-linear", "all") else sorted({t.rsplit(".", 1)[-1] for t in
-                                                                            ([targets] if isinstance(targets, str) else targets)})
+    listed = target_names(targets)
+    wanted = sorted(names if listed is None else {t.rsplit(".", 1)[-1] for t in listed})
     return rf"{re.escape(language)}\..*\.({'|'.join(map(re.escape, wanted))})"
