@@ -58,12 +58,12 @@ def saved_bytes(model, tokens: int, device) -> tuple[int, int]:
 def estimate_layer(cfg: dict, trained_experts: bool, liger: bool, b: int) -> int:
     """sizing/memory.py's bytes per token for one MoE layer of this shape (no tensor parallel, no LoRA dropout)."""
     from swiftslurm.sizing import memory as m
+    from swiftslurm.sizing.shape import shape_from_config
 
-    h, w, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
-    hidden_terms = m.ACT_HIDDEN_TERMS_LIGER if liger else m.ACT_HIDDEN_TERMS
-    attention = hidden_terms * h + 2 * cfg["num_key_value_heads"] * cfg["head_dim"] + m.RESIDUAL_TERMS * h
-    routed = m.routed_terms("qwen3_moe", liger, trained_experts)
-    return b * (attention + k * (routed.intermediate * w + routed.hidden * h)) + m.ROUTER_BYTES_PER_EXPERT * cfg["num_experts"]
+    shape = shape_from_config(dict(cfg, model_type="qwen3_moe", num_hidden_layers=1))
+    s = m.Settings(0, False, False, "full" if trained_experts else "lora", 8, ATTENTION, b == 2, False, 1, 80.0, 1,
+                   liger_layers=liger)
+    return m.layer_bytes(shape, s, 1)[1]
 
 
 def main() -> None:

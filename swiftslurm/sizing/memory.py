@@ -245,11 +245,10 @@ def _model_states(shape: ModelShape, s: Settings, layout: Layout, trainable: int
     return weights, states, step_bytes * whole // n if s.zero_stage else step_bytes * trainable, 0
 
 
-def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
-    """(activation bytes, logits/loss bytes) on one rank at the peak of a step."""
-    tokens = layout.micro_batch * sequences_per_sample(s.task) * s.max_length // layout.sequence_parallel
-    b = 2 if s.half_precision else 4
-    h, tp = shape.hidden_size, layout.tensor_parallel
+def layer_bytes(shape: ModelShape, s: Settings, tokens: int, tp: int = 1) -> tuple[int, int]:
+    """(a dense layer's, an MoE layer's) activation bytes kept for the backward over ``tokens`` tokens on one rank of
+    ``tp`` tensor-parallel ones, with no recomputation. benchmarks/gpu/moe_saved.py measures the MoE layer's."""
+    b, h = 2 if s.half_precision else 4, shape.hidden_size
     kv_width = shape.num_kv_heads * shape.dim_per_head
     hidden_terms, inter_terms = (ACT_HIDDEN_TERMS_LIGER, ACT_INTERMEDIATE_TERMS_LIGER) if s.liger_layers or s.compiled else \
         (ACT_HIDDEN_TERMS, ACT_INTERMEDIATE_TERMS)
@@ -261,6 +260,14 @@ def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, i
     moe_layer = b * tokens * (attention + (routed.intermediate * k * shape.expert_width
                                            + inter_terms * shape.shared_expert_intermediate_size) // tp
                               + routed.hidden * k * h) + tokens * ROUTER_BYTES_PER_EXPERT * shape.num_experts + dropout
+    return dense_layer, moe_layer
+
+
+def _activations(shape: ModelShape, s: Settings, layout: Layout) -> tuple[int, int]:
+    """(activation bytes, logits/loss bytes) on one rank at the peak of a step."""
+    tokens = layout.micro_batch * sequences_per_sample(s.task) * s.max_length // layout.sequence_parallel
+    b, h = 2 if s.half_precision else 4, shape.hidden_size
+    dense_layer, moe_layer = layer_bytes(shape, s, tokens, layout.tensor_parallel)
     layers, moe = shape.num_layers, shape.moe_layers
     all_layers = (layers - moe) * dense_layer + moe * moe_layer
     one_layer = moe_layer if moe else dense_layer  # the largest, held again one at a time in the backward
