@@ -638,3 +638,23 @@ def test_the_watchdog_dumps_without_crashing_a_rank_whose_threads_run_python(tmp
         # faulthandler's C thread dumped while the GIL was held (the main thread in <module>), then the timer's thread
         assert text.index("Timeout (0:00:00.700000)!") < text.index("watchdog: no step for"), text[:500]
         assert dumps[0].main and dumps[0].main[0].func == "<module>", dumps[0]
+
+
+@pytest.mark.parametrize("reason, keys", [
+    ("PartitionConfig", ("slurm.time", "slurm.gpus_per_node", "slurm.cpus_per_task", "slurm.mem", "slurm.nodes")),
+    ("QOSMaxWallDurationPerJobLimit", ("slurm.time", "slurm.gpus_per_node", "slurm.cpus_per_task", "slurm.mem", "slurm.nodes")),
+    ("launch failed requeued held", ("slurm.exclude",)),
+    ("JobHeldAdmin", ()),
+])
+def test_a_held_task_is_explained_by_slurms_reason_code(tmp_path, reason, keys):
+    run = TaskRun(0, str(tmp_path), state="HELD", job_id="77", held=f"held ({reason})", hold_reason=reason)
+    [finding] = [f for f in diagnose_task(run) if f.code == "held"]
+    assert finding.keys == keys, finding
+
+
+def test_words_of_a_hold_in_the_output_dir_do_not_change_the_explanation(tmp_path):
+    """The note names the output dir (`swiftslurm cancel DIR`): a dir called after another kind of hold is still a hold."""
+    note = "held by Slurm (JobHeldUser: ...); `swiftslurm cancel '/runs/launch failed/will not start it as submitted'` ends it"
+    run = TaskRun(0, str(tmp_path), state="HELD", job_id="77", held=note, hold_reason="JobHeldUser")
+    [finding] = [f for f in diagnose_task(run) if f.code == "held"]
+    assert finding.keys == () and "a hold" in finding.cause, finding

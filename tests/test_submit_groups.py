@@ -280,6 +280,7 @@ def test_wait_ends_on_a_task_slurm_holds_and_says_how_to_go_on(tmp_path):
                 f"`scontrol release {jid}` lets it run, `swiftslurm cancel {tmp_path / 'out'}` ends it") in proc.stdout, proc.stdout
         (task,) = json.loads(cli("status", "out", "--json", cwd=tmp_path).stdout)["tasks"]
         assert task["state"] == "HELD" and task["held"].startswith("held by Slurm (JobHeldUser"), task
+        assert task["hold_reason"] == "JobHeldUser", task
         shown = cli("status", "out", cwd=tmp_path).stdout
         assert "HELD" in shown and "task 0: held by Slurm (JobHeldUser" in shown, shown
         doctor = cli("doctor", "out", "--json", cwd=tmp_path)

@@ -58,6 +58,7 @@ class TaskRun:
     executor: str = ""  # "slurm" | "local" (the submission's), "" unknown
     flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its flight-recorder dump (frtrace)
     held: str = ""  # state HELD: Slurm's reason and the ways on (jobs/record.held_note)
+    hold_reason: str = ""  # state HELD: Slurm's pending reason code (TaskStatus.hold_reason)
 
     @property
     def all_lines(self) -> list[Line]:

@@ -17,18 +17,18 @@ def runs_of(target: str) -> list[TaskRun]:
     since = sub.submitted_at - SLACK_S if sub is not None and sub.submitted_at else None
     out = []
     for ref in tasks:
-        state, nodes, restarts, held = states.get(ref.task, ("", "", 0, None))
+        state, nodes, restarts, held, hold_reason = states.get(ref.task, ("", "", 0, None, None))
         run = read_task(ref.task, ref.task_dir, ref.folder, ref.job_id, since, state, nodes, restarts)
         run.executor = sub.executor if sub is not None else ""
-        run.held = held or ""
+        run.held, run.hold_reason = held or "", hold_reason or ""
         out.append(run)
     return out
 
 
-def _states(sub: Submission | None) -> dict[int, tuple[str, str, int, str | None]]:
+def _states(sub: Submission | None) -> dict[int, tuple[str, str, int, str | None, str | None]]:
     if sub is None:
         return {}
     try:
-        return {int(s.task): (s.state, s.nodes, s.restarts, s.held) for s in sub.statuses()}
+        return {int(s.task): (s.state, s.nodes, s.restarts, s.held, s.hold_reason) for s in sub.statuses()}
     except (SwiftSlurmError, OSError, ValueError):
         return {}  # Slurm not answering: the files still tell most

@@ -42,6 +42,7 @@ class TaskStatus:
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
     restart_note: str | None = None  # in-job restarts (restarts.json): how many, the last cause, or why not restarted
     held: str | None = None  # state HELD: Slurm's reason and what to do; the task waits in the queue for a person
+    hold_reason: str | None = None  # state HELD: Slurm's pending reason code ("JobHeldUser", "PartitionConfig", ...)
 
 
 def settled(state: str) -> bool:
@@ -217,10 +218,10 @@ class Submission:
                 rows.append(TaskStatus(index, jid, left or unseen, output_dir=task_dir))
             elif (why := slurm.held_reason(rec)) is not None:
                 rows.append(TaskStatus(index, jid, "HELD", rec.nodes, rec.restarts, rec.elapsed, task_dir,
-                                       held=held_note(jid, why, self.output_dir)))
+                                       held=held_note(jid, why, self.output_dir), hold_reason=rec.reason or rec.state))
             elif (why := slurm.never_starts(rec)) is not None:
                 rows.append(TaskStatus(index, jid, "HELD", rec.nodes, rec.restarts, rec.elapsed, task_dir,
-                                       held=never_starts_note(jid, why, self.output_dir)))
+                                       held=never_starts_note(jid, why, self.output_dir), hold_reason=rec.reason))
             else:
                 rows.append(TaskStatus(index, jid, rec.state, rec.nodes, rec.restarts, rec.elapsed, task_dir))
         return rows

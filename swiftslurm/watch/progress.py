@@ -57,6 +57,7 @@ class Progress:
     stop_reason: str | None = None  # a walltime stop that was not requeued, in the runtime's words
     restart_note: str | None = None  # in-job restarts: how many and the last cause, or why the last failure was not restarted
     held: str | None = None  # state HELD: Slurm holds it in the queue (its reason), and how to release or cancel it
+    hold_reason: str | None = None  # state HELD: Slurm's pending reason code, for scripts ("JobHeldUser", "PartitionConfig")
     last_save: dict[str, Any] | None = None  # checkpoint-save.json: the last save's phases, grace advice
     eval_loss: float | None = None  # the last logged eval_loss (train.eval_*)
     router_load: float | None = None  # an MoE model's last router_load_max: tokens per expert, max/mean, the worst layer
@@ -409,7 +410,8 @@ class Watcher:
             info = dict(task=st.task, state=st.state, elapsed_s=elapsed_seconds(st.elapsed), now=now,
                         job_id=st.job_id, nodes=st.nodes, output_dir=st.output_dir,
                         stop_reason=getattr(st, "stop_reason", None), last_save=getattr(st, "last_save", None),
-                        restart_note=getattr(st, "restart_note", None), held=getattr(st, "held", None))
+                        restart_note=getattr(st, "restart_note", None), held=getattr(st, "held", None),
+                        hold_reason=getattr(st, "hold_reason", None))
             files = self.files.get(st.output_dir)
             if files is None:
                 out.append(progress_of(rows=[], restarts=st.restarts, **info))

@@ -3,6 +3,7 @@ failed preflight checks, and walltime requeues that never move the run forward (
 
 from __future__ import annotations
 
+from ... import slurm
 from ...preflight.results import CheckResult, blamed_nodes
 from ...taskdir import PREFLIGHT_REPORT as PREFLIGHT_FILE
 from ..evidence import TaskRun
@@ -61,23 +62,23 @@ def preflight_failures(run: TaskRun) -> list[Finding]:
         ("slurm.exclude", "preflight.on_failure"), ev, run.task, (), tuple(blamed))]
 
 
-# what keeps a HELD task in the queue (the words of its note, jobs/record.py) -> (cause, fix, spec keys)
-HOLDS = {
-    "launch failed": (
-        "its start failed on a node (the node's slurmd or prolog, or slurmctld reconfigured while it launched), and Slurm "
-        "requeued it held so that it does not fail again at once",
-        "`scontrol release` the job id named to let it run, or cancel it; if one node keeps failing launches, leave it out "
-        "(slurm.exclude) and tell the admins", ("slurm.exclude",)),
-    "will not start it as submitted": (
-        "the job asks for what its partition, QOS or account does not allow (the reason names which): Slurm keeps it "
-        "pending until the request or the limit changes, which `validate` checks against the partition as it was then",
-        "cancel it and submit again within the limit (slurm.time, slurm.gpus_per_node, slurm.cpus_per_task, slurm.mem, "
-        "slurm.nodes), or ask the admins; `scontrol update` can lower the request of the queued job",
-        ("slurm.time", "slurm.gpus_per_node", "slurm.cpus_per_task", "slurm.mem", "slurm.nodes")),
-    "": (
-        "a hold (an administrator's, the user's `scontrol hold` or sbatch --hold, or too many requeues) keeps it from starting",
-        "`scontrol release` the job id named to let it run, or cancel it; ask the admins why, for an administrator's hold", ()),
-}
+LAUNCH_FAILED = (
+    "its start failed on a node (the node's slurmd or prolog, or slurmctld reconfigured while it launched), and Slurm "
+    "requeued it held so that it does not fail again at once",
+    "`scontrol release` the job id named to let it run, or cancel it; if one node keeps failing launches, leave it out "
+    "(slurm.exclude) and tell the admins", ("slurm.exclude",))
+NOT_AS_SUBMITTED = (
+    "the job asks for what its partition, QOS or account does not allow (the reason names which): Slurm keeps it "
+    "pending until the request or the limit changes, which `validate` checks against the partition as it was then",
+    "cancel it and submit again within the limit (slurm.time, slurm.gpus_per_node, slurm.cpus_per_task, slurm.mem, "
+    "slurm.nodes), or ask the admins; `scontrol update` can lower the request of the queued job",
+    ("slurm.time", "slurm.gpus_per_node", "slurm.cpus_per_task", "slurm.mem", "slurm.nodes"))
+ANY_HOLD = (
+    "a hold (an administrator's, the user's `scontrol hold` or sbatch --hold, or too many requeues) keeps it from starting",
+    "`scontrol release` the job id named to let it run, or cancel it; ask the admins why, for an administrator's hold", ())
+# what keeps a HELD task in the queue, by Slurm's pending reason (TaskStatus.hold_reason) -> (cause, fix, spec keys);
+# any other reason is a hold (slurm.HELD_REASONS)
+HOLDS = {"launch failed requeued held": LAUNCH_FAILED, **dict.fromkeys(slurm.NEVER_STARTS, NOT_AS_SUBMITTED)}
 
 
 def held(run: TaskRun) -> list[Finding]:
@@ -85,7 +86,7 @@ def held(run: TaskRun) -> list[Finding]:
     start as it is (``slurm.never_starts``)."""
     if run.state != "HELD":
         return []
-    cause, fix, keys = next(v for words, v in HOLDS.items() if words in run.held)
+    cause, fix, keys = HOLDS.get(run.hold_reason, ANY_HOLD)
     return [Finding("held", "Slurm keeps the job in the queue: " + (run.held or "held"), cause, fix, keys,
                     (Evidence("squeue", None, None, "", None, run.held or run.state),), run.task)]
 
