@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from swiftslurm.node.banner import banner_rows
 from swiftslurm.plan import make_plan, read_plan_task, write_plan
 from swiftslurm.sizing.check import AUTO_CHECKPOINTING_MARGIN
@@ -261,3 +263,35 @@ def test_plan_advises_a_larger_micro_batch_in_place_of_accumulation_where_it_fit
     assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra="packing = false"), 141, True))
     assert not said(plan_with(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), 20, True))  # nothing larger fits
     assert not said(plan_in_process(tmp_path, QWEN_05B_ACCUM.format(accum=4, extra=""), None))
+
+
+def _patch_importing_a_renamed_class(model=None, **kw):
+    # what liger-kernel 0.8.5's Qwen2.5-VL patch imports, gone from transformers 5 (renamed MultimodalCausalLMOutputWithPast)
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLCausalLMOutputWithPast  # noqa: F401
+
+
+def _patch_importing_what_exists(model=None, **kw):
+    from transformers.models.llama import modeling_llama  # noqa: F401 -- a submodule, named in the from-import
+    from transformers.models.llama.modeling_llama import LlamaModel  # noqa: F401
+
+
+def test_a_liger_patch_that_cannot_import_its_model_classes_is_found_before_the_trainer_calls_it():
+    from swiftslurm.train.kernels.choose import liger_import_problem
+
+    table = {"qwen2_5_vl": _patch_importing_a_renamed_class, "llama": _patch_importing_what_exists}
+    problem = liger_import_problem("qwen2_5_vl", table)
+    assert problem is not None and problem.startswith("ImportError") and "Qwen2_5_VLCausalLMOutputWithPast" in problem
+    assert liger_import_problem("llama", table) is None
+    assert liger_import_problem("gpt2", table) is None  # no patch: the type rule (fit_liger_to_model) speaks
+
+
+def test_liger_that_cannot_import_is_off_under_auto_and_refused_when_asked_for():
+    from swiftslurm.train.kernels.choose import LIGER_ALL, LIGER_FAST, KernelError, fit_liger_to_model
+
+    problem = "ImportError: cannot import name 'LigerQwen2_5_VLCausalLMOutputWithPast'"
+    config, why = fit_liger_to_model("auto", LIGER_FAST, "auto: ...", "qwen2_5_vl", problem)
+    assert config is None and why.startswith("auto: off (Liger's patch for model type 'qwen2_5_vl' fails to import") \
+        and "LigerQwen2_5_VLCausalLMOutputWithPast" in why, why
+    with pytest.raises(KernelError, match="cannot run this model"):
+        fit_liger_to_model(True, LIGER_ALL, "on in the spec", "qwen2_5_vl", problem)
+    assert fit_liger_to_model("auto", LIGER_FAST, "auto: ...", "qwen2_5_vl", None) == (LIGER_FAST, "auto: ...")

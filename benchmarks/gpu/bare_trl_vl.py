@@ -95,7 +95,8 @@ def main():
     processor = AutoProcessor.from_pretrained(a.model)
     data = Dataset.from_list(list(rows(a.data))).cast_column("images", List(Image()))
     dtype = torch.float32 if a.fp32 else torch.bfloat16
-    model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=dtype, attn_implementation=a.attn)
+    model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=dtype, attn_implementation=a.attn,
+                                                        use_kernels=False)  # no Hub kernels (offline)
     decoder = model.get_decoder()
     language = next(name for name, m in model.named_modules() if m is decoder)
     targets = rf"{re.escape(language)}\..*\.({'|'.join(PROJECTIONS)})"

@@ -276,8 +276,10 @@ def _build_model(spec: JobSpec, cuda: bool, kern: _Kernels, start, task, dist: D
         if fitted[0] != kern.attn:
             model.set_attn_implementation(fitted[0])
         kern.attn, kern.attn_why = fitted
-    kern.liger, kern.liger_why = kernels.fit_liger_to_model(spec.train.use_liger_kernel, kern.liger, kern.liger_why,
-                                                            getattr(model.config, "model_type", None))
+    model_type = getattr(model.config, "model_type", None)
+    kern.liger, kern.liger_why = kernels.fit_liger_to_model(
+        spec.train.use_liger_kernel, kern.liger, kern.liger_why, model_type,
+        kernels.liger_import_problem(model_type) if kern.liger is not None else None)
     # an MoE: the router's auxiliary loss on; the banner names the experts' kernel (Liger's SwiGLU may replace them)
     routed = moe.configure(model, spec.train.router_aux_loss_coef, bool(kern.liger and kern.liger.get("swiglu")))
     if routed is not None and dist.rank == 0:

@@ -15,7 +15,9 @@ otherwise, and on the CPU.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import SwiftSlurmError
 from .varlen import NAME as VARLEN
@@ -56,6 +58,56 @@ def node_facts(cuda: bool) -> NodeFacts:
         varlen = varlen_available() and capability >= (8, 0)
     return NodeFacts(cuda=cuda, flash_attn=has("flash_attn"), flash_attn_3=has("flash_attn_interface"),
                      liger=has("liger_kernel"), varlen=varlen, capability=capability, torchao=has("torchao"))
+
+
+def liger_import_problem(model_type: str | None, table: Mapping[str, Callable[..., Any]] | None = None) -> str | None:
+    """Why Liger's patch for ``model_type`` cannot import what it needs with the installed transformers, or None.
+    Liger's ``apply_liger_kernel_to_*`` functions import the model's classes and Liger's own forward only when
+    called, inside ``Trainer()``, so a Liger older than transformers fails there, after the model loaded
+    (liger-kernel 0.8.5 under transformers 5.25: its Qwen2.5-VL forward imports an output class transformers
+    renamed; an H100 run, docs/benchmarks.md). The function's imports are tried here, nothing patched. ``table``:
+    model type -> apply function (Liger's ``MODEL_TYPE_TO_APPLY_LIGER_FN`` by default)."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    if table is None:
+        try:
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except Exception as exc:  # noqa: BLE001 -- Liger itself does not import here: no patch of it would run
+            return f"{type(exc).__name__}: {exc}"
+        table = MODEL_TYPE_TO_APPLY_LIGER_FN
+    fn = table.get(model_type or "")
+    if fn is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(getattr(fn, "func", fn)))))
+    except (OSError, TypeError, SyntaxError):
+        return None  # no source to read: transformers' own call is then the test
+    for node in ast.walk(tree):
+        try:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    importlib.import_module(alias.name)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if alias.name != "*" and not hasattr(module, alias.name):
+                        _submodule(node.module, alias.name)
+        except Exception as exc:  # noqa: BLE001 -- any failure of an import is the answer, in its own words
+            return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _submodule(module: str, name: str) -> None:
+    """``from module import name`` where ``name`` is no attribute yet: a submodule, else Python's own ImportError."""
+    import importlib
+
+    try:
+        importlib.import_module(f"{module}.{name}")
+    except ModuleNotFoundError:
+        raise ImportError(f"cannot import name {name!r} from {module!r}") from None
 
 
 def resolve_attention(requested: str, packing: bool, node: NodeFacts, row_length: int = 0,
@@ -103,14 +155,23 @@ def fit_to_model(requested: str, attn: str, why: str, head_dim: int) -> tuple[st
 
 
 def fit_liger_to_model(requested: bool | str, liger: dict[str, bool] | None, why: str,
-                       model_type: str | None) -> tuple[dict[str, bool] | None, str]:
+                       model_type: str | None, import_problem: str | None = None) -> tuple[dict[str, bool] | None, str]:
     """``resolve_liger``'s choice checked against the loaded model's type: Liger patches only the types of its own
     table (``sizing.liger``, read from the installed package) and does nothing, at info level, for the rest. So
     "auto" turns off there and says so (the banner and the summary then say what really runs), and an explicit
-    ``true`` is refused (KernelError) rather than trained without what it asked for."""
+    ``true`` is refused (KernelError) rather than trained without what it asked for. ``import_problem``
+    (``liger_import_problem``): why Liger's patch for this type cannot import what it needs here, ruled the same way."""
     from ...sizing import liger as liger_types
 
-    if liger is None or liger_types.patches(model_type, look=True):
+    if liger is None:
+        return liger, why
+    if import_problem is not None:
+        found = f"Liger's patch for model type {model_type!r} fails to import with this transformers ({import_problem})"
+        if requested == "auto":
+            return None, f"auto: off ({found})"
+        raise KernelError("train.use_liger_kernel = true cannot run this model", found,
+                          'set use_liger_kernel = "auto" or false, or install a liger-kernel made for this transformers')
+    if liger_types.patches(model_type, look=True):
         return liger, why
     found = f"Liger has no kernels for model type {model_type!r}" if model_type else "the model's config names no model_type"
     if requested == "auto":
