@@ -68,7 +68,6 @@ def liger_import_problem(model_type: str | None, table: Mapping[str, Callable[..
     renamed; an H100 run, docs/benchmarks.md). The function's imports are tried here, nothing patched. ``table``:
     model type -> apply function (Liger's ``MODEL_TYPE_TO_APPLY_LIGER_FN`` by default)."""
     import ast
-    import importlib
     import inspect
     import textwrap
 
@@ -102,8 +101,6 @@ def liger_import_problem(model_type: str | None, table: Mapping[str, Callable[..
 
 def _submodule(module: str, name: str) -> None:
     """``from module import name`` where ``name`` is no attribute yet: a submodule, else Python's own ImportError."""
-    import importlib
-
     try:
         importlib.import_module(f"{module}.{name}")
     except ModuleNotFoundError:
