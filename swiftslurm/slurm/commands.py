@@ -215,8 +215,9 @@ def parse_squeue(text: str) -> dict[str, JobRecord]:
 
 # Pending reasons (squeue %r) of a job that stays in the queue until a person acts: it never starts by itself.
 # "launch failed requeued held": the job's start failed on its node (or met a `scontrol reconfigure`) and Slurm held it.
+LAUNCH_FAILED_HELD = "launch failed requeued held"
 HELD_REASONS = {
-    "launch failed requeued held": "its start failed on the node and Slurm held it",
+    LAUNCH_FAILED_HELD: "its start failed on the node and Slurm held it",
     "JobHeldAdmin": "an administrator holds it",
     "JobHeldUser": "held by its user (`scontrol hold`, or sbatch --hold)",
     "JobHoldMaxRequeue": "held after Slurm requeued it the most times it may",

@@ -78,7 +78,7 @@ ANY_HOLD = (
     "`scontrol release` the job id named to let it run, or cancel it; ask the admins why, for an administrator's hold", ())
 # what keeps a HELD task in the queue, by Slurm's pending reason (TaskStatus.hold_reason) -> (cause, fix, spec keys);
 # any other reason is a hold (slurm.HELD_REASONS)
-HOLDS = {"launch failed requeued held": LAUNCH_FAILED, **dict.fromkeys(slurm.NEVER_STARTS, NOT_AS_SUBMITTED)}
+HOLDS = {slurm.LAUNCH_FAILED_HELD: LAUNCH_FAILED, **dict.fromkeys(slurm.NEVER_STARTS, NOT_AS_SUBMITTED)}
 
 
 def held(run: TaskRun) -> list[Finding]:
